@@ -1,0 +1,36 @@
+"""Data sources. Each yields batches already on the run's device.
+
+`build_data` returns a DataSource: `epoch()` iterates one pass of training batches, `val()` the
+validation batches, `steps_per_epoch` and `info` (num_classes, ...) size the run and the model.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Iterator, Protocol
+
+import torch
+from omegaconf import DictConfig
+
+
+class DataSource(Protocol):
+    info: dict
+    steps_per_epoch: int
+
+    def epoch(self, epoch: int) -> Iterator[Any]: ...
+
+    def val(self) -> Iterable[Any]: ...
+
+
+def build_data(cfg: DictConfig, device: torch.device) -> DataSource:
+    if cfg.data.name == "synthetic":
+        from .synthetic import SyntheticImages
+
+        return SyntheticImages(cfg.data, cfg.schedule, seed=cfg.seed, device=device)
+    if cfg.data.name == "imagefolder":
+        from .imagefolder import ImageFolderData
+
+        return ImageFolderData(cfg.data, cfg.schedule, seed=cfg.seed, device=device)
+    raise ValueError(f"data.name={cfg.data.name}: expected synthetic or imagefolder")
+
+
+DATA_NAMES = ("synthetic", "imagefolder")

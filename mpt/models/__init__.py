@@ -1,0 +1,62 @@
+"""Tasks: what the training loop runs, without knowing which model it is.
+
+A Task builds its network(s), turns a batch into one or more losses, evaluates its metric, and says
+what one "sample" is for throughput. The loop (runner/train.py) does only this, per batch:
+
+    losses = task.train_losses(batch)           # a generator of LossTerm
+    for term in losses:                         # (its forward code runs under the precision's autocast)
+        engines[term.group].backward(term.loss)
+        engines[term.group].step()
+
+Each named network from `task.networks()` gets its own precision engine (optimizer, master
+weights, loss scaler). How the paper's other models fit this seam:
+
+- Classification (this package's `classification`): one network "model"; a batch is (images,
+  labels); one LossTerm per step; samples are images; metrics top-1/top-5.
+- Detection (SSD): batches are (list of images, list of target dicts); the task sums the multibox
+  loss's dict into one LossTerm and reports the parts in `LossTerm.parts`; evaluation decodes boxes
+  and computes VOC mAP; samples are images.
+- Sequence to sequence (GNMT) and language models (bigLSTM): variable-length padded batches;
+  `count_samples` returns the number of non-padding target tokens, `sample_unit` "tokens" (or
+  "words"); evaluation decodes (beam search) or computes perplexity with the full softmax.
+- GAN (DCGAN): `networks()` returns {"discriminator": D, "generator": G}; `train_losses` yields
+  the discriminator's LossTerm first and the generator's second. Because it is a generator, D's
+  update is applied before G's loss is computed, as DCGAN trains, and each network has its own
+  engine, so an overflow in D's backward skips only D's update.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Protocol
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+
+
+@dataclass
+class LossTerm:
+    group: str  # the network (engine) this loss updates
+    loss: torch.Tensor  # a scalar, FP32
+    parts: dict[str, torch.Tensor] = field(default_factory=dict)  # components worth logging
+
+
+class Task(Protocol):
+    sample_unit: str  # what throughput counts: "images", "tokens", ...
+
+    def networks(self) -> dict[str, nn.Module]: ...
+
+    def train_losses(self, batch: Any) -> Iterator[LossTerm]: ...
+
+    def count_samples(self, batch: Any) -> int: ...
+
+    def evaluate(self, batches: Iterable[Any], forward_context: Callable[[], ContextManager]) -> dict[str, float]: ...
+
+
+def build_task(cfg: DictConfig, data_info: dict) -> Task:
+    if cfg.model.task == "classification":
+        from .classification import Classification
+
+        return Classification(cfg.model, num_classes=data_info["num_classes"])
+    raise ValueError(f"model.task={cfg.model.task}: no such task")

@@ -1,0 +1,78 @@
+"""`mpt-run`: compose the config with Hydra, validate it, train, leave one record, print a summary."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+from .config import ConfigError, register_configs, validate
+
+log = logging.getLogger("mpt")
+
+register_configs()
+
+
+def _fmt_bytes(n: float | None) -> str:
+    return "n/a" if n is None else f"{n / 2**20:.0f} MiB"
+
+
+def summary_lines(rec: dict) -> list[str]:
+    c = rec["choices"]
+    lines = [f"mpt-run {c['model']} precision={c['precision']} scale={c['scale']} data={c['data']} schedule={c['schedule']}: {rec['status']}"]
+    if rec.get("message"):
+        lines.append(f"  message:    {rec['message']}")
+    metrics = {k: v for k, v in rec["metrics"].items() if k != "step"}
+    if metrics:
+        lines.append("  metrics:    " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()) + f" (step {rec['metrics']['step']})")
+    if rec.get("final_train_loss") is not None:
+        lines.append(f"  train loss: {rec['final_train_loss']:.4g} after {rec['steps']} steps")
+    tp = rec.get("throughput") or {}
+    if tp.get("pipeline") is not None:
+        lines.append(f"  throughput: {tp['pipeline']:.4g} {tp['unit']} (compute only {tp['compute']:.4g}; median of {tp['windows']} windows)")
+    mem = rec.get("memory") or {}
+    lines.append(f"  memory:     {_fmt_bytes(mem.get('peak_bytes'))} peak ({mem.get('kind')}) on {rec['environment']['device_name']}")
+    for name, s in (rec.get("loss_scale") or {}).items():
+        lines.append(f"  loss scale: [{name}] final {s['final']:g}, min {s['min']:g}, skipped {s['skipped_steps']}/{s['steps']} steps")
+    lines.append(f"  record:     {Path(rec['run_dir']) / 'result.json'}")
+    return lines
+
+
+@hydra.main(version_base="1.3", config_path="pkg://mpt.configs", config_name="config")
+def run(cfg: DictConfig) -> str:
+    from .train import Run  # torch and torchvision load after Hydra has parsed the command line
+
+    multirun = HydraConfig.get().mode == RunMode.MULTIRUN
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        validate(cfg)
+        job = Run(cfg, run_dir)
+    except ConfigError as e:  # before any training: one line, no record
+        print(f"mpt-run: error: {e}", file=sys.stderr)
+        if multirun:
+            return "invalid"
+        sys.exit(2)
+    try:
+        rec = job.train()
+    except Exception as e:  # a crash is recorded as `error`; a sweep goes on to its next run
+        log.exception("run failed")
+        job.record.update(status="error", message=f"{type(e).__name__}: {e}")
+        job.save_record()
+        rec = job.record
+    print("\n".join(summary_lines(rec)), flush=True)
+    if rec["status"] == "error" and not multirun:
+        sys.exit(1)
+    return rec["status"]
+
+
+def main() -> None:
+    run()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,241 @@
+"""Typed configuration: one dataclass per config group option, registered in Hydra's ConfigStore.
+
+Each YAML file under configs/<group>/ starts from one of these schemas, so OmegaConf rejects an
+unknown key or a value of the wrong type while composing, naming the key. Checks that types cannot
+express (ranges, combinations) live in `validate`, which runs before anything is built.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+
+class ConfigError(ValueError):
+    """A bad configuration value, reported as one line before any training starts."""
+
+
+class DType(Enum):
+    float32 = "float32"
+    float16 = "float16"
+    bfloat16 = "bfloat16"
+
+
+class Update(Enum):
+    # The optimizer named in optim.name, run on FP32 tensors (the weights, or the master copy).
+    optimizer = "optimizer"
+    # NVCaffe's FP16 solver: v = m*v - lr*g; w += v, with v and w stored in FP16.
+    fp16_classic_momentum = "fp16_classic_momentum"
+    # Naruse's modified momentum: G = m*G + g; w -= lr*G, with G and w stored in FP16.
+    fp16_modified_momentum = "fp16_modified_momentum"
+
+
+@dataclass
+class PaperRecipe:
+    """The published training recipe of a model (used by schedule=paper and as optimizer defaults)."""
+
+    batch_size: int = 256
+    optimizer: str = "sgd"
+    lr: float = 0.1  # per 256 samples; scaled linearly with the batch size
+    momentum: float = 0.9
+    weight_decay: float = 1e-4
+    epochs: float = 90
+    lr_milestones: list[float] = field(default_factory=lambda: [30.0, 60.0])  # in epochs
+    lr_gamma: float = 0.1
+    source: str = ""
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    task: str = "classification"
+    arch: str = MISSING  # torchvision builder name
+    input_size: int = 224  # the paper's resolution (schedule=paper and bench)
+    small_input_size: int = 32  # smallest size the architecture accepts (schedule=short and smoke)
+    static_scale: float = 1000.0  # default of scale=static for this model
+    static_scale_source: str = ""
+    aux_loss_weight: float = 0.0  # auxiliary classifier heads (GoogLeNet, Inception v3)
+    recipe: PaperRecipe = field(default_factory=PaperRecipe)
+
+
+@dataclass
+class PrecisionConfig:
+    """Where each number lives. The engine is built from these fields alone, never from `name`."""
+
+    name: str = MISSING
+    param_dtype: DType = DType.float32  # dtype the model's weights and gradients are stored in
+    master_weights: bool = False  # an FP32 copy of the weights that the optimizer updates
+    norm_fp32: bool = False  # batch-norm parameters and statistics stay FP32
+    autocast: Optional[DType] = None  # torch.autocast dtype for the forward pass
+    update_rule: Update = Update.optimizer
+    tf32: bool = False  # TF32 tensor-core math for FP32 matmuls and convolutions (CUDA only)
+    label: str = ""  # how tables name the mode
+
+
+@dataclass
+class ScaleConfig:
+    """Loss scaling. `none`: S = 1 and no overflow check. `static`: fixed S. `dynamic`: GradScaler's rule."""
+
+    name: str = MISSING
+    value: Optional[float] = None  # static: S (null: the model's static_scale)
+    init: float = 2.0**16  # dynamic: starting scale
+    interval: int = 2000  # dynamic: clean steps before growing
+    growth: float = 2.0
+    backoff: float = 0.5
+    min: float = 1.0  # dynamic: an overflow at this scale ends the run as diverged
+    max: float = 2.0**24
+
+
+@dataclass
+class DataConfig:
+    name: str = MISSING
+    # synthetic: class templates plus noise, generated once and kept on the run's device
+    num_classes: int = 10
+    train_samples: int = 512
+    val_samples: int = 128
+    noise: float = 0.5
+    # imagefolder: root/<train_split>/<class>/* and root/<val_split>/<class>/*
+    root: Optional[str] = None
+    train_split: str = "train"
+    val_split: str = "val"
+    num_workers: int = -1  # -1: min(8, CPU count)
+    resize_ratio: float = 256 / 224  # validation: Resize(image_size * ratio) then CenterCrop(image_size)
+
+
+@dataclass
+class ScheduleConfig:
+    name: str = MISSING
+    batch_size: int = MISSING
+    steps: Optional[int] = None  # length in optimizer steps, or
+    epochs: Optional[float] = None  # in passes over the training data
+    lr_milestones: list[float] = field(default_factory=list)  # in the unit of the length (epochs or steps)
+    lr_gamma: float = 0.1
+    image_size: int = MISSING
+    eval_every: Optional[int] = None  # steps between evaluations; null: once per epoch with epochs, else at the end
+    eval_batches: Optional[int] = None  # cap on validation batches per evaluation
+    log_every: int = 10  # steps between flushes of the per-step log (the only host syncs besides overflow checks)
+    throughput_warmup: int = 5  # steps excluded from throughput
+    throughput_window: int = 5  # steps per timing window; throughput is the median over windows
+
+
+@dataclass
+class OptimConfig:
+    name: str = "sgd"
+    lr: float = 0.1  # per 256 samples
+    momentum: float = 0.9
+    weight_decay: float = 1e-4
+    clip_grad_norm: Optional[float] = None  # applied to unscaled gradients
+
+
+@dataclass
+class Config:
+    model: ModelConfig = MISSING
+    precision: PrecisionConfig = MISSING
+    scale: ScaleConfig = MISSING
+    data: DataConfig = MISSING
+    schedule: ScheduleConfig = MISSING
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    channels_last: Optional[bool] = None  # null: on for convolutional models on CUDA, and for FP16 weights on CPU
+    cudnn_benchmark: bool = True
+    deterministic: bool = False
+
+
+def register_configs() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="config_schema", node=Config)
+    for group, node in [
+        ("model", ModelConfig),
+        ("precision", PrecisionConfig),
+        ("scale", ScaleConfig),
+        ("data", DataConfig),
+        ("schedule", ScheduleConfig),
+    ]:
+        cs.store(group=group, name=f"{group}_schema", node=node)
+
+
+SCALE_NAMES = ("none", "static", "dynamic")
+TASKS = ("classification",)
+OPTIMIZERS = ("sgd",)
+
+
+def _positive(cfg: DictConfig, key: str, allow_none: bool = False) -> None:
+    value = OmegaConf.select(cfg, key)
+    if value is None and allow_none:
+        return
+    if value is None or not (value > 0) or (isinstance(value, float) and not math.isfinite(value)):
+        raise ConfigError(f"{key}={value}: must be a positive number")
+
+
+def validate(cfg: DictConfig) -> None:
+    """Range and combination checks, run before anything is built. Raises ConfigError naming the key."""
+    for key in ["schedule.batch_size", "schedule.image_size", "schedule.log_every", "schedule.throughput_window", "optim.lr"]:
+        _positive(cfg, key)
+    for key in ["schedule.steps", "schedule.epochs", "schedule.eval_every", "schedule.eval_batches", "optim.clip_grad_norm"]:
+        _positive(cfg, key, allow_none=True)
+    for key in ["optim.momentum", "optim.weight_decay", "schedule.throughput_warmup"]:
+        if OmegaConf.select(cfg, key) < 0:
+            raise ConfigError(f"{key}={OmegaConf.select(cfg, key)}: must be zero or positive")
+    if (cfg.schedule.steps is None) == (cfg.schedule.epochs is None):
+        raise ConfigError(
+            f"schedule: set exactly one of schedule.steps and schedule.epochs (got steps={cfg.schedule.steps}, epochs={cfg.schedule.epochs})"
+        )
+    if cfg.model.task not in TASKS:
+        raise ConfigError(f"model.task={cfg.model.task}: expected one of {', '.join(TASKS)}")
+    if cfg.optim.name not in OPTIMIZERS:
+        raise ConfigError(f"optim.name={cfg.optim.name}: expected one of {', '.join(OPTIMIZERS)}")
+    if cfg.schedule.image_size < cfg.model.small_input_size:
+        raise ConfigError(
+            f"schedule.image_size={cfg.schedule.image_size}: {cfg.model.name} needs at least {cfg.model.small_input_size} pixels"
+        )
+
+    scale = cfg.scale
+    if scale.name not in SCALE_NAMES:
+        raise ConfigError(f"scale.name={scale.name}: expected one of {', '.join(SCALE_NAMES)}")
+    if scale.name == "static":
+        value = static_scale_value(cfg)
+        if not (value >= 1 and math.isfinite(value)):
+            raise ConfigError(f"scale.value={value}: a static loss scale must be a finite number >= 1")
+    if scale.name == "dynamic":
+        if not (1 <= scale.min <= scale.init <= scale.max and math.isfinite(scale.max)):
+            raise ConfigError(
+                f"scale: need 1 <= scale.min <= scale.init <= scale.max (got min={scale.min}, init={scale.init}, max={scale.max})"
+            )
+        if not scale.growth > 1:
+            raise ConfigError(f"scale.growth={scale.growth}: must be > 1")
+        if not 0 < scale.backoff < 1:
+            raise ConfigError(f"scale.backoff={scale.backoff}: must be between 0 and 1")
+        if scale.interval < 1:
+            raise ConfigError(f"scale.interval={scale.interval}: must be a positive integer")
+
+    p = cfg.precision
+    if p.master_weights and p.param_dtype == DType.float32:
+        raise ConfigError(f"precision {p.name}: master_weights needs param_dtype float16 or bfloat16, got float32")
+    if p.update_rule != Update.optimizer and (p.param_dtype != DType.float16 or p.master_weights):
+        raise ConfigError(f"precision {p.name}: update_rule={p.update_rule.name} updates FP16 weights in place; needs param_dtype=float16 and no master weights")
+    if p.update_rule != Update.optimizer and cfg.optim.name != "sgd":
+        raise ConfigError(f"precision {p.name}: the FP16 momentum updates are SGD; optim.name={cfg.optim.name} is not supported with it")
+    if p.autocast is not None and p.param_dtype != DType.float32:
+        raise ConfigError(f"precision {p.name}: autocast works on FP32 weights; got param_dtype={p.param_dtype.name}")
+
+    d = cfg.data
+    if d.name == "synthetic":
+        for key in ["data.num_classes", "data.train_samples", "data.val_samples"]:
+            _positive(cfg, key)
+    if d.num_workers < -1:
+        raise ConfigError(f"data.num_workers={d.num_workers}: must be -1 (auto) or >= 0")
+
+
+def static_scale_value(cfg: DictConfig) -> float:
+    return float(cfg.scale.value if cfg.scale.value is not None else cfg.model.static_scale)
+
+
+def as_plain(cfg: Any) -> Any:
+    """The resolved config as plain Python (enums as their names), for records."""
+    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)

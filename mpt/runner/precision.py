@@ -1,0 +1,229 @@
+"""The precision engine: every precision decision of a run, in one place.
+
+It decides which dtype the weights live in, whether an FP32 master copy exists, the autocast
+context, when gradients are unscaled, the overflow check, the skip and the copy back. The training
+loop calls `backward(loss)` and `step()` and knows nothing else. The engine is built from the
+fields of the precision config (param_dtype, master_weights, norm_fp32, autocast, update, tf32),
+never from the mode's name, so a new mode is a new YAML file.
+
+The modes of DESIGN.md map onto two update paths:
+- the optimizer on FP32 tensors (`fp32`, `tf32`, `amp`, `bf16`: the weights themselves; `mixed`:
+  the master copy, which is then cast back to the FP16 weights). Gradients are unscaled in place,
+  in FP32, before clipping, weight decay and the update;
+- an FP16 update of FP16 weights (`fp16`, `fp16_modmom`): gradients stay scaled in FP16 memory and
+  the scale is divided out inside the update's FP32 arithmetic (see optim.FP16MomentumSGD).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from .config import ConfigError, DType, Update
+from .optim import FP16MomentumSGD, build_torch_optimizer, effective_lr
+from .scaler import LossScaler
+
+TORCH_DTYPES = {DType.float32: torch.float32, DType.float16: torch.float16, DType.bfloat16: torch.bfloat16}
+
+
+def torch_dtype(d: DType | str) -> torch.dtype:
+    return TORCH_DTYPES[DType(d) if isinstance(d, str) else d]
+
+
+def set_fp32_math(tf32: bool) -> dict:
+    """Switch TF32 for FP32 matmuls and convolutions on or off, and report the resulting flags."""
+    mode = "tf32" if tf32 else "ieee"
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        torch.backends.cuda.matmul.fp32_precision = mode
+        torch.backends.cudnn.conv.fp32_precision = mode
+        torch.backends.cudnn.rnn.fp32_precision = mode
+        return {
+            "matmul": torch.backends.cuda.matmul.fp32_precision,
+            "cudnn_conv": torch.backends.cudnn.conv.fp32_precision,
+            "cudnn_rnn": torch.backends.cudnn.rnn.fp32_precision,
+        }
+    torch.backends.cuda.matmul.allow_tf32 = tf32  # torch < 2.9
+    torch.backends.cudnn.allow_tf32 = tf32
+    return {"matmul": mode, "cudnn_conv": mode, "cudnn_rnn": mode}
+
+
+def check_device_support(p: DictConfig, device: torch.device) -> None:
+    """A mode the device cannot run fails here, naming the mode and the device."""
+    wants_bf16 = DType.bfloat16 in (p.param_dtype, p.autocast)
+    if device.type == "cuda" and wants_bf16 and not torch.cuda.is_bf16_supported():
+        raise ConfigError(f"precision={p.name}: {torch.cuda.get_device_name(device)} has no bfloat16 support; use fp16, mixed or amp")
+
+
+def _cast_floating(tree, dtype: torch.dtype):
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
+
+
+def prepare_model(model: nn.Module, p: DictConfig, device: torch.device, channels_last: bool) -> nn.Module:
+    """Put the model's weights where the mode says, on the device.
+
+    FP16 (or BF16) weights get apex O2's casts at the model's boundary: floating inputs are cast to
+    the weights' dtype on the way in, floating outputs to FP32 on the way out, so the loss is always
+    computed in FP32 and no task needs to know the mode.
+    """
+    dtype = torch_dtype(p.param_dtype)
+    model.to(device=device, dtype=dtype)
+    if p.norm_fp32:
+        for module in model.modules():
+            if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                module.float()
+    if channels_last:
+        model.to(memory_format=torch.channels_last)
+    if dtype != torch.float32:
+        model.register_forward_pre_hook(lambda _m, args, kwargs: (_cast_floating(args, dtype), _cast_floating(kwargs, dtype)), with_kwargs=True)
+        model.register_forward_hook(lambda _m, _args, out: _cast_floating(out, torch.float32))
+    return model
+
+
+def autocast(p: DictConfig, device: torch.device) -> contextlib.AbstractContextManager:
+    if p.autocast is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch_dtype(p.autocast))
+
+
+class _TorchUpdate:
+    """The optimizer on FP32 tensors: the weights, or an FP32 master copy of FP16 weights."""
+
+    carries_scale = False  # gradients are unscaled in place before the update
+
+    def __init__(self, params: list[nn.Parameter], cfg: DictConfig, lr: float):
+        self.params = params
+        # Only the low-precision weights get a master; FP32 ones (batch-norm under mixed) are updated directly.
+        self.masters = [p.detach().float().clone() if p.dtype != torch.float32 else p for p in params]
+        self.low_pairs = [(p, m) for p, m in zip(params, self.masters) if m is not p]
+        self.optimizer = build_torch_optimizer(self.masters, cfg, lr)
+
+    def grads(self) -> list[torch.Tensor]:
+        for p, m in self.low_pairs:
+            if p.grad is not None:
+                if m.grad is None:
+                    m.grad = torch.empty_like(m)
+                m.grad.copy_(p.grad)
+        return [m.grad for m, p in zip(self.masters, self.params) if p.grad is not None]
+
+    def apply(self, grads: list[torch.Tensor], scale: float, coef: torch.Tensor | None) -> None:
+        if coef is not None:
+            torch._foreach_mul_(grads, coef)
+        self.optimizer.step()
+        if self.low_pairs:
+            torch._foreach_copy_([p for p, _ in self.low_pairs], [m for _, m in self.low_pairs])
+
+    def master_weights(self) -> list[torch.Tensor]:
+        return [m for _, m in self.low_pairs]
+
+
+class _FP16Update:
+    """FP16 weights updated in place by FP16 momentum SGD; the loss scale is divided out inside the update."""
+
+    carries_scale = True
+
+    def __init__(self, params: list[nn.Parameter], cfg: DictConfig, lr: float):
+        self.params = params
+        modified = cfg.precision.update_rule == Update.fp16_modified_momentum
+        o = cfg.optim
+        self.optimizer = FP16MomentumSGD(params, lr=lr, momentum=o.momentum, weight_decay=o.weight_decay, modified=modified)
+
+    def grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.params if p.grad is not None]
+
+    def apply(self, grads: list[torch.Tensor], scale: float, coef: torch.Tensor | None) -> None:
+        self.optimizer.step(grad_scale=scale, grad_coef=1.0 if coef is None else coef)
+
+    def master_weights(self) -> list[torch.Tensor]:
+        return []
+
+
+class PrecisionEngine:
+    """Backward, overflow check, unscale, clip, update, copy back, LR schedule: for one network."""
+
+    def __init__(self, model: nn.Module, cfg: DictConfig, scaler: LossScaler, lr_milestones: list[int], device: torch.device):
+        self.model = model
+        self.scaler = scaler
+        self.device = device
+        self.clip = cfg.optim.clip_grad_norm
+        params = [q for q in model.parameters() if q.requires_grad]
+        update_cls = _TorchUpdate if cfg.precision.update_rule == Update.optimizer else _FP16Update
+        self.update = update_cls(params, cfg, effective_lr(cfg))
+        self.optimizer = self.update.optimizer
+        self.scheduler = torch.optim.lr_scheduler.MultiStepLR(self.optimizer, milestones=lr_milestones, gamma=cfg.schedule.lr_gamma)
+        self.last_grad_norm: torch.Tensor | None = None
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (loss * self.scaler.scale).backward()
+
+    def step(self) -> bool:
+        """Apply the update unless the gradients overflowed. Returns whether the update was applied."""
+        grads = self.update.grads()
+        scale = self.scaler.scale
+        unscale = 1.0 if self.update.carries_scale else 1.0 / scale
+        overflow = False
+        if self.scaler.checks_overflow:
+            overflow = self._check_and_unscale(grads, unscale)
+        elif unscale != 1.0:
+            torch._foreach_mul_(grads, unscale)
+        self.scaler.update(overflow)  # the scale for the next step; raises Diverged when it gives up
+        if overflow:
+            self._zero_grad()
+            return False
+        coef = self._clip_coef(grads, scale if self.update.carries_scale else 1.0) if self.clip else None
+        self.update.apply(grads, scale, coef)
+        self.scheduler.step()  # a skipped step does not advance the schedule
+        self._zero_grad()
+        return True
+
+    def _check_and_unscale(self, grads: list[torch.Tensor], unscale: float) -> bool:
+        found_inf = torch.zeros(1, device=self.device)
+        inv_scale = torch.full((1,), unscale, dtype=torch.float32, device=self.device)
+        for same_dtype in _by_dtype(grads):
+            torch._amp_foreach_non_finite_check_and_unscale_(same_dtype, found_inf, inv_scale)
+        return bool(found_inf.item())
+
+    def _clip_coef(self, grads: list[torch.Tensor], scale: float) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_'s factor, on the norm of the unscaled gradients."""
+        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+        total = torch.linalg.vector_norm(torch.stack(norms)) / scale
+        self.last_grad_norm = total
+        return torch.clamp(self.clip / (total + 1e-6), max=1.0)
+
+    def _zero_grad(self) -> None:
+        for p in self.update.params:
+            p.grad = None
+
+    def master_weights(self) -> list[torch.Tensor]:
+        return self.update.master_weights()
+
+    def state_dict(self) -> dict:
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "masters": [m.detach().clone() for m in self.master_weights()],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        with torch.no_grad():
+            for m, saved in zip(self.master_weights(), state["masters"]):
+                m.copy_(saved)
+
+
+def _by_dtype(tensors: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.dtype, []).append(t)
+    return iter(groups.values())

@@ -1,0 +1,109 @@
+"""The result record: one `result.json` per run (written atomically) and `metrics.jsonl` beside it.
+
+`result.json` is the only thing reports read. It is written when the run starts (status
+`running`), so a run killed before it ends never leaves a record that claims `ok`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+SCHEMA_VERSION = 1
+
+
+def _json_safe(value: Any) -> Any:
+    """NaN and inf are not JSON: write them as strings so every record parses everywhere."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(_json_safe(data), f, indent=2, allow_nan=False)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class MetricsLog:
+    """metrics.jsonl: one line per training step and network, one per evaluation."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._file: TextIO = open(path, "a")
+
+    def write(self, rows: list[dict]) -> None:
+        for row in rows:
+            self._file.write(json.dumps(_json_safe(row), allow_nan=False) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def git_commit(start: Path) -> dict:
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=start, capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+
+    try:
+        return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment(device: torch.device) -> dict:
+    import hydra
+    import torchvision
+
+    env = {
+        "device_type": device.type,
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
+        "device_count": torch.cuda.device_count() if device.type == "cuda" else 1,
+        "cpu_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "torchvision": torchvision.__version__,
+        "hydra": hydra.__version__,
+        "python": platform.python_version(),
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "platform": platform.platform(),
+        "hostname": socket.gethostname(),
+    }
+    if device.type == "cuda":
+        env["capability"] = ".".join(map(str, torch.cuda.get_device_capability(device)))
+    return env
+
+
+def now_iso() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")

@@ -1,0 +1,88 @@
+"""Throughput and peak memory.
+
+Throughput is samples per second in steady state: the first `warmup` steps are excluded, the
+device is synchronized at the edges of each window of `window` steps, and the figure is the median
+over windows. Two figures are kept:
+- `pipeline`: samples / window wall time, data loading included;
+- `compute`: samples / (window wall time - time the loop spent waiting for its next batch).
+A window that an evaluation interrupts is discarded.
+"""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import sys
+import time
+
+import torch
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class ThroughputMeter:
+    def __init__(self, device: torch.device, warmup: int, window: int, unit: str):
+        self.device, self.warmup, self.window, self.unit = device, warmup, window, unit
+        self.pipeline: list[float] = []
+        self.compute: list[float] = []
+        self.steps_seen = 0
+        self._open = False
+
+    def _start(self) -> None:
+        synchronize(self.device)
+        self._t0 = time.perf_counter()
+        self._samples = 0
+        self._wait = 0.0
+        self._steps = 0
+        self._open = True
+
+    def step(self, samples: int, wait_s: float) -> None:
+        """Call after each training step with its sample count and the time spent waiting for its batch."""
+        self.steps_seen += 1
+        if self.steps_seen < self.warmup:
+            return
+        if not self._open:
+            self._start()  # the window opens at the end of the last warm-up step
+            return
+        self._samples += samples
+        self._wait += wait_s
+        self._steps += 1
+        if self._steps == self.window:
+            synchronize(self.device)
+            elapsed = time.perf_counter() - self._t0
+            self.pipeline.append(self._samples / elapsed)
+            self.compute.append(self._samples / max(elapsed - self._wait, 1e-12))
+            self._start()
+
+    def interrupt(self) -> None:
+        """An evaluation or a checkpoint ran: the open window no longer times training alone."""
+        self._open = False
+
+    def summary(self) -> dict:
+        out = {
+            "unit": f"{self.unit}/s",
+            "windows": len(self.pipeline),
+            "window_steps": self.window,
+            "warmup_steps": self.warmup,
+            "method": "steady state, warm-up excluded, device synchronized at window edges, median over windows",
+        }
+        if not self.pipeline:
+            out.update(pipeline=None, compute=None, note="the run had no complete timing window after warm-up")
+        else:
+            out.update(pipeline=statistics.median(self.pipeline), compute=statistics.median(self.compute))
+        return out
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory(device: torch.device) -> dict:
+    if device.type == "cuda":
+        return {"peak_bytes": torch.cuda.max_memory_allocated(device), "kind": "cuda_max_memory_allocated"}
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"peak_bytes": rss if sys.platform == "darwin" else rss * 1024, "kind": "cpu_peak_rss"}
