@@ -157,7 +157,8 @@ def register_configs() -> None:
         ("data", DataConfig),
         ("schedule", ScheduleConfig),
     ]:
-        cs.store(group=group, name=f"{group}_schema", node=node)
+        # Kept out of the option groups themselves, so "Available options" lists only real choices.
+        cs.store(group="schema", name=group, node=node)
 
 
 SCALE_NAMES = ("none", "static", "dynamic")

@@ -164,6 +164,7 @@ class PrecisionEngine:
     def backward(self, loss: torch.Tensor) -> None:
         (loss * self.scaler.scale).backward()
 
+    @torch.no_grad()
     def step(self) -> bool:
         """Apply the update unless the gradients overflowed. Returns whether the update was applied."""
         grads = self.update.grads()
