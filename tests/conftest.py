@@ -1,0 +1,57 @@
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+from torch import nn
+
+from mpt.runner.config import register_configs
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = ROOT.parent / "shared" / "data"
+CPU = torch.device("cpu")
+
+register_configs()
+
+
+def compose_cfg(*overrides: str):
+    with initialize_config_module(config_module="mpt.configs", version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def run_cli(*args: str, cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess:
+    """The real command line, in a subprocess (what a user types, minus the console-script shim)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "mpt.runner.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+def read_record(run_dir: Path) -> dict:
+    return json.loads((run_dir / "result.json").read_text())
+
+
+def shared_data(name: str) -> Path:
+    path = SHARED_DATA / name
+    if not path.exists():
+        if os.environ.get("CI"):
+            pytest.fail(f"{path} is missing: CI must run with ../shared/data beside the checkout")
+        pytest.skip(f"{path} not present")
+    return path
+
+
+class Vector(nn.Module):
+    """A parameter vector; forward(x) = w * x, so loss = (forward(1) * G).sum() has gradient G."""
+
+    def __init__(self, w: torch.Tensor):
+        super().__init__()
+        self.w = nn.Parameter(w.clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w * x

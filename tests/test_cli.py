@@ -1,0 +1,85 @@
+"""The real command line end to end: every precision x scale combination leaves a valid record."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from .conftest import ROOT, read_record, run_cli
+
+PRECISIONS = ["fp32", "fp16", "mixed", "fp16_modmom", "amp", "bf16", "tf32"]
+SCALES = ["none", "static", "dynamic"]
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory) -> dict[tuple[str, str], Path]:
+    """One multirun process for all 21 combinations (one interpreter start instead of 21)."""
+    out = tmp_path_factory.mktemp("sweep")
+    r = run_cli("-m", "model=resnet50", f"precision={','.join(PRECISIONS)}", f"scale={','.join(SCALES)}", "schedule=smoke",
+                f"hydra.sweep.dir={out}", cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    runs = {}
+    for record in out.glob("*/result.json"):
+        rec = json.loads(record.read_text())
+        runs[(rec["choices"]["precision"], rec["choices"]["scale"])] = record.parent
+    return runs
+
+
+def test_every_combination_leaves_a_record(sweep):
+    assert set(sweep) == {(p, s) for p in PRECISIONS for s in SCALES}
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("scale", SCALES)
+def test_record_is_complete(sweep, precision, scale):
+    run_dir = sweep[(precision, scale)]
+    rec = read_record(run_dir)
+    assert rec["status"] == "ok", rec["message"]
+    assert rec["choices"] == {"model": "resnet50", "precision": precision, "scale": scale, "data": "synthetic", "schedule": "smoke"}
+    assert rec["steps"] == rec["total_steps"] == 3
+    assert 0 <= rec["metrics"]["top1"] <= 1 and rec["metrics"]["step"] == 3
+    assert rec["throughput"]["unit"] == "images/s" and rec["throughput"]["pipeline"] > 0 and rec["throughput"]["compute"] > 0
+    assert rec["memory"]["peak_bytes"] > 0 and rec["memory"]["kind"] == "cpu_peak_rss"
+    assert rec["environment"]["torch"] and rec["environment"]["device_type"] == "cpu"
+    assert rec["config"]["precision"]["name"] == precision and rec["config"]["seed"] == 0
+    scale_summary = rec["loss_scale"]["model"]
+    assert scale_summary["steps"] == 3
+    expected_fp32_math = "tf32" if precision == "tf32" else "ieee"
+    assert set(rec["precision"]["fp32_math"].values()) == {expected_fp32_math}
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [0, 1, 2]
+    assert [r["scale"] for r in train] == pytest.approx(
+        {"none": [1.0] * 3, "static": [1000.0] * 3}.get(scale, [r["scale"] for r in train])
+    )
+    if scale == "none":
+        assert all(r["overflow"] is None for r in train)  # scale=none does not check
+    else:
+        assert scale_summary["skipped_steps"] == sum(r["overflow"] for r in train)
+    assert [r["kind"] for r in rows].count("eval") == 1
+
+
+def test_summary_is_printed(tmp_path):
+    r = run_cli("schedule=smoke", "precision=mixed", "scale=dynamic", f"hydra.run.dir={tmp_path}", cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for text in ["mpt-run resnet50 precision=mixed scale=dynamic", "metrics:", "throughput:", "memory:", "loss scale:", str(tmp_path / "result.json")]:
+        assert text in r.stdout
+    assert read_record(tmp_path)["status"] == "ok"
+
+
+def test_imagefolder_trains_on_cifar10_mini(tmp_path):
+    from .conftest import shared_data
+
+    root = shared_data("cifar10-mini")
+    r = run_cli("model=resnet50", "data=imagefolder", f"data.root={root}", "data.val_split=test", "data.num_workers=0",
+                "schedule=smoke", "schedule.eval_batches=null", "schedule.batch_size=50", f"hydra.run.dir={tmp_path}", cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rec = read_record(tmp_path)
+    assert rec["status"] == "ok"
+    assert rec["data"]["num_classes"] == 10
+    assert (rec["data"]["train_samples"], rec["data"]["val_samples"]) == (1000, 200)
+    assert rec["metrics"]["val_samples"] == 200  # the whole test split was evaluated
+    assert rec["samples"] == 150

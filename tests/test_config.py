@@ -1,0 +1,101 @@
+"""Composition of every config group option, and the checks that reject bad values early."""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from mpt.runner.config import ConfigError, validate
+
+from .conftest import ROOT, compose_cfg, run_cli
+
+GROUPS = {
+    "model": ["alexnet", "resnet50", "vgg16", "googlenet", "inception_v3"],
+    "precision": ["fp32", "fp16", "mixed", "fp16_modmom", "amp", "bf16", "tf32"],
+    "scale": ["none", "static", "dynamic"],
+    "data": ["synthetic", "imagefolder"],
+    "schedule": ["smoke", "short", "paper", "bench"],
+}
+
+
+def test_defaults_compose_to_the_main_job():
+    cfg = compose_cfg()
+    validate(cfg)
+    assert (cfg.model.name, cfg.precision.name, cfg.scale.name, cfg.data.name, cfg.schedule.name) == (
+        "resnet50", "fp32", "none", "synthetic", "short",
+    )
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g, opts in GROUPS.items() for o in opts])
+def test_every_option_composes_and_validates(group, option):
+    extra = ["data.root=/somewhere"] if option == "imagefolder" else []
+    cfg = compose_cfg(f"{group}={option}", *extra)
+    validate(cfg)
+    assert cfg[group].name == option
+    OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
+
+
+def test_paper_schedule_is_the_models_recipe():
+    cfg = compose_cfg("model=resnet50", "schedule=paper")
+    assert (cfg.schedule.batch_size, cfg.schedule.epochs, list(cfg.schedule.lr_milestones)) == (256, 90, [30, 60])
+    assert (cfg.optim.lr, cfg.optim.momentum, cfg.optim.weight_decay, cfg.schedule.image_size) == (0.1, 0.9, 1e-4, 224)
+    cfg = compose_cfg("model=alexnet", "schedule=paper")
+    assert (cfg.optim.lr, cfg.optim.momentum, cfg.optim.weight_decay, cfg.schedule.batch_size) == (0.01, 0.9, 5e-4, 256)
+
+
+def test_dynamic_scale_defaults_are_the_papers():
+    s = compose_cfg("scale=dynamic").scale
+    assert (s.init, s.interval, s.growth, s.backoff) == (2.0**16, 2000, 2.0, 0.5)
+
+
+def test_static_scale_defaults_to_the_models_value():
+    assert compose_cfg("model=alexnet", "scale=static").model.static_scale == 1000
+    assert compose_cfg("model=inception_v3", "scale=static").model.static_scale == 100
+
+
+@pytest.mark.parametrize(
+    "overrides,named",
+    [
+        (["optim.lr=-0.1"], "optim.lr=-0.1"),
+        (["schedule.batch_size=0"], "schedule.batch_size=0"),
+        (["scale=static", "scale.value=0.5"], "scale.value=0.5"),
+        (["scale=dynamic", "scale.init=0.5"], "scale.min"),
+        (["scale=dynamic", "scale.backoff=2"], "scale.backoff=2"),
+        (["optim.weight_decay=-1"], "optim.weight_decay=-1"),
+        (["schedule.steps=null"], "schedule.steps"),
+        (["model=alexnet", "schedule.image_size=32"], "schedule.image_size=32"),
+        (["precision=mixed", "precision.param_dtype=float32"], "master_weights"),
+    ],
+)
+def test_out_of_range_values_are_rejected_naming_the_key(overrides, named):
+    with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
+        validate(compose_cfg(*overrides))
+
+
+@pytest.mark.parametrize(
+    "override,expected",
+    [
+        ("model=lenet", ["Could not find 'model/lenet'", "alexnet", "resnet50", "vgg16", "googlenet", "inception_v3"]),
+        ("precision=fp8", ["Could not find 'precision/fp8'", "fp32", "fp16", "mixed", "fp16_modmom", "amp", "bf16", "tf32"]),
+        ("scale=auto", ["Could not find 'scale/auto'", "none", "static", "dynamic"]),
+        ("schedule.batch_size=abc", ["schedule.batch_size", "'abc'"]),
+        ("precision.param_dtype=float8", ["precision.param_dtype", "float8", "float16"]),
+        ("optim.lr=-1", ["mpt-run: error: optim.lr=-1.0"]),
+        ("data=imagefolder", ["data.root is not set"]),
+    ],
+)
+def test_bad_input_on_the_command_line_names_the_problem(tmp_path, override, expected):
+    r = run_cli(override, f"hydra.run.dir={tmp_path}/run", cwd=ROOT)
+    assert r.returncode != 0
+    for text in expected:
+        assert text in r.stderr + r.stdout
+    assert not (tmp_path / "run" / "result.json").exists()  # nothing half-written
+
+
+def test_missing_data_root_names_the_path(tmp_path):
+    missing = tmp_path / "no-such-imagenet"
+    r = run_cli("data=imagefolder", f"data.root={missing}", f"hydra.run.dir={tmp_path}/run", cwd=ROOT)
+    assert r.returncode == 2
+    assert f"data.root={missing}: no such folder" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "run" / "result.json").exists()

@@ -1,0 +1,69 @@
+"""The ImageFolder loader: the real layout read from disk, and a clear error for each way it can be wrong."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from PIL import Image
+
+from mpt.datasets.imagefolder import ImageFolderData
+from mpt.runner.config import ConfigError
+
+from .conftest import CPU, compose_cfg, shared_data
+
+
+def make_folder(root, splits=("train", "val"), classes=("cat", "dog"), per_class=3, size=40):
+    for split in splits:
+        for c in classes:
+            (root / split / c).mkdir(parents=True)
+            for i in range(per_class):
+                Image.new("RGB", (size + i, size), color=(i * 40, 100, 200)).save(root / split / c / f"{i}.jpg")
+    return root
+
+
+def loader(root, *overrides):
+    cfg = compose_cfg("data=imagefolder", f"data.root={root}", "data.num_workers=0", "schedule=smoke", *overrides)
+    return ImageFolderData(cfg.data, cfg.schedule, seed=0, device=CPU)
+
+
+def test_reads_the_layout_and_applies_the_crops(tmp_path):
+    data = loader(make_folder(tmp_path), "schedule.image_size=32", "schedule.batch_size=2")
+    assert data.info["classes"] == ["cat", "dog"] and data.info["num_classes"] == 2
+    assert data.steps_per_epoch == 3  # 6 images, batch 2, drop_last
+    images, labels = next(iter(data.epoch(0)))
+    assert images.shape == (2, 3, 32, 32) and images.dtype == torch.float32 and labels.dtype == torch.int64
+    val = list(data.val())
+    assert sum(len(y) for _, y in val) == 6 and val[0][0].shape[-2:] == (32, 32)
+
+
+def test_cifar10_mini_from_shared_data():
+    root = shared_data("cifar10-mini")
+    data = loader(root, "data.val_split=test", "schedule.batch_size=20")
+    assert data.info["num_classes"] == 10
+    assert (data.info["train_samples"], data.info["val_samples"]) == (1000, 200)
+    images, _ = next(iter(data.epoch(0)))
+    assert images.shape == (20, 3, 32, 32)
+
+
+def test_missing_split_names_it(tmp_path):
+    make_folder(tmp_path, splits=("train",))
+    with pytest.raises(ConfigError, match=r"no 'val' folder \(found: train\)"):
+        loader(tmp_path)
+
+
+def test_class_folder_without_images_is_named(tmp_path):
+    make_folder(tmp_path)
+    (tmp_path / "train" / "empty_class").mkdir()
+    with pytest.raises(ConfigError, match="empty_class"):
+        loader(tmp_path)
+
+
+def test_empty_root_is_named(tmp_path):
+    with pytest.raises(ConfigError, match=f"data.root={tmp_path}: no 'train' folder"):
+        loader(tmp_path)
+
+
+def test_fewer_images_than_a_batch_is_rejected(tmp_path):
+    make_folder(tmp_path, per_class=1)
+    with pytest.raises(ConfigError, match="2 training images, fewer than one batch of 4"):
+        loader(tmp_path, "schedule.batch_size=4")

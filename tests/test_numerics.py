@@ -1,0 +1,199 @@
+"""The precision engine's numerics against oracles: float64 evaluations of the update formulas,
+torch.amp.GradScaler, torch.nn.utils.clip_grad_norm_ and torch.optim.SGD."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from mpt.runner.precision import PrecisionEngine, prepare_model, set_fp32_math
+from mpt.runner.scaler import Diverged, build_scaler
+
+from .conftest import CPU, Vector, compose_cfg
+
+F16 = torch.float16
+
+
+def make_engine(w: torch.Tensor, precision: str, scale: str = "none", lr: float = 0.01, momentum: float = 0.0,
+                weight_decay: float = 0.0, milestones=(), extra=()):
+    # batch_size 256 makes the effective lr equal optim.lr (which is per 256 samples).
+    cfg = compose_cfg(f"precision={precision}", f"scale={scale}", "schedule.batch_size=256", f"optim.lr={lr}",
+                      f"optim.momentum={momentum}", f"optim.weight_decay={weight_decay}", *extra)
+    model = prepare_model(Vector(w), cfg.precision, CPU, channels_last=False)
+    return model, PrecisionEngine(model, cfg, build_scaler(cfg), list(milestones), CPU)
+
+
+def train_step(model, engine, G: torch.Tensor) -> bool:
+    out = model(torch.ones_like(G))
+    engine.backward((out.float() * G).sum())
+    return engine.step()
+
+
+def test_update_below_half_an_fp16_ulp_is_lost_by_fp16_and_kept_by_mixed():
+    # ulp(1.0) in FP16 is 2^-10; lr * g = 1e-4 is below half of it (2^-11 = 4.9e-4).
+    w = torch.ones(8)
+    G = torch.full((8,), 0.01)
+    fp16_model, fp16_engine = make_engine(w, "fp16", lr=0.01)
+    mixed_model, mixed_engine = make_engine(w, "mixed", lr=0.01)
+    for _ in range(10):
+        train_step(fp16_model, fp16_engine, G)
+        train_step(mixed_model, mixed_engine, G)
+    assert fp16_model.w.dtype == F16 and torch.all(fp16_model.w == 1.0)  # every update rounded away
+    master = mixed_engine.master_weights()[0]
+    g16 = torch.tensor(0.01, dtype=F16).double()  # the FP16 gradient the master receives
+    assert master.dtype == torch.float32
+    torch.testing.assert_close(master.double(), torch.full((8,), 1 - 10 * 0.01 * float(g16), dtype=torch.float64), rtol=0, atol=1e-6)
+    assert torch.all(mixed_model.w < 1.0) and mixed_model.w.dtype == F16  # the accumulated update reaches the FP16 weights
+
+
+def fp16_oracle(w0, grads, S, lr, m, wd, modified):
+    """float64 evaluation of the FP16 update formulas, rounding to FP16 where the engine stores."""
+    r = lambda x: x.to(F16).double()  # noqa: E731
+    w, buf = r(w0), torch.zeros_like(w0, dtype=torch.float64)
+    for G in grads:
+        gs = r(G.double() * S)  # the scaled FP16 gradient backward produces
+        if modified:
+            Gnew = buf * m + gs + w * (wd * S)
+            buf, w = r(Gnew), r(w - Gnew * (lr / S))
+        else:
+            v = buf * m - (gs / S + w * wd) * lr
+            buf, w = r(v), r(w + v)
+    return w
+
+
+@pytest.mark.parametrize("precision,modified", [("fp16", False), ("fp16_modmom", True)])
+@pytest.mark.parametrize("scale,S", [("none", 1.0), ("static", 1024.0)])
+def test_fp16_updates_match_float64_evaluation_of_their_formulas(precision, modified, scale, S):
+    gen = torch.Generator().manual_seed(1)
+    w0 = torch.randn(256, generator=gen).to(F16).float()
+    grads = [torch.randn(256, generator=gen) * 10.0 ** torch.randint(-6, 0, (256,), generator=gen) for _ in range(6)]
+    lr, m, wd = 0.1, 0.9, 5e-4
+    model, engine = make_engine(w0, precision, scale, lr=lr, momentum=m, weight_decay=wd, extra=[f"scale.value={S}"] if scale == "static" else [])
+    for G in grads:
+        assert train_step(model, engine, G)
+    expected = fp16_oracle(w0, grads, S, lr, m, wd, modified)
+    assert torch.equal(model.w.double(), expected)
+    # ...and the two formulas really differ in FP16, so this comparison can tell them apart.
+    assert not torch.equal(expected, fp16_oracle(w0, grads, S, lr, m, wd, not modified))
+
+
+def test_modified_momentum_is_rescaled_when_the_scale_changes():
+    # Dynamic scale with interval 1: the scale doubles every step; G must follow it.
+    gen = torch.Generator().manual_seed(2)
+    w0 = torch.randn(64, generator=gen).to(F16).float()
+    grads = [torch.randn(64, generator=gen) * 1e-3 for _ in range(4)]
+    model, engine = make_engine(w0, "fp16_modmom", "dynamic", lr=0.1, momentum=0.9,
+                                extra=["scale.init=64", "scale.interval=1", "scale.max=1e6"])
+    for G in grads:
+        train_step(model, engine, G)
+    # In units of the true gradient, modified momentum is scale-free: compare with a constant-scale run.
+    ref_model, ref_engine = make_engine(w0, "fp16_modmom", "static", lr=0.1, momentum=0.9, extra=["scale.value=64"])
+    for G in grads:
+        train_step(ref_model, ref_engine, G)
+    torch.testing.assert_close(model.w.float(), ref_model.w.float(), rtol=0, atol=2e-3)
+    assert engine.scaler.scale == 64 * 2**4
+
+
+def test_dynamic_scaler_matches_torch_gradscaler_on_a_scripted_sequence():
+    overflow = [False, False, True, False, False, False, False, True, True, False, False, False, False, False]
+    w0 = torch.linspace(-1, 1, 16)
+    model, engine = make_engine(w0, "fp32", "dynamic", lr=0.1, momentum=0.9,
+                                extra=["scale.init=1024", "scale.interval=3", "scale.min=1"])
+    ref = Vector(w0)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=3, growth_factor=2.0, backoff_factor=0.5)
+    ours, theirs = [], []
+    for i, bad in enumerate(overflow):
+        G = torch.full((16,), 0.01 * (i + 1))
+        if bad:
+            G[3] = float("inf")
+        ours.append((engine.scaler.scale, train_step(model, engine, G)))
+        before = ref_scaler.get_scale()
+        w_before = ref.w.detach().clone()
+        opt.zero_grad()
+        ref_scaler.scale((ref(torch.ones(16)) * G).sum()).backward()
+        ref_scaler.step(opt)
+        ref_scaler.update()
+        theirs.append((before, not torch.equal(w_before, ref.w.detach())))
+    assert ours == theirs
+    assert engine.scaler.scale == ref_scaler.get_scale()
+    assert torch.equal(model.w.detach(), ref.w.detach())
+    assert engine.scaler.summary()["skipped_steps"] == sum(overflow)
+
+
+def test_dynamic_scaler_gives_up_at_its_minimum():
+    model, engine = make_engine(torch.ones(4), "fp32", "dynamic", extra=["scale.init=4", "scale.min=2"])
+    G = torch.full((4,), float("inf"))
+    assert not train_step(model, engine, G)  # 4 -> 2
+    with pytest.raises(Diverged, match="minimum loss scale 2"):
+        train_step(model, engine, G)
+
+
+@pytest.mark.parametrize("scale,extra", [("static", ["scale.value=1024"]), ("dynamic", ["scale.init=4096"])])
+def test_gradients_are_unscaled_before_clipping(scale, extra):
+    gen = torch.Generator().manual_seed(3)
+    w0 = torch.randn(32, generator=gen)
+    grads = [torch.randn(32, generator=gen) for _ in range(3)]
+    model, engine = make_engine(w0, "fp32", scale, lr=0.1, momentum=0.9, weight_decay=1e-4,
+                                extra=["optim.clip_grad_norm=0.5", *extra])
+    ref = Vector(w0)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    for G in grads:
+        assert train_step(model, engine, G)
+        opt.zero_grad()
+        (ref(torch.ones(32)) * G).sum().backward()
+        norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        opt.step()
+        assert norm > 0.5  # clipping is active in every step
+        torch.testing.assert_close(engine.last_grad_norm, norm, rtol=1e-6, atol=0)
+    assert torch.equal(model.w.detach(), ref.w.detach())
+
+
+def test_fp32_engine_matches_torch_sgd_on_a_network():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 5))
+    ref = nn.Sequential(*[m for m in __import__("copy").deepcopy(net)])
+    cfg = compose_cfg("precision=fp32", "schedule.batch_size=256", "optim.lr=0.05")
+    model = prepare_model(net, cfg.precision, CPU, channels_last=False)
+    engine = PrecisionEngine(model, cfg, build_scaler(cfg), [], CPU)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=cfg.optim.momentum, weight_decay=cfg.optim.weight_decay)
+    for i in range(4):
+        x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 5, (4,))
+        engine.backward(nn.functional.cross_entropy(model(x), y))
+        engine.step()
+        opt.zero_grad()
+        nn.functional.cross_entropy(ref(x), y).backward()
+        opt.step()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_a_skipped_step_does_not_advance_the_lr_schedule():
+    model, engine = make_engine(torch.ones(4), "fp32", "static", lr=0.1, milestones=[2], extra=["scale.value=8"])
+    lrs = []
+    for G in [torch.ones(4), torch.full((4,), float("nan")), torch.ones(4), torch.ones(4)]:
+        lrs.append(engine.lr)
+        train_step(model, engine, G)
+    # The second step overflows and is skipped: the milestone (2 applied updates) is reached after the third
+    # step, not after the second as it would be if skipped steps counted.
+    assert lrs == pytest.approx([0.1, 0.1, 0.1, 0.01])
+
+
+def test_mixed_keeps_fp16_weights_fp32_batchnorm_and_fp32_masters():
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4 * 4 * 4, 2))
+    cfg = compose_cfg("precision=mixed")
+    model = prepare_model(net, cfg.precision, CPU, channels_last=False)
+    engine = PrecisionEngine(model, cfg, build_scaler(cfg), [], CPU)
+    assert model[0].weight.dtype == F16 and model[3].weight.dtype == F16
+    assert model[1].weight.dtype == torch.float32 and model[1].running_var.dtype == torch.float32
+    masters = engine.master_weights()
+    assert len(masters) == 4 and all(m.dtype == torch.float32 for m in masters)  # conv and linear weight + bias
+    out = model(torch.randn(2, 3, 6, 6))
+    assert out.dtype == torch.float32  # the loss is computed in FP32
+
+
+def test_fp32_switches_tf32_off_and_tf32_on():
+    assert set(set_fp32_math(False).values()) == {"ieee"}
+    assert set(set_fp32_math(True).values()) == {"tf32"}
+    set_fp32_math(False)
