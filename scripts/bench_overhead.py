@@ -1,0 +1,199 @@
+#!/usr/bin/env python3
+"""Runner overhead: the same model, precision and batch through `mpt`'s runner and through a minimal
+hand-written PyTorch loop, in one process, alternating A/B to cancel drift.
+
+Both sides train on the same synthetic batch resident on the device, time windows of steps with the
+device synchronized at the window edges, and report the median step time over windows (warm-up
+excluded). The ratio runner/hand is the runner's overhead; the goal is <= 1.03.
+
+    python scripts/bench_overhead.py --model resnet50 --precision fp32 --batch-size 16 --image-size 64
+    python scripts/bench_overhead.py --precision amp --out results/overhead   # on a GPU
+
+Hand-written loops exist for fp32, tf32, amp, bf16 (torch.autocast, torch.amp.GradScaler for amp)
+and mixed (FP16 model, FP32 batch-norm, an FP32 master copy, a static loss scale).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import torchvision
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from mpt.runner.config import register_configs, validate  # noqa: E402
+from mpt.runner.precision import set_fp32_math  # noqa: E402
+from mpt.runner.record import environment, git_commit, now_iso, write_json_atomic  # noqa: E402
+from mpt.runner.throughput import synchronize  # noqa: E402
+from mpt.runner.train import Run, resolve_device  # noqa: E402
+
+SCALE_FOR = {"fp32": "none", "tf32": "none", "bf16": "none", "amp": "dynamic", "mixed": "static"}
+
+
+def compose(args) -> "DictConfig":  # noqa: F821
+    from hydra import compose as hydra_compose, initialize_config_module
+
+    register_configs()
+    overrides = [
+        f"model={args.model}", f"precision={args.precision}", f"scale={SCALE_FOR[args.precision]}", "schedule=bench",
+        f"schedule.batch_size={args.batch_size}", f"schedule.image_size={args.image_size}", f"schedule.steps={args.steps}",
+        f"schedule.throughput_warmup={args.warmup}", f"schedule.throughput_window={args.window}",
+        f"data.train_samples={2 * args.batch_size}", f"data.val_samples={args.batch_size}", f"device={args.device}",
+    ]
+    with initialize_config_module(config_module="mpt.configs", version_base="1.3"):
+        cfg = hydra_compose(config_name="config", overrides=overrides)
+    validate(cfg)
+    return cfg
+
+
+def runner_step_times(cfg) -> list[float]:
+    with tempfile.TemporaryDirectory() as d:
+        run = Run(cfg, Path(d))
+        run.train()
+    # The meter keeps samples/s per window; every step of the bench has the same batch.
+    return [cfg.schedule.batch_size / x for x in run.meter.pipeline]
+
+
+def hand_step_times(cfg, device: torch.device) -> list[float]:
+    """What a researcher writes by hand for this precision, with nothing else in the loop."""
+    torch.manual_seed(cfg.seed)
+    p, b, s = cfg.precision.name, cfg.schedule.batch_size, cfg.schedule.image_size
+    set_fp32_math(p == "tf32")
+    model = torchvision.models.get_model(cfg.model.arch, weights=None, num_classes=cfg.data.num_classes).to(device)
+    channels_last = device.type == "cuda" or p == "mixed"
+    x = torch.randn(b, 3, s, s, device=device)
+    y = torch.randint(0, cfg.data.num_classes, (b,), device=device)
+    lr = cfg.optim.lr * b / 256
+    sgd = dict(lr=lr, momentum=cfg.optim.momentum, weight_decay=cfg.optim.weight_decay)
+    if p == "mixed":
+        model.half()
+        for m in model.modules():
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+                m.float()
+        x = x.half()
+        params = list(model.parameters())
+        masters = [q.detach().float() if q.dtype == torch.float16 else q for q in params]
+        opt = torch.optim.SGD(masters, **sgd)
+        S = float(cfg.model.static_scale)
+    else:
+        opt = torch.optim.SGD(model.parameters(), **sgd)
+    if channels_last:
+        model.to(memory_format=torch.channels_last)
+    scaler = torch.amp.GradScaler(device.type) if p == "amp" else None
+    autocast_dtype = {"amp": torch.float16, "bf16": torch.bfloat16}.get(p)
+
+    def step():
+        if p == "mixed":
+            loss = F.cross_entropy(model(x).float(), y)
+            (loss * S).backward()
+            grads = []
+            for q, m in zip(params, masters):
+                if m is not q:
+                    m.grad = q.grad.float()
+                grads.append(m.grad)
+            found = torch.zeros(1, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, torch.full((1,), 1 / S, device=device))
+            if not found.item():
+                opt.step()
+                with torch.no_grad():
+                    for q, m in zip(params, masters):
+                        if m is not q:
+                            q.copy_(m)
+            for q in params:
+                q.grad = None
+            return
+        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            loss = F.cross_entropy(model(x), y)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    warmup, window, steps = cfg.schedule.throughput_warmup, cfg.schedule.throughput_window, cfg.schedule.steps
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range((steps - warmup) // window):
+        synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(window):
+            step()
+        synchronize(device)
+        times.append((time.perf_counter() - t0) / window)
+    return times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="resnet50")
+    ap.add_argument("--precision", default="fp32", choices=sorted(SCALE_FOR))
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--image-size", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--window", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=4, help="A/B pairs, in ABBA order")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--out", type=Path, default=None, help="folder for the JSON record")
+    args = ap.parse_args()
+
+    cfg = compose(args)
+    device = resolve_device(cfg.device)
+    sides = {"runner": lambda: runner_step_times(cfg), "hand": lambda: hand_step_times(cfg, device)}
+    runner, hand, pair_ratios = [], [], []
+    for i in range(args.repeats):
+        # ABBA order, so that drift over the process's life (allocator, clocks) falls on both sides.
+        order = ("runner", "hand") if i % 2 == 0 else ("hand", "runner")
+        times = {name: sides[name]() for name in order}
+        r, h = times["runner"], times["hand"]
+        runner += r
+        hand += h
+        pair_ratios.append(statistics.median(r) / statistics.median(h))
+        print(f"pair {i + 1}/{args.repeats}: runner {statistics.median(r) * 1e3:.1f} ms/step, hand {statistics.median(h) * 1e3:.1f} ms/step, ratio {pair_ratios[-1]:.3f}", flush=True)
+    ratio = statistics.median(runner) / statistics.median(hand)
+    record = {
+        "benchmark": "runner_overhead",
+        "model": args.model,
+        "precision": args.precision,
+        "scale": SCALE_FOR[args.precision],
+        "batch_size": args.batch_size,
+        "image_size": args.image_size,
+        "steps": args.steps,
+        "warmup_steps": args.warmup,
+        "window_steps": args.window,
+        "repeats": args.repeats,
+        "runner_step_s": runner,
+        "hand_step_s": hand,
+        "runner_median_step_s": statistics.median(runner),
+        "hand_median_step_s": statistics.median(hand),
+        "ratio": ratio,
+        "pair_ratios": pair_ratios,
+        "goal": 1.03,
+        "method": "median step time over windows, warm-up excluded, device synchronized at window edges; runner and hand loop alternate in one process",
+        "environment": environment(device),
+        "git": git_commit(ROOT),
+        "finished_at": now_iso(),
+    }
+    print(f"runner/hand step time ratio: {ratio:.3f} (goal <= 1.03) on {record['environment']['device_name']}")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        name = f"{record['environment']['device_type']}_{args.model}_{args.precision}_b{args.batch_size}_s{args.image_size}.json"
+        write_json_atomic(args.out / name, record)
+        print(f"record: {args.out / name}")
+
+
+if __name__ == "__main__":
+    main()
