@@ -30,6 +30,7 @@ import torchvision
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from mpt.datasets.synthetic import SyntheticImages  # noqa: E402
 from mpt.runner.config import register_configs, validate  # noqa: E402
 from mpt.runner.precision import set_fp32_math  # noqa: E402
 from mpt.runner.record import environment, git_commit, now_iso, write_json_atomic  # noqa: E402
@@ -70,8 +71,7 @@ def hand_step_times(cfg, device: torch.device) -> list[float]:
     set_fp32_math(p == "tf32")
     model = torchvision.models.get_model(cfg.model.arch, weights=None, num_classes=cfg.data.num_classes).to(device)
     channels_last = device.type == "cuda" or p == "mixed"
-    x = torch.randn(b, 3, s, s, device=device)
-    y = torch.randint(0, cfg.data.num_classes, (b,), device=device)
+    data = SyntheticImages(cfg.data, cfg.schedule, seed=cfg.seed, device=device)  # the runner's data, batch for batch
     lr = cfg.optim.lr * b / 256
     sgd = dict(lr=lr, momentum=cfg.optim.momentum, weight_decay=cfg.optim.weight_decay)
     if p == "mixed":
@@ -79,7 +79,6 @@ def hand_step_times(cfg, device: torch.device) -> list[float]:
         for m in model.modules():
             if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
                 m.float()
-        x = x.half()
         params = list(model.parameters())
         masters = [q.detach().float() if q.dtype == torch.float16 else q for q in params]
         opt = torch.optim.SGD(masters, **sgd)
@@ -91,8 +90,18 @@ def hand_step_times(cfg, device: torch.device) -> list[float]:
     scaler = torch.amp.GradScaler(device.type) if p == "amp" else None
     autocast_dtype = {"amp": torch.float16, "bf16": torch.bfloat16}.get(p)
 
+    def batches():
+        epoch = 0
+        while True:
+            yield from data.epoch(epoch)
+            epoch += 1
+
+    stream = batches()
+
     def step():
+        x, y = next(stream)
         if p == "mixed":
+            x = x.half()
             loss = F.cross_entropy(model(x).float(), y)
             (loss * S).backward()
             grads = []

@@ -207,8 +207,6 @@ class Run:
                 last_loss["value"] = r["loss"]
             elif check and not self.engines[r["group"]].scaler.checks_overflow:
                 raise Diverged(f"non-finite loss {r['loss']} at step {r['step']} (scale=none)", step=r["step"])
-        if check and rows:
-            self._check_weights(rows[-1]["step"])
 
     def _check_weights(self, step: int) -> None:
         for name, engine in self.engines.items():
@@ -218,6 +216,9 @@ class Run:
                 raise Diverged(f"non-finite weights in {name} by step {step}", step=step)
 
     def _evaluate(self, step: int) -> None:
+        # Weights are checked here, off the timed path: between evaluations a non-finite weight
+        # shows up as a non-finite loss at the next step anyway.
+        self._check_weights(step)
         cap = self.cfg.schedule.eval_batches
         batches = islice(self.data.val(), cap) if cap else self.data.val()
         metrics = self.task.evaluate(batches, self.forward_context)
