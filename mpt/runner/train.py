@@ -8,7 +8,7 @@ import random
 import time
 from itertools import islice
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -84,6 +84,8 @@ class Run:
         self.forward_context = lambda: autocast(cfg.precision, self.device)
         self.meter = ThroughputMeter(self.device, s.throughput_warmup, s.throughput_window, self.task.sample_unit)
         self.metrics = MetricsLog(run_dir / "metrics.jsonl")
+        self.step, self.samples, self.last_loss = 0, 0, None
+        self.pending: list[dict[str, Any]] = []  # per-step rows whose tensors are not yet on the host
         self.record = self._initial_record()
 
     def _initial_record(self) -> dict:
@@ -106,6 +108,7 @@ class Run:
                 "autocast": cfg.precision.autocast.name if cfg.precision.autocast else None,
                 "update": cfg.precision.update_rule.name,
                 "fp32_math": self.fp32_math,
+                "tf32_active": bool(cfg.precision.tf32 and self.device.type == "cuda"),  # TF32 exists only on CUDA
                 "channels_last": self.channels_last,
             },
             "scale_config": {
@@ -133,42 +136,22 @@ class Run:
         write_json_atomic(self.run_dir / "result.json", self.record)
 
     def train(self) -> dict:
+        """Run every step, then complete and save the record. Returns the record."""
         rec = self.record
         self.save_record()
         t_start = time.perf_counter()
         reset_peak_memory(self.device)
-        pending: list[dict[str, Any]] = []
-        step, epoch, samples = 0, 0, 0
-        last_loss = {"value": None}
-        batches = self.data.epoch(epoch)
         try:
-            while step < self.total_steps:
-                t0 = time.perf_counter()
-                batch = next(batches, None)
-                if batch is None:
-                    epoch += 1
-                    batches = self.data.epoch(epoch)
-                    continue
-                wait = time.perf_counter() - t0
-                pending.extend(self._train_step(step, batch))
-                step += 1
-                n = self.task.count_samples(batch)
-                samples += n
-                self.meter.step(n, wait)
-                if step % self.cfg.schedule.log_every == 0 or step == self.total_steps:
-                    self._flush(pending, last_loss)
-                    pending = []
-                if step % self.eval_every == 0 or step == self.total_steps:
-                    self._evaluate(step)
-                    self.meter.interrupt()
+            for _ in self.steps():
+                pass
             rec["status"] = "ok"
         except Diverged as e:
-            self._flush(pending, last_loss, check=False)
-            rec.update(status="diverged", message=str(e), diverged_at_step=e.step if e.step is not None else step)
+            self._flush(check=False)
+            rec.update(status="diverged", message=str(e), diverged_at_step=e.step if e.step is not None else self.step)
             log.warning("diverged at step %s: %s", rec["diverged_at_step"], e)
         finally:
-            rec["steps"], rec["samples"], rec["epochs"] = step, samples, step / self.data.steps_per_epoch
-            rec["final_train_loss"] = last_loss["value"]
+            rec["steps"], rec["samples"], rec["epochs"] = self.step, self.samples, self.step / self.data.steps_per_epoch
+            rec["final_train_loss"] = self.last_loss
             rec["throughput"] = self.meter.summary()
             rec["memory"] = peak_memory(self.device)
             rec["loss_scale"] = {name: e.scaler.summary() for name, e in self.engines.items()}
@@ -177,6 +160,30 @@ class Run:
             self.metrics.close()
         self.save_record()
         return rec
+
+    def steps(self) -> Iterator[int]:
+        """The training loop, yielding after each step (a benchmark can drive it a window at a time)."""
+        epoch = 0
+        batches = self.data.epoch(epoch)
+        while self.step < self.total_steps:
+            t0 = time.perf_counter()
+            batch = next(batches, None)
+            if batch is None:
+                epoch += 1
+                batches = self.data.epoch(epoch)
+                continue
+            wait = time.perf_counter() - t0
+            self.pending.extend(self._train_step(self.step, batch))
+            self.step += 1
+            n = self.task.count_samples(batch)
+            self.samples += n
+            self.meter.step(n, wait)
+            if self.step % self.cfg.schedule.log_every == 0 or self.step == self.total_steps:
+                self._flush()
+            if self.step % self.eval_every == 0 or self.step == self.total_steps:
+                self._evaluate(self.step)
+                self.meter.interrupt()
+            yield self.step
 
     def _train_step(self, step: int, batch: Any) -> list[dict]:
         rows = []
@@ -195,8 +202,9 @@ class Run:
             row.update({k: v.detach() for k, v in term.parts.items()})
             rows.append(row)
 
-    def _flush(self, rows: list[dict], last_loss: dict, check: bool = True) -> None:
+    def _flush(self, check: bool = True) -> None:
         """Bring the logged tensors to the host in one sync, write them, and watch for divergence."""
+        rows, self.pending = self.pending, []
         slots = [(r, k) for r in rows for k, v in r.items() if isinstance(v, torch.Tensor)]
         if slots:
             for (r, k), value in zip(slots, torch.stack([r[k].float() for r, k in slots]).tolist()):
@@ -204,7 +212,7 @@ class Run:
         self.metrics.write(rows)
         for r in rows:
             if math.isfinite(r["loss"]):
-                last_loss["value"] = r["loss"]
+                self.last_loss = r["loss"]
             elif check and not self.engines[r["group"]].scaler.checks_overflow:
                 raise Diverged(f"non-finite loss {r['loss']} at step {r['step']} (scale=none)", step=r["step"])
 

@@ -1,0 +1,55 @@
+"""The result record: atomic, always valid JSON, and `diverged` instead of a crash."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from mpt.runner.config import validate
+from mpt.runner.record import write_json_atomic
+from mpt.runner.train import Run
+
+from .conftest import ROOT, compose_cfg, run_cli
+
+
+def test_atomic_write_replaces_whole_and_leaves_no_temporaries(tmp_path):
+    path = tmp_path / "result.json"
+    write_json_atomic(path, {"status": "running", "loss": float("nan"), "scale": float("inf")})
+    assert json.loads(path.read_text()) == {"status": "running", "loss": "nan", "scale": "inf"}
+    with pytest.raises(TypeError):
+        write_json_atomic(path, {"status": "ok", "bad": object()})  # fails mid-write
+    assert json.loads(path.read_text())["status"] == "running"  # the previous record is intact
+    assert [p.name for p in tmp_path.iterdir()] == ["result.json"]
+
+
+def test_non_finite_loss_without_scaling_is_recorded_as_diverged(tmp_path):
+    cfg = compose_cfg("precision=fp32", "scale=none", "schedule=smoke", "schedule.steps=6", "schedule.log_every=1", "optim.lr=1e12")
+    validate(cfg)
+    rec = Run(cfg, tmp_path).train()
+    assert rec["status"] == "diverged"
+    assert "non-finite loss" in rec["message"]
+    on_disk = json.loads((tmp_path / "result.json").read_text())
+    assert on_disk["status"] == "diverged" and on_disk["diverged_at_step"] == rec["diverged_at_step"] < 6
+    assert isinstance(on_disk["final_train_loss"], float)  # the last finite loss
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == rec["diverged_at_step"] and rows[-1]["loss"] in ("nan", "inf", "-inf")
+
+
+def test_record_says_running_until_the_run_ends(tmp_path):
+    cfg = compose_cfg("schedule=smoke")
+    validate(cfg)
+    run = Run(cfg, tmp_path)
+    run.save_record()
+    assert json.loads((tmp_path / "result.json").read_text())["status"] == "running"
+    assert run.train()["status"] == "ok"
+    assert json.loads((tmp_path / "result.json").read_text())["status"] == "ok"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_asking_for_cuda_without_one_is_one_line(tmp_path):
+    r = run_cli("device=cuda", f"hydra.run.dir={tmp_path}", cwd=ROOT)
+    assert r.returncode == 2
+    assert r.stderr.strip() == "mpt-run: error: device=cuda: no CUDA device is available here (torch.cuda.is_available() is False); use device=cpu or auto"
+    assert not (tmp_path / "result.json").exists()
