@@ -3,6 +3,8 @@ torch.amp.GradScaler, torch.nn.utils.clip_grad_norm_ and torch.optim.SGD."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -47,17 +49,24 @@ def test_update_below_half_an_fp16_ulp_is_lost_by_fp16_and_kept_by_mixed():
     assert torch.all(mixed_model.w < 1.0) and mixed_model.w.dtype == F16  # the accumulated update reaches the FP16 weights
 
 
-def fp16_oracle(w0, grads, S, lr, m, wd, modified):
-    """float64 evaluation of the FP16 update formulas, rounding to FP16 where the engine stores."""
+def fp16_oracle(w0, grads, scales, lr, m, wd, modified, clip=None, rescale=True):
+    """float64 evaluation of the FP16 update formulas, rounding to FP16 where the engine stores.
+
+    scales: the loss scale of each step. Modified momentum holds G at h*S (h: momentum_headroom).
+    """
     r = lambda x: x.to(F16).double()  # noqa: E731
-    w, buf = r(w0), torch.zeros_like(w0, dtype=torch.float64)
-    for G in grads:
+    h = 2.0 ** -math.ceil(math.log2(1 / (1 - m))) if 0 < m < 1 else 1.0
+    w, buf, held_before = r(w0), torch.zeros_like(w0, dtype=torch.float64), None
+    for G, S in zip(grads, scales):
         gs = r(G.double() * S)  # the scaled FP16 gradient backward produces
+        coef = 1.0 if clip is None else min(1.0, clip / (float(torch.linalg.vector_norm(gs)) / S + 1e-6))
         if modified:
-            Gnew = buf * m + gs + w * (wd * S)
-            buf, w = r(Gnew), r(w - Gnew * (lr / S))
+            held = h * S
+            ratio = held / held_before if rescale and held_before else 1.0
+            Gnew = buf * (m * ratio) + gs * (coef * held / S) + w * (wd * held)
+            buf, w, held_before = r(Gnew), r(w - Gnew * (lr / held)), held
         else:
-            v = buf * m - (gs / S + w * wd) * lr
+            v = buf * m - (gs * coef / S + w * wd) * lr
             buf, w = r(v), r(w + v)
     return w
 
@@ -72,27 +81,72 @@ def test_fp16_updates_match_float64_evaluation_of_their_formulas(precision, modi
     model, engine = make_engine(w0, precision, scale, lr=lr, momentum=m, weight_decay=wd, extra=[f"scale.value={S}"] if scale == "static" else [])
     for G in grads:
         assert train_step(model, engine, G)
-    expected = fp16_oracle(w0, grads, S, lr, m, wd, modified)
+    expected = fp16_oracle(w0, grads, [S] * len(grads), lr, m, wd, modified)
     assert torch.equal(model.w.double(), expected)
     # ...and the two formulas really differ in FP16, so this comparison can tell them apart.
-    assert not torch.equal(expected, fp16_oracle(w0, grads, S, lr, m, wd, not modified))
+    assert not torch.equal(expected, fp16_oracle(w0, grads, [S] * len(grads), lr, m, wd, not modified))
 
 
 def test_modified_momentum_is_rescaled_when_the_scale_changes():
-    # Dynamic scale with interval 1: the scale doubles every step; G must follow it.
+    # Dynamic scale with interval 1: the scale doubles every step and G must follow it exactly.
     gen = torch.Generator().manual_seed(2)
-    w0 = torch.randn(64, generator=gen).to(F16).float()
-    grads = [torch.randn(64, generator=gen) * 1e-3 for _ in range(4)]
+    w0 = (torch.randn(64, generator=gen) * 1e-2).to(F16).float()  # small weights: fine FP16 spacing
+    grads = [torch.randn(64, generator=gen) * 1e-2 for _ in range(5)]
     model, engine = make_engine(w0, "fp16_modmom", "dynamic", lr=0.1, momentum=0.9,
                                 extra=["scale.init=64", "scale.interval=1", "scale.max=1e6"])
     for G in grads:
-        train_step(model, engine, G)
-    # In units of the true gradient, modified momentum is scale-free: compare with a constant-scale run.
-    ref_model, ref_engine = make_engine(w0, "fp16_modmom", "static", lr=0.1, momentum=0.9, extra=["scale.value=64"])
+        assert train_step(model, engine, G)
+    scales = [64.0 * 2**i for i in range(5)]
+    expected = fp16_oracle(w0, grads, scales, 0.1, 0.9, 0.0, modified=True)
+    assert torch.equal(model.w.double(), expected)
+    # Rescaled, the update does not depend on the scale; forgetting the rescale gives other weights.
+    assert torch.equal(expected, fp16_oracle(w0, grads, [64.0] * 5, 0.1, 0.9, 0.0, modified=True))
+    assert not torch.equal(expected, fp16_oracle(w0, grads, scales, 0.1, 0.9, 0.0, modified=True, rescale=False))
+
+
+def test_modified_momentum_does_not_overflow_where_the_gradients_do_not():
+    # Scaled gradients near 30000 with a constant sign: m = 0.9 sums them up to 10x, past FP16's
+    # 65504, unless G is held with headroom.
+    w0 = torch.full((16,), 0.5)
+    model, engine = make_engine(w0, "fp16_modmom", "static", lr=1e-6, momentum=0.9, extra=["scale.value=1024"])
+    G = torch.full((16,), 30.0)  # S*g = 30720
+    for _ in range(20):
+        assert train_step(model, engine, G)
+    buf = engine.optimizer.state[model.w]["momentum"]
+    assert torch.isfinite(buf).all() and torch.isfinite(model.w).all()
+    expected = fp16_oracle(w0, [G] * 20, [1024.0] * 20, 1e-6, 0.9, 0.0, modified=True)
+    assert torch.equal(model.w.double(), expected)
+
+
+@pytest.mark.parametrize("precision,modified", [("fp16", False), ("fp16_modmom", True)])
+def test_fp16_updates_clip_the_unscaled_gradient(precision, modified):
+    gen = torch.Generator().manual_seed(4)
+    w0 = torch.randn(128, generator=gen).to(F16).float()
+    grads = [torch.randn(128, generator=gen) * 0.1 for _ in range(4)]  # norm about 1.1, clipped to 0.5
+    model, engine = make_engine(w0, precision, "static", lr=0.1, momentum=0.9,
+                                extra=["scale.value=512", "optim.clip_grad_norm=0.5"])
     for G in grads:
-        train_step(ref_model, ref_engine, G)
-    torch.testing.assert_close(model.w.float(), ref_model.w.float(), rtol=0, atol=2e-3)
-    assert engine.scaler.scale == 64 * 2**4
+        assert train_step(model, engine, G)
+    expected = fp16_oracle(w0, grads, [512.0] * 4, 0.1, 0.9, 0.0, modified, clip=0.5)
+    assert torch.equal(model.w.double(), expected)
+    assert not torch.equal(expected, fp16_oracle(w0, grads, [512.0] * 4, 0.1, 0.9, 0.0, modified))  # clipping was active
+
+
+@pytest.mark.parametrize("precision", ["fp16", "fp16_modmom", "mixed"])
+def test_a_skipped_step_changes_no_weight_momentum_or_master(precision):
+    model, engine = make_engine(torch.linspace(-1, 1, 8), precision, "static", lr=0.1, momentum=0.9, extra=["scale.value=8"])
+    train_step(model, engine, torch.full((8,), 0.5))
+    snapshot = [t.clone() for t in [model.w.detach(), *engine.master_weights(), *_momenta(engine)]]
+    bad = torch.full((8,), 0.5)
+    bad[2] = float("inf")
+    assert not train_step(model, engine, bad)
+    after = [model.w.detach(), *engine.master_weights(), *_momenta(engine)]
+    assert len(after) == len(snapshot) >= 2
+    assert all(torch.equal(a, b) for a, b in zip(after, snapshot))
+
+
+def _momenta(engine) -> list[torch.Tensor]:
+    return [t for state in engine.optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
 
 
 def test_dynamic_scaler_matches_torch_gradscaler_on_a_scripted_sequence():
@@ -180,6 +234,38 @@ def test_a_skipped_step_does_not_advance_the_lr_schedule():
     assert lrs == pytest.approx([0.1, 0.1, 0.1, 0.01])
 
 
+def test_mixed_matches_torch_sgd_on_fp32_masters_of_an_fp16_network():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 5))
+    ref = __import__("copy").deepcopy(net).half()
+    ref[1].float()
+    S = 256.0
+    cfg = compose_cfg("precision=mixed", "scale=static", f"scale.value={S}", "schedule.batch_size=256", "optim.lr=0.05")
+    model = prepare_model(net, cfg.precision, CPU, channels_last=False)
+    engine = PrecisionEngine(model, cfg, build_scaler(cfg), [], CPU)
+    params = list(ref.parameters())
+    masters = [p.detach().float().clone() if p.dtype == F16 else p for p in params]
+    opt = torch.optim.SGD(masters, lr=0.05, momentum=cfg.optim.momentum, weight_decay=cfg.optim.weight_decay)
+    for _ in range(4):
+        x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 5, (4,))
+        engine.backward(nn.functional.cross_entropy(model(x), y))
+        assert engine.step()
+        (nn.functional.cross_entropy(ref(x.half()).float(), y) * S).backward()
+        for p, m in zip(params, masters):
+            g = p.grad.float() / S
+            p.grad = None
+            m.grad = g  # batch-norm weights are FP32 and their own masters (m is p)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for p, m in zip(params, masters):
+                if m is not p:
+                    p.copy_(m)
+    assert all(torch.equal(a, b) for a, b in zip(engine.master_weights(), [m for p, m in zip(params, masters) if m is not p]))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(model.buffers(), ref.buffers()))
+
+
 def test_mixed_keeps_fp16_weights_fp32_batchnorm_and_fp32_masters():
     net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4 * 4 * 4, 2))
     cfg = compose_cfg("precision=mixed")
@@ -197,3 +283,26 @@ def test_fp32_switches_tf32_off_and_tf32_on():
     assert set(set_fp32_math(False).values()) == {"ieee"}
     assert set(set_fp32_math(True).values()) == {"tf32"}
     set_fp32_math(False)
+
+
+def test_a_parameter_without_gradient_keeps_its_master_after_an_overflow():
+    # Step 1 overflows through both halves; step 2 uses only the first half. The second half's
+    # master must not be updated with the stale, non-finite gradient of step 1.
+    class Halves(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = Vector(torch.ones(4)), Vector(torch.ones(4))
+
+        def forward(self, x, use_b: bool):
+            return self.a(x) + (self.b(x) if use_b else 0)
+
+    cfg = compose_cfg("precision=mixed", "scale=static", "scale.value=8", "schedule.batch_size=256", "optim.lr=0.1")
+    model = prepare_model(Halves(), cfg.precision, CPU, channels_last=False)
+    engine = PrecisionEngine(model, cfg, build_scaler(cfg), [], CPU)
+    bad = torch.tensor([1.0, float("inf"), 1.0, 1.0])
+    engine.backward((model(torch.ones(4), use_b=True).float() * bad).sum())
+    assert not engine.step()
+    engine.backward(model(torch.ones(4), use_b=False).float().sum())
+    assert engine.step()
+    master_a, master_b = engine.master_weights()
+    assert torch.all(master_a < 1) and torch.equal(master_b, torch.ones(4))

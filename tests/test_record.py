@@ -32,7 +32,8 @@ def test_non_finite_loss_without_scaling_is_recorded_as_diverged(tmp_path):
     assert "non-finite loss" in rec["message"]
     on_disk = json.loads((tmp_path / "result.json").read_text())
     assert on_disk["status"] == "diverged" and on_disk["diverged_at_step"] == rec["diverged_at_step"] < 6
-    assert isinstance(on_disk["final_train_loss"], float)  # the last finite loss
+    assert on_disk["final_train_loss"] in ("nan", "inf", "-inf")
+    assert isinstance(on_disk["last_finite_train_loss"], float)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == rec["diverged_at_step"] and rows[-1]["loss"] in ("nan", "inf", "-inf")
 

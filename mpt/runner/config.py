@@ -220,6 +220,8 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"precision {p.name}: master_weights needs param_dtype float16 or bfloat16, got float32")
     if p.update_rule != Update.optimizer and (p.param_dtype != DType.float16 or p.master_weights):
         raise ConfigError(f"precision {p.name}: update_rule={p.update_rule.name} updates FP16 weights in place; needs param_dtype=float16 and no master weights")
+    if p.update_rule != Update.optimizer and p.norm_fp32:
+        raise ConfigError(f"precision {p.name}: update_rule={p.update_rule.name} updates FP16 weights only; norm_fp32 must be false")
     if p.update_rule != Update.optimizer and cfg.optim.name != "sgd":
         raise ConfigError(f"precision {p.name}: the FP16 momentum updates are SGD; optim.name={cfg.optim.name} is not supported with it")
     if p.autocast is not None and p.param_dtype != DType.float32:

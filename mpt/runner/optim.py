@@ -9,6 +9,8 @@ update instead of in FP16 memory, where small unscaled gradients would flush to 
 
 from __future__ import annotations
 
+import math
+
 import torch
 from omegaconf import DictConfig
 
@@ -19,8 +21,12 @@ class FP16MomentumSGD(torch.optim.Optimizer):
     classic (NVCaffe):      v = m*v - lr*(g + wd*w);   w = w + v        (v in weight units)
     modified (Naruse 2017): G = m*G + (g + wd*w);      w = w - lr*G     (G in gradient units)
 
-    With loss scaling, G is kept multiplied by S (so it stays as far from underflow as the scaled
-    gradients are) and is rescaled when S changes.
+    With loss scaling, G is kept multiplied by h*S, so it stays as far from underflow as the scaled
+    gradients are, and rescaled when S changes. h = 2^-ceil(log2(1/(1-m))) is headroom: G sums
+    gradients with weights up to 1/(1-m) (10x at m = 0.9), so held at S alone it would overflow FP16
+    wherever a gradient keeps its sign under a scale that merely keeps the gradients themselves
+    finite (a dynamic scale settles just there). Held at h*S it stays below the largest scaled
+    gradient. h is a power of two, so the rescaling is exact.
     """
 
     def __init__(self, params, lr: float, momentum: float, weight_decay: float, modified: bool):
@@ -36,28 +42,34 @@ class FP16MomentumSGD(torch.optim.Optimizer):
         """grad_scale: the loss scale the gradients carry. grad_coef: a clipping factor for the unscaled gradient."""
         for group in self.param_groups:
             lr, m, wd = group["lr"], group["momentum"], group["weight_decay"]
+            held = momentum_headroom(m) * grad_scale  # the scale G is held at
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 state = self.state[p]
                 if "momentum" not in state:
                     state["momentum"] = torch.zeros_like(p)
-                    state["scale"] = grad_scale
+                    state["scale"] = held
                 buf = state["momentum"]
                 w = p.float()
                 if self.modified:
-                    # G/S = m*(G/S) + coef*g + wd*w, held as G in units of the current scale.
-                    g = p.grad.float().mul_(grad_coef).add_(w, alpha=wd * grad_scale)
-                    G = buf.float().mul_(m * grad_scale / state["scale"]).add_(g)
+                    # G/held = m*(G/held) + coef*g + wd*w, where the gradient arrives as S*g.
+                    g = p.grad.float().mul_(grad_coef * held / grad_scale).add_(w, alpha=wd * held)
+                    G = buf.float().mul_(m * held / state["scale"]).add_(g)
                     buf.copy_(G)
-                    state["scale"] = grad_scale
-                    p.copy_(w.sub_(G, alpha=lr / grad_scale))
+                    state["scale"] = held
+                    p.copy_(w.sub_(G, alpha=lr / held))
                 else:
                     g = p.grad.float().mul_(grad_coef / grad_scale).add_(w, alpha=wd)
                     v = buf.float().mul_(m).sub_(g, alpha=lr)
                     buf.copy_(v)
                     p.copy_(w.add_(v))
         return None
+
+
+def momentum_headroom(m: float) -> float:
+    """The largest power of two h with h / (1 - m) <= 1."""
+    return 2.0 ** -math.ceil(math.log2(1.0 / (1.0 - m))) if 0 < m < 1 else 1.0
 
 
 def build_torch_optimizer(params, cfg: DictConfig, lr: float) -> torch.optim.Optimizer:

@@ -97,14 +97,17 @@ class _TorchUpdate:
 
     def __init__(self, params: list[nn.Parameter], cfg: DictConfig, lr: float):
         self.params = params
-        # Only the low-precision weights get a master; FP32 ones (batch-norm under mixed) are updated directly.
-        self.masters = [p.detach().float().clone() if p.dtype != torch.float32 else p for p in params]
+        # Only low-precision weights get a master; FP32 ones (batch-norm under mixed) are updated directly.
+        keep_master = cfg.precision.master_weights
+        self.masters = [p.detach().float().clone() if keep_master and p.dtype != torch.float32 else p for p in params]
         self.low_pairs = [(p, m) for p, m in zip(params, self.masters) if m is not p]
         self.optimizer = build_torch_optimizer(self.masters, cfg, lr)
 
     def grads(self) -> list[torch.Tensor]:
         for p, m in self.low_pairs:
-            if p.grad is not None:
+            if p.grad is None:
+                m.grad = None  # no stale gradient may reach the optimizer
+            else:
                 if m.grad is None:
                     m.grad = torch.empty_like(m)
                 m.grad.copy_(p.grad)
@@ -162,6 +165,9 @@ class PrecisionEngine:
         return self.optimizer.param_groups[0]["lr"]
 
     def backward(self, loss: torch.Tensor) -> None:
+        # Start from clean gradients: another network's backward (a GAN's generator loss flows
+        # through the discriminator) may have written into this one's since its last step.
+        self._zero_grad()
         (loss * self.scaler.scale).backward()
 
     @torch.no_grad()

@@ -5,7 +5,8 @@ device is synchronized at the edges of each window of `window` steps, and the fi
 over windows. Two figures are kept:
 - `pipeline`: samples / window wall time, data loading included;
 - `compute`: samples / (window wall time - time the loop spent waiting for its next batch).
-A window that an evaluation interrupts is discarded.
+A window that an evaluation interrupts is discarded, and the step after it reopens the window
+without being counted (so is the last warm-up step: at least one step is always excluded).
 """
 
 from __future__ import annotations

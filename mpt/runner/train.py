@@ -84,7 +84,7 @@ class Run:
         self.forward_context = lambda: autocast(cfg.precision, self.device)
         self.meter = ThroughputMeter(self.device, s.throughput_warmup, s.throughput_window, self.task.sample_unit)
         self.metrics = MetricsLog(run_dir / "metrics.jsonl")
-        self.step, self.samples, self.last_loss = 0, 0, None
+        self.step, self.samples, self.last_loss, self.last_finite_loss = 0, 0, None, None
         self.pending: list[dict[str, Any]] = []  # per-step rows whose tensors are not yet on the host
         self.record = self._initial_record()
 
@@ -122,6 +122,7 @@ class Run:
             "samples": 0,
             "metrics": {},
             "final_train_loss": None,
+            "last_finite_train_loss": None,
             "throughput": None,
             "memory": None,
             "loss_scale": None,
@@ -152,6 +153,7 @@ class Run:
         finally:
             rec["steps"], rec["samples"], rec["epochs"] = self.step, self.samples, self.step / self.data.steps_per_epoch
             rec["final_train_loss"] = self.last_loss
+            rec["last_finite_train_loss"] = self.last_finite_loss
             rec["throughput"] = self.meter.summary()
             rec["memory"] = peak_memory(self.device)
             rec["loss_scale"] = {name: e.scaler.summary() for name, e in self.engines.items()}
@@ -211,22 +213,24 @@ class Run:
                 r[k] = value
         self.metrics.write(rows)
         for r in rows:
+            self.last_loss = r["loss"]
             if math.isfinite(r["loss"]):
-                self.last_loss = r["loss"]
+                self.last_finite_loss = r["loss"]
             elif check and not self.engines[r["group"]].scaler.checks_overflow:
                 raise Diverged(f"non-finite loss {r['loss']} at step {r['step']} (scale=none)", step=r["step"])
 
     def _check_weights(self, step: int) -> None:
         for name, engine in self.engines.items():
-            tensors = list(engine.model.parameters()) + engine.master_weights()
+            # Buffers too: a forward overflow on a skipped step still updates batch-norm statistics.
+            tensors = [*engine.model.parameters(), *engine.master_weights(), *(b for b in engine.model.buffers() if b.is_floating_point())]
             finite = torch.stack([torch.isfinite(t).all() for t in tensors]).all()
             if not bool(finite):
-                raise Diverged(f"non-finite weights in {name} by step {step}", step=step)
+                raise Diverged(f"non-finite weights or batch-norm statistics in {name} by step {step}", step=step)
 
     def _evaluate(self, step: int) -> None:
         # Weights are checked here, off the timed path: between evaluations a non-finite weight
         # shows up as a non-finite loss at the next step anyway.
-        self._check_weights(step)
+        self._check_weights(step - 1)
         cap = self.cfg.schedule.eval_batches
         batches = islice(self.data.val(), cap) if cap else self.data.val()
         metrics = self.task.evaluate(batches, self.forward_context)
