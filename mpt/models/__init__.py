@@ -44,6 +44,8 @@ class LossTerm:
 
 class Task(Protocol):
     sample_unit: str  # what throughput counts: "images", "tokens", ...
+    primary_metric: str  # the evaluation metric tables report (a key of evaluate()'s result)
+    higher_is_better: bool
 
     def networks(self) -> dict[str, nn.Module]: ...
 

@@ -21,6 +21,8 @@ _BUILD_KWARGS = {
 
 class Classification:
     sample_unit = "images"
+    primary_metric = "top1"
+    higher_is_better = True
 
     def __init__(self, model_cfg: DictConfig, num_classes: int):
         self.cfg = model_cfg

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from pathlib import Path
@@ -9,13 +10,49 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from .config import ConfigError, register_configs, validate
 
 log = logging.getLogger("mpt")
 
+GROUPS = ("model", "precision", "scale", "data", "schedule")
+# Overrides that do not change what a run computes, so they do not name its folder.
+NOT_IN_NAME = {"force", "experiment", "device", "hydra"}
+
+
+def variant() -> str:
+    """The command line's overrides beyond the group choices and the seed, sorted: what sets a run
+    apart from the others of its model, mode, data and schedule (e.g. "optim.lr=0.2")."""
+    extra = []
+    for override in HydraConfig.get().overrides.task:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if key not in GROUPS and key != "seed" and key.split(".")[0] not in NOT_IN_NAME:
+            extra.append(override)
+    return ",".join(sorted(extra))
+
+
+def run_name(seed: int) -> str:
+    """The run folder's name: every group choice, the seed, then the variant.
+
+    Deterministic, so relaunching a sweep finds each run's earlier record, and distinct configs
+    never share a folder.
+    """
+    choices = HydraConfig.get().runtime.choices
+    name = "_".join([*(choices[g] for g in GROUPS), f"seed{seed}"])
+    extra = variant().replace("/", "_")
+    return name + ("__" + extra if extra else "")
+
+
+OmegaConf.register_new_resolver("mpt_run_name", run_name, use_cache=False)
 register_configs()
+
+
+def previous_status(run_dir: Path) -> str | None:
+    try:
+        return json.loads((run_dir / "result.json").read_text()).get("status")
+    except (OSError, ValueError):
+        return None
 
 
 def _fmt_bytes(n: float | None) -> str:
@@ -49,9 +86,13 @@ def run(cfg: DictConfig) -> str:
 
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    done = previous_status(run_dir)
+    if done == "ok" and not cfg.force:
+        print(f"mpt-run: {run_dir} already has a record with status ok; skipped (force=true runs it again)", flush=True)
+        return "skipped"
     try:
         validate(cfg)
-        job = Run(cfg, run_dir)
+        job = Run(cfg, run_dir, variant=variant())
     except ConfigError as e:  # before any training: one line, no record
         print(f"mpt-run: error: {e}", file=sys.stderr)
         if multirun:

@@ -145,6 +145,7 @@ class Config:
     channels_last: Optional[bool] = None  # null: on for convolutional models on CUDA, and for FP16 weights on CPU
     cudnn_benchmark: bool = True
     deterministic: bool = False
+    force: bool = False  # run even if the run folder already holds a record with status ok
 
 
 def register_configs() -> None:

@@ -51,7 +51,7 @@ class MetricsLog:
 
     def __init__(self, path: Path):
         self.path = path
-        self._file: TextIO = open(path, "a")
+        self._file: TextIO = open(path, "w")  # a rerun in the same folder starts a fresh log
 
     def write(self, rows: list[dict]) -> None:
         for row in rows:

@@ -53,8 +53,9 @@ def seed_everything(seed: int) -> None:
 class Run:
     """One training run: built from a validated config, writing into `run_dir`."""
 
-    def __init__(self, cfg: DictConfig, run_dir: Path):
+    def __init__(self, cfg: DictConfig, run_dir: Path, variant: str = ""):
         self.cfg = cfg
+        self.variant = variant
         self.run_dir = run_dir
         self.device = resolve_device(cfg.device)
         check_device_support(cfg.precision, self.device)
@@ -97,6 +98,7 @@ class Run:
             "message": None,
             "run_dir": str(self.run_dir),
             "choices": {k: plain[k]["name"] for k in CHOICE_KEYS},
+            "variant": self.variant,  # overrides beyond the choices and the seed
             "seed": cfg.seed,
             "config": plain,
             "precision": {
@@ -120,6 +122,8 @@ class Run:
             "total_steps": self.total_steps,
             "steps": 0,
             "samples": 0,
+            "primary_metric": self.task.primary_metric,
+            "higher_is_better": self.task.higher_is_better,
             "metrics": {},
             "final_train_loss": None,
             "last_finite_train_loss": None,

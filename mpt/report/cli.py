@@ -1,0 +1,86 @@
+"""`mpt-report`: turn result records into runs.csv, Markdown/CSV tables and PNG figures."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from . import figures, tables
+from .records import load_curves, load_runs
+
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]
+
+
+def default_published() -> Path:
+    """results/paper/published.csv of the working directory, else of the checkout the package runs from."""
+    for root in (Path.cwd(), PACKAGE_ROOT):
+        candidate = root / "results" / "paper" / "published.csv"
+        if candidate.exists():
+            return candidate
+    return Path("results/paper/published.csv")
+
+
+def write_table(df: pd.DataFrame, markdown: str, out: Path, name: str, written: list[Path]) -> str:
+    (out / "tables").mkdir(parents=True, exist_ok=True)
+    df.drop(columns=[c for c in ("precision_order", "scale_order") if c in df.columns]).to_csv(out / "tables" / f"{name}.csv", index=False)
+    (out / "tables" / f"{name}.md").write_text(markdown + "\n")
+    written += [out / "tables" / f"{name}.csv", out / "tables" / f"{name}.md"]
+    return markdown
+
+
+def build_report(paths: list[Path], out: Path, published_path: Path | None) -> list[Path]:
+    runs = load_runs(paths)
+    if runs.empty:
+        raise SystemExit(f"mpt-report: error: no result.json under {', '.join(map(str, paths))}")
+    out.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    runs.drop(columns=["precision_order", "scale_order"]).to_csv(out / "runs.csv", index=False)
+    written.append(out / "runs.csv")
+
+    acc = tables.accuracy(runs)
+    tp = tables.throughput(runs)
+    mem = tables.memory(runs)
+    ls = tables.loss_scaling(runs)
+    sections = [
+        ("Accuracy", "accuracy", acc, tables.render_accuracy(acc)),
+        ("Throughput (median samples/s; speedup over fp32 on the same device, batch and resolution)", "throughput", tp,
+         tables.render_relative(tp, "throughput", "speedup_vs_fp32", lambda v: f"{v:.4g}", "throughput_unit")),
+        ("Peak memory (MiB; ratio to fp32 on the same device, batch and resolution)", "memory", mem,
+         tables.render_relative(mem, "peak_memory_bytes", "ratio_to_fp32", lambda v: f"{v / 2**20:.0f}", "memory_kind")),
+        ("Loss scaling", "loss_scaling", ls, tables.render_loss_scaling(ls)),
+    ]
+    if published_path is not None and published_path.exists():
+        paper = tables.paper_comparison(runs, pd.read_csv(published_path))
+        sections.append((f"Against the published values ({published_path})", "paper_comparison", paper, tables.render_paper(paper)))
+    text = [f"# Report\n\n{len(runs)} runs: " + ", ".join(f"{n} {s}" for s, n in runs.status.value_counts().items()) + ".\n"]
+    for title, name, df, md in sections:
+        text.append(f"## {title}\n\n" + write_table(df, md, out, name, written) + "\n")
+
+    curves = load_curves(runs)
+    figs = figures.loss_curves(curves, out / "figures") + figures.loss_scale_curves(curves, out / "figures") + figures.throughput_bars(tp, out / "figures")
+    written += figs
+    text.append("## Figures\n\n" + "\n".join(f"![{p.stem}](figures/{p.name})" for p in figs) + "\n")
+    (out / "report.md").write_text("\n".join(text))
+    written.append(out / "report.md")
+    return written
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="mpt-report", description="Tables and figures from mpt-run's result records.")
+    ap.add_argument("paths", nargs="*", type=Path, default=[Path("results/runs")], help="folders searched for result.json (default: results/runs)")
+    ap.add_argument("--out", type=Path, default=Path("results"), help="where runs.csv, tables/ and figures/ go (default: results)")
+    ap.add_argument("--published", type=Path, default=None, help="published values CSV (default: results/paper/published.csv)")
+    args = ap.parse_args(argv)
+    missing = [str(p) for p in args.paths if not p.exists()]
+    if missing:
+        print(f"mpt-report: error: no such folder: {', '.join(missing)}", file=sys.stderr)
+        sys.exit(2)
+    written = build_report(args.paths, args.out, args.published or default_published())
+    print(f"mpt-report: {len(written)} files in {args.out}: runs.csv, report.md, tables/, figures/")
+
+
+if __name__ == "__main__":
+    main()

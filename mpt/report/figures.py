@@ -1,0 +1,104 @@
+"""The paper's figures from the records: training loss per mode (Figures 4 and 5), loss scale per
+step, and throughput bars with speedups. PNG through matplotlib's Agg backend: no display needed."""
+
+from __future__ import annotations
+
+import math
+import zlib
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+
+
+def _modes_in_order(df: pd.DataFrame) -> list[str]:
+    return df[["mode", "precision_order", "scale_order"]].drop_duplicates("mode").sort_values(["precision_order", "scale_order"])["mode"].tolist()
+
+
+CELL_KEYS = ["model", "data", "schedule", "variant"]
+
+
+def _cell_name(keys: tuple) -> tuple[str, str]:
+    """A file stem and a title for one cell (model, data, schedule, variant)."""
+    model, data, schedule, variant = keys
+    title = f"{model}, {data}, {schedule}" + (f", {variant}" if variant else "")
+    stem = f"{model}_{data}_{schedule}" + (f"_{zlib.crc32(variant.encode()):08x}" if variant else "")
+    return stem, title
+
+
+def _save(fig, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def loss_curves(curves: pd.DataFrame, out: Path) -> list[Path]:
+    """Training loss against step for each model, one line per mode (mean over seeds)."""
+    written = []
+    if curves.empty:
+        return written
+    for keys, df in curves.groupby(CELL_KEYS):
+        stem, title = _cell_name(keys)
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for mode in _modes_in_order(df):
+            per_step = df[df["mode"] == mode].groupby("step")["loss"].mean()
+            ax.plot(per_step.index, per_step.values, label=mode, lw=1.2)
+        ax.set(xlabel="step", ylabel="training loss (mean over seeds)", title=f"training loss: {title}")
+        finite = df["loss"][df["loss"].map(math.isfinite)]
+        if len(finite) and (finite > 0).all() and finite.max() > 10 * finite.min():
+            ax.set_yscale("log")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+        written.append(_save(fig, out / f"loss_{stem}.png"))
+    return written
+
+
+def loss_scale_curves(curves: pd.DataFrame, out: Path) -> list[Path]:
+    """The loss scale each step ran with, for each model, one line per mode with a scaler."""
+    written = []
+    if curves.empty:
+        return written
+    scaled = curves[curves["scale_strategy"] != "none"]
+    for keys, df in scaled.groupby(CELL_KEYS):
+        stem, title = _cell_name(keys)
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for mode in _modes_in_order(df):
+            per_step = df[df["mode"] == mode].groupby("step")["scale"].median()
+            ax.step(per_step.index, per_step.values, where="post", label=mode, lw=1.2)
+        ax.set(xlabel="step", ylabel="loss scale (median over seeds)", title=f"loss scale: {title}")
+        ax.set_yscale("log", base=2)
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+        written.append(_save(fig, out / f"loss_scale_{stem}.png"))
+    return written
+
+
+def throughput_bars(table: pd.DataFrame, out: Path) -> list[Path]:
+    """Samples/s per model and mode, one figure per device, each bar labelled with its speedup over fp32."""
+    written = []
+    if table.empty:
+        return written
+    for device, df in table.groupby("device_name"):
+        models = sorted(df["model"].unique())
+        modes = _modes_in_order(df)
+        width = 0.8 / max(len(modes), 1)
+        fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(models) * max(1, len(modes) / 3)), 4))
+        for i, mode in enumerate(modes):
+            sub = df[df["mode"] == mode].groupby("model").agg(throughput=("throughput", "median"), speedup=("speedup_vs_fp32", "median"))
+            xs = [models.index(m) + (i - (len(modes) - 1) / 2) * width for m in sub.index]
+            bars = ax.bar(xs, sub["throughput"], width, label=mode)
+            for bar, speedup in zip(bars, sub["speedup"]):
+                if not math.isnan(speedup):
+                    ax.annotate(f"{speedup:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=7)
+        unit = df["throughput_unit"].dropna().iloc[0] if df["throughput_unit"].notna().any() else "samples/s"
+        ax.set_xticks(range(len(models)), models)
+        ax.set(ylabel=unit, title=f"throughput on {device} (label: speedup over fp32)")
+        ax.legend(fontsize=8)
+        ax.grid(axis="y", alpha=0.3)
+        safe = "".join(c if c.isalnum() else "_" for c in str(device)).strip("_")
+        written.append(_save(fig, out / f"throughput_{safe}.png"))
+    return written

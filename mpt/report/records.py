@@ -1,0 +1,150 @@
+"""Result records -> one tidy table (one row per run) and per-step curves.
+
+Numbers stay numbers here: every formatting decision belongs to the renderers (tables.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Iterable
+
+import pandas as pd
+
+# The order modes appear in tables and legends.
+PRECISION_ORDER = ["fp32", "tf32", "fp16", "mixed", "fp16_modmom", "amp", "bf16"]
+SCALE_ORDER = ["none", "static", "dynamic"]
+
+
+def mode_label(precision_label: str, scale: str, scale_value: float | None) -> str:
+    """The paper's way of naming a cell: "Mixed", "Mixed + LS (static 8)", "FP16 + LS (dynamic)"."""
+    if scale == "none":
+        return precision_label
+    detail = f"static {scale_value:g}" if scale == "static" and scale_value is not None else scale
+    return f"{precision_label} + LS ({detail})"
+
+
+def _number(value: Any) -> float | None:
+    """Records write NaN and inf as strings (JSON has neither)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return float(value)
+
+
+def _flatten(prefix: str, node: Any, out: dict) -> None:
+    if isinstance(node, dict):
+        for k, v in node.items():
+            _flatten(f"{prefix}.{k}", v, out)
+    elif isinstance(node, list):
+        out[prefix] = json.dumps(node)
+    else:
+        out[prefix] = node
+
+
+def find_records(paths: Iterable[Path]) -> list[Path]:
+    found: list[Path] = []
+    for path in paths:
+        if path.is_file() and path.name == "result.json":
+            found.append(path)
+        elif path.is_dir():
+            found.extend(sorted(path.rglob("result.json")))
+    return sorted(set(found))
+
+
+def record_row(rec: dict, path: Path) -> dict:
+    choices = rec["choices"]
+    primary = rec.get("primary_metric", "top1")
+    metrics = rec.get("metrics") or {}
+    tp = rec.get("throughput") or {}
+    mem = rec.get("memory") or {}
+    env = rec.get("environment") or {}
+    git = rec.get("git") or {}
+    scale_value = _number((rec.get("scale_config") or {}).get("value"))
+    row = {
+        "run_dir": str(path.parent),
+        "status": rec["status"],
+        "message": rec.get("message"),
+        **choices,
+        "variant": rec.get("variant") or "",
+        "seed": rec.get("seed"),
+        "precision_label": rec["precision"]["label"] or rec["precision"]["name"],
+        "scale_value": scale_value,
+        "mode": mode_label(rec["precision"]["label"] or rec["precision"]["name"], choices["scale"], scale_value),
+        "primary_metric": primary,
+        "higher_is_better": rec.get("higher_is_better", True),
+        "metric_value": _number(metrics.get(primary)),
+        "metric_step": metrics.get("step"),
+        "final_train_loss": _number(rec.get("final_train_loss")),
+        "last_finite_train_loss": _number(rec.get("last_finite_train_loss")),
+        "diverged_at_step": rec.get("diverged_at_step"),
+        "steps": rec.get("steps"),
+        "total_steps": rec.get("total_steps"),
+        "samples": rec.get("samples"),
+        "duration_s": rec.get("duration_s"),
+        "throughput": _number(tp.get("pipeline")),
+        "throughput_compute": _number(tp.get("compute")),
+        "throughput_unit": tp.get("unit"),
+        "throughput_windows": tp.get("windows"),
+        "peak_memory_bytes": mem.get("peak_bytes"),
+        "memory_kind": mem.get("kind"),
+        "skipped_steps": sum(s.get("skipped_steps", 0) for s in (rec.get("loss_scale") or {}).values()),
+        "device_type": env.get("device_type"),
+        "device_name": env.get("device_name"),
+        "torch": env.get("torch"),
+        "cuda": env.get("cuda"),
+        "git_commit": git.get("commit"),
+        "git_dirty": git.get("dirty"),
+        "started_at": rec.get("started_at"),
+    }
+    for key, value in metrics.items():
+        if key != "step":
+            row[f"metric.{key}"] = _number(value)
+    for group, summary in (rec.get("loss_scale") or {}).items():
+        for key, value in summary.items():
+            row[f"loss_scale.{group}.{key}"] = _number(value)
+    _flatten("config", rec.get("config") or {}, row)
+    return row
+
+
+def load_runs(paths: Iterable[Path]) -> pd.DataFrame:
+    rows = []
+    for path in find_records(paths):
+        try:
+            rec = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{path}: not a readable result record ({e})") from None
+        rows.append(record_row(rec, path))
+    df = pd.DataFrame(rows)
+    if df.empty:
+        return df
+    df["precision_order"] = df["precision"].map(lambda p: PRECISION_ORDER.index(p) if p in PRECISION_ORDER else len(PRECISION_ORDER))
+    df["scale_order"] = df["scale"].map(lambda s: SCALE_ORDER.index(s) if s in SCALE_ORDER else len(SCALE_ORDER))
+    return df.sort_values(["model", "data", "schedule", "variant", "precision_order", "scale_order", "scale_value", "seed"], na_position="first").reset_index(drop=True)
+
+
+def load_curves(runs: pd.DataFrame) -> pd.DataFrame:
+    """Per-step training rows of every run, with the run's model, mode and seed."""
+    frames = []
+    for run in runs.itertuples():
+        path = Path(run.run_dir) / "metrics.jsonl"
+        if not path.exists():
+            continue
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        train = pd.DataFrame([r for r in rows if r.get("kind") == "train"])
+        if train.empty:
+            continue
+        for col in ("loss", "scale"):
+            train[col] = train[col].map(_number)
+        train = train.assign(model=run.model, data=run.data, schedule=run.schedule, variant=run.variant, mode=run.mode, scale_strategy=run.scale, seed=run.seed, precision_order=run.precision_order, scale_order=run.scale_order)
+        frames.append(train)
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+def finite(x: float | None) -> bool:
+    return x is not None and not (isinstance(x, float) and math.isnan(x))

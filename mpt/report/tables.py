@@ -1,0 +1,207 @@
+"""Summaries of the tidy run table (numbers, for CSV) and their Markdown renderings (text).
+
+Throughput and memory are compared with `fp32` only on the same device, at the same batch size and
+resolution: a speedup across machines would measure the machines.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+# Metrics that records keep as fractions and papers print as percentages.
+PERCENT_METRICS = {"top1", "top5", "map", "map_11pt", "map_all"}
+MODE_KEYS = ["mode", "precision", "scale", "scale_value"]
+# A table cell: runs that differ only in their seed.
+CELL_KEYS = ["model", "data", "schedule", "variant"]
+SAME_SETUP = ["model", "device_name", "config.schedule.batch_size", "config.schedule.image_size"]
+
+
+def _mode_order(df: pd.DataFrame) -> list[str]:
+    cols = ["mode", "precision_order", "scale_order", "scale_value"]
+    return df[cols].drop_duplicates("mode").sort_values(cols[1:], na_position="first")["mode"].tolist()
+
+
+def _metric_columns(runs: pd.DataFrame) -> list[str]:
+    return [c for c in runs.columns if c.startswith("metric.")]
+
+
+def metric_summary(runs: pd.DataFrame) -> pd.DataFrame:
+    """One row per (model, mode, metric): mean and std over the seeds that finished, and how many diverged."""
+    rows = []
+    for keys, group in runs.groupby([*CELL_KEYS, *MODE_KEYS], dropna=False, sort=False):
+        ok = group[group.status == "ok"]
+        base = dict(zip([*CELL_KEYS, *MODE_KEYS], keys))
+        base.update(
+            runs=len(group),
+            ok=len(ok),
+            diverged=int((group.status == "diverged").sum()),
+            failed=int(group.status.isin(["error", "oom", "running"]).sum()),
+            primary=group.primary_metric.iloc[0],
+            precision_order=group.precision_order.iloc[0],
+            scale_order=group.scale_order.iloc[0],
+        )
+        for col in _metric_columns(runs):
+            values = ok[col].dropna()
+            values = values[values.map(math.isfinite)]
+            rows.append({**base, "metric": col.removeprefix("metric."), "n": len(values),
+                         "mean": values.mean() if len(values) else math.nan,
+                         "std": values.std(ddof=1) if len(values) > 1 else math.nan})
+    return pd.DataFrame(rows)
+
+
+def accuracy(runs: pd.DataFrame) -> pd.DataFrame:
+    summary = metric_summary(runs)
+    if summary.empty:
+        return summary
+    return summary[summary.metric == summary.primary].drop(columns="primary").reset_index(drop=True)
+
+
+def _fmt_metric(metric: str, value: float) -> str:
+    return f"{value * 100:.2f}" if metric in PERCENT_METRICS else f"{value:.4g}"
+
+
+def accuracy_cell(row) -> str:
+    if row.n == 0:
+        return "diverged" if row.diverged else ("failed" if row.failed else "n/a")
+    text = _fmt_metric(row.metric, row["mean"])
+    if row.n > 1:
+        text += " ± " + _fmt_metric(row.metric, row["std"])
+    notes = []
+    if row.n != row.runs:
+        notes.append(f"{row.n} of {row.runs} seeds")
+    if row.diverged:
+        notes.append(f"{row.diverged} diverged")
+    return text + (f" ({', '.join(notes)})" if notes else "")
+
+
+def throughput(runs: pd.DataFrame) -> pd.DataFrame:
+    """Median samples/s per (setup, mode) and the speedup over `fp32` without scaling in the same setup."""
+    return _relative_to_fp32(runs.dropna(subset=["throughput"]), "throughput", "speedup_vs_fp32", extra=["throughput_unit"])
+
+
+def memory(runs: pd.DataFrame) -> pd.DataFrame:
+    return _relative_to_fp32(runs.dropna(subset=["peak_memory_bytes"]), "peak_memory_bytes", "ratio_to_fp32", extra=["memory_kind"])
+
+
+def _relative_to_fp32(runs: pd.DataFrame, value: str, ratio: str, extra: list[str]) -> pd.DataFrame:
+    if runs.empty:
+        return pd.DataFrame()
+    keys = [k for k in SAME_SETUP if k in runs.columns]
+    table = (
+        runs.groupby([*keys, *MODE_KEYS, "precision_order", "scale_order", *extra], dropna=False, sort=False)[value]
+        .agg(["median", "count"])
+        .rename(columns={"median": value, "count": "runs"})
+        .reset_index()
+    )
+    baseline = table[(table.precision == "fp32") & (table.scale == "none")].set_index(keys)[value]
+    table[ratio] = [
+        row[value] / baseline.loc[tuple(row[k] for k in keys)] if tuple(row[k] for k in keys) in baseline.index else math.nan
+        for _, row in table.iterrows()
+    ]
+    return table
+
+
+def loss_scaling(runs: pd.DataFrame) -> pd.DataFrame:
+    """Final and minimum loss scale and skipped steps, per network, for runs with a scaler."""
+    scaled = runs[runs.scale != "none"]
+    groups = sorted({c.split(".")[1] for c in runs.columns if c.startswith("loss_scale.") and c.endswith(".final")})
+    rows = []
+    for keys, group in scaled.groupby([*CELL_KEYS, *MODE_KEYS, "precision_order", "scale_order"], dropna=False, sort=False):
+        for net in groups:
+            rows.append({
+                **dict(zip([*CELL_KEYS, *MODE_KEYS, "precision_order", "scale_order"], keys)),
+                "network": net,
+                "runs": len(group),
+                "final_scale": group[f"loss_scale.{net}.final"].median(),
+                "min_scale": group[f"loss_scale.{net}.min"].min(),
+                "skipped_steps": group[f"loss_scale.{net}.skipped_steps"].mean(),
+                "steps": group[f"loss_scale.{net}.steps"].mean(),
+            })
+    return pd.DataFrame(rows)
+
+
+def paper_comparison(runs: pd.DataFrame, published: pd.DataFrame) -> pd.DataFrame:
+    """Each published cell next to ours for the same model, precision, scale and metric."""
+    ours = metric_summary(runs) if not runs.empty else pd.DataFrame(columns=["model", "precision", "scale", "scale_value", "metric"])
+    rows = []
+    for pub in published.itertuples():
+        match = ours[(ours.model == pub.model) & (ours.precision == pub.precision) & (ours.scale == pub.scale) & (ours.metric == pub.metric)]
+        if not pd.isna(pub.scale_value):
+            match = match[match.scale_value == pub.scale_value]
+        row = {"table": pub.table, "model": pub.model, "precision": pub.precision, "scale": pub.scale, "scale_value": pub.scale_value,
+               "metric": pub.metric, "published": pub.value, "published_status": pub.status, "source": pub.source}
+        if match.empty:
+            rows.append(row)
+        factor = 100 if pub.metric in PERCENT_METRICS else 1
+        for m in match.itertuples():  # every cell of ours: the data and schedule say what it can be compared with
+            rows.append({**row, "data": m.data, "schedule": m.schedule, "variant": m.variant, "ours": m.mean * factor,
+                         "ours_std": m.std * factor, "ours_seeds": m.n, "ours_diverged": m.diverged, "ours_runs": m.runs})
+    return pd.DataFrame(rows)
+
+
+# ---------------------------------------------------------------- Markdown
+
+
+def _md(df: pd.DataFrame) -> str:
+    header = "| " + " | ".join(map(str, df.columns)) + " |"
+    rule = "|" + "---|" * len(df.columns)
+    body = ["| " + " | ".join("" if (isinstance(v, float) and math.isnan(v)) else str(v) for v in row) + " |" for row in df.itertuples(index=False)]
+    return "\n".join([header, rule, *body])
+
+
+def render_accuracy(acc: pd.DataFrame) -> str:
+    if acc.empty:
+        return "_no runs_"
+    acc = acc.assign(cell=[accuracy_cell(r) for _, r in acc.iterrows()])
+    order = _mode_order(acc)
+    pivot = acc.pivot_table(index=[*CELL_KEYS, "metric"], columns="mode", values="cell", aggfunc="first")
+    pivot = pivot[[m for m in order if m in pivot.columns]].reset_index().fillna("")
+    return _md(pivot)
+
+
+def render_relative(table: pd.DataFrame, value: str, ratio: str, fmt_value, unit_col: str) -> str:
+    if table.empty:
+        return "_no runs with this figure_"
+    keys = [k for k in SAME_SETUP if k in table.columns]
+    order = _mode_order(table)
+    table = table.assign(cell=[
+        f"{fmt_value(r[value])}" + ("" if math.isnan(r[ratio]) else f" ({r[ratio]:.2f}x)") for _, r in table.iterrows()
+    ])
+    pivot = table.pivot_table(index=[*keys, unit_col], columns="mode", values="cell", aggfunc="first")
+    pivot = pivot[[m for m in order if m in pivot.columns]].reset_index().fillna("")
+    pivot.columns = [str(c).removeprefix("config.schedule.") for c in pivot.columns]
+    return _md(pivot)
+
+
+def render_loss_scaling(table: pd.DataFrame) -> str:
+    if table.empty:
+        return "_no runs with loss scaling_"
+    out = table[[*CELL_KEYS, "mode", "network", "runs", "final_scale", "min_scale", "skipped_steps", "steps"]].copy()
+    for col in ["final_scale", "min_scale"]:
+        out[col] = out[col].map(lambda v: f"{v:g}")
+    out["skipped_steps"] = [f"{s:g} of {n:g}" for s, n in zip(out.skipped_steps, out.steps)]
+    return _md(out.drop(columns="steps"))
+
+
+def render_paper(table: pd.DataFrame) -> str:
+    if table.empty:
+        return "_no published values_"
+    out = table.copy()
+    out["published"] = [("diverges" if s == "diverged" else f"{v:g}") for v, s in zip(out.published, out.published_status)]
+    if "ours" not in out:
+        out["ours"] = math.nan
+    cells = []
+    for r in out.itertuples():
+        if "ours_runs" not in out or pd.isna(getattr(r, "ours_runs", math.nan)):
+            cells.append("not run")
+        elif r.ours_seeds == 0:
+            cells.append("diverged" if r.ours_diverged else "failed")
+        else:
+            cells.append(f"{r.ours:.2f}" + (f" ± {r.ours_std:.2f}" if r.ours_seeds > 1 else "") + f" (n={r.ours_seeds:g})")
+    out["ours"] = cells
+    out["scale"] = [s if pd.isna(v) else f"{s} {v:g}" for s, v in zip(out.scale, out.scale_value)]
+    for col in ("data", "schedule", "variant"):
+        out[col] = out[col].fillna("") if col in out else ""
+    return _md(out[["table", "model", "precision", "scale", "metric", "published", "ours", "data", "schedule", "variant", "source"]])

@@ -1,0 +1,150 @@
+"""A tiny sweep through the real CLI, relaunched, and the report built from its records."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from PIL import Image
+
+from mpt.report.records import mode_label
+
+from .conftest import ROOT, run_cli
+
+SWEEP = ["-m", "precision=fp32,fp16", "scale=none,dynamic", "seed=0,1", "schedule=smoke"]
+
+
+def records(runs: Path) -> dict[str, dict]:
+    return {p.parent.name: json.loads(p.read_text()) for p in runs.glob("*/result.json")}
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory) -> Path:
+    runs = tmp_path_factory.mktemp("sweep") / "runs"
+    r = run_cli(*SWEEP, f"hydra.sweep.dir={runs}", cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = run_cli("-m", "precision=fp32", "optim.lr=1e12", "schedule=smoke", "schedule.log_every=1", f"hydra.sweep.dir={runs}", cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return runs
+
+
+@pytest.fixture(scope="module")
+def report(swept) -> Path:
+    out = swept.parent / "report"
+    r = subprocess.run([sys.executable, "-m", "mpt.report.cli", str(swept), "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+def test_each_configuration_has_its_own_folder_named_from_its_choices(swept):
+    recs = records(swept)
+    assert len(recs) == 9
+    assert "resnet50_fp16_dynamic_synthetic_smoke_seed1" in recs
+    diverged = [name for name, rec in recs.items() if rec["status"] == "diverged"]
+    assert len(diverged) == 1 and diverged[0].startswith("resnet50_fp32_none_synthetic_smoke_seed0__optim.lr=")
+    assert recs[diverged[0]]["variant"].startswith("optim.lr=") and recs[diverged[0]]["variant"].endswith(",schedule.log_every=1")
+
+
+def test_relaunching_a_sweep_skips_finished_runs_and_force_reruns(swept):
+    before = {p: p.stat().st_mtime_ns for p in swept.glob("*/result.json")}
+    r = run_cli(*SWEEP, f"hydra.sweep.dir={swept}", cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.count("skipped (force=true runs it again)") == 8
+    assert {p: p.stat().st_mtime_ns for p in swept.glob("*/result.json")} == before
+
+    # A run that did not finish (its record still says `running`) is redone.
+    unfinished = swept / "resnet50_fp32_none_synthetic_smoke_seed1" / "result.json"
+    rec = json.loads(unfinished.read_text())
+    unfinished.write_text(json.dumps({**rec, "status": "running"}))
+    r = run_cli("-m", "precision=fp32", "scale=none", "seed=0,1", "schedule=smoke", f"hydra.sweep.dir={swept}", cwd=ROOT)
+    assert r.stdout.count("skipped (force=true") == 1 and json.loads(unfinished.read_text())["status"] == "ok"
+
+    r = run_cli("-m", "precision=fp32", "scale=none", "seed=0", "schedule=smoke", "force=true", f"hydra.sweep.dir={swept}", cwd=ROOT)
+    assert "skipped (force=true" not in r.stdout
+    forced = swept / "resnet50_fp32_none_synthetic_smoke_seed0" / "result.json"
+    assert forced.stat().st_mtime_ns != before[forced]
+
+
+def test_runs_csv_has_one_row_per_record_with_its_values(report, swept):
+    runs = pd.read_csv(report / "runs.csv")
+    recs = records(swept)
+    assert len(runs) == len(recs)
+    for row in runs.itertuples():
+        rec = recs[Path(row.run_dir).name]
+        assert row.status == rec["status"] and row.precision == rec["choices"]["precision"] and row.seed == rec["seed"]
+        assert row.skipped_steps == rec["loss_scale"]["model"]["skipped_steps"]
+        assert row.throughput == pytest.approx(rec["throughput"]["pipeline"])
+        if rec["status"] == "ok":
+            assert row.metric_value == pytest.approx(rec["metrics"]["top1"])
+
+
+def test_accuracy_pivot_holds_the_mean_over_seeds(report, swept):
+    acc = pd.read_csv(report / "tables" / "accuracy.csv").fillna({"variant": ""})
+    recs = records(swept).values()
+    for precision in ("fp32", "fp16"):
+        for scale in ("none", "dynamic"):
+            top1 = [r["metrics"]["top1"] for r in recs if r["choices"]["precision"] == precision and r["choices"]["scale"] == scale
+                    and r["status"] == "ok" and not r["variant"]]
+            cell = acc[(acc.precision == precision) & (acc.scale == scale) & (acc.variant == "")]
+            assert len(cell) == 1 and cell.n.item() == len(top1) == 2
+            assert cell["mean"].item() == pytest.approx(statistics.mean(top1))
+            assert cell["std"].item() == pytest.approx(statistics.stdev(top1))
+    assert "FP16 + LS (dynamic)" in (report / "tables" / "accuracy.md").read_text()
+
+
+def test_a_diverged_run_shows_as_diverged(report):
+    md = (report / "tables" / "accuracy.md").read_text()
+    line = next(l for l in md.splitlines() if "optim.lr=" in l)
+    assert "diverged" in line
+    acc = pd.read_csv(report / "tables" / "accuracy.csv")
+    assert acc[acc.variant.fillna("").str.contains("optim.lr=")].diverged.item() == 1
+
+
+def test_throughput_speedup_is_over_fp32_on_the_same_device(report, swept):
+    tp = pd.read_csv(report / "tables" / "throughput.csv")
+    recs = [r for r in records(swept).values()]
+
+    def median(precision, scale):
+        return statistics.median(r["throughput"]["pipeline"] for r in recs if r["choices"]["precision"] == precision and r["choices"]["scale"] == scale)
+
+    fp16 = tp[(tp.precision == "fp16") & (tp.scale == "none")]
+    assert fp16.throughput.item() == pytest.approx(median("fp16", "none"))
+    assert fp16.speedup_vs_fp32.item() == pytest.approx(median("fp16", "none") / median("fp32", "none"))
+    assert set(tp.throughput_unit) == {"images/s"}
+
+
+def test_paper_comparison_puts_our_cells_next_to_the_published_ones(report):
+    paper = pd.read_csv(report / "tables" / "paper_comparison.csv")
+    acc = pd.read_csv(report / "tables" / "accuracy.csv").fillna({"variant": ""})
+    row = paper[(paper.table == "Table 1") & (paper.model == "resnet50") & (paper.precision == "fp32") & (paper.variant.fillna("") == "")]
+    assert row.published.item() == 75.92 and row.data.item() == "synthetic" and row.schedule.item() == "smoke"
+    ours = acc[(acc.precision == "fp32") & (acc.scale == "none") & (acc.variant == "")]["mean"].item()
+    assert row.ours.item() == pytest.approx(100 * ours)
+    assert "diverges" in (report / "tables" / "paper_comparison.md").read_text()  # SSD without scaling, as published
+
+
+def test_figures_are_valid_pngs(report):
+    names = sorted(p.name for p in (report / "figures").glob("*.png"))
+    assert "loss_resnet50_synthetic_smoke.png" in names and "loss_scale_resnet50_synthetic_smoke.png" in names
+    assert any(n.startswith("throughput_") for n in names)
+    for name in names:
+        with Image.open(report / "figures" / name) as im:
+            im.verify()
+            assert im.format == "PNG"
+    assert all(f"figures/{n}" in (report / "report.md").read_text() for n in names)
+
+
+def test_report_without_records_is_an_error(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "mpt.report.cli", str(tmp_path), "--out", str(tmp_path / "out")], capture_output=True, text=True)
+    assert r.returncode != 0 and f"no result.json under {tmp_path}" in r.stderr
+
+
+def test_mode_labels_follow_the_paper():
+    assert mode_label("FP32", "none", None) == "FP32"
+    assert mode_label("Mixed", "static", 8.0) == "Mixed + LS (static 8)"
+    assert mode_label("FP16 mod. momentum", "dynamic", None) == "FP16 mod. momentum + LS (dynamic)"
