@@ -54,3 +54,16 @@ def test_asking_for_cuda_without_one_is_one_line(tmp_path):
     assert r.returncode == 2
     assert r.stderr.strip() == "mpt-run: error: device=cuda: no CUDA device is available here (torch.cuda.is_available() is False); use device=cpu or auto"
     assert not (tmp_path / "result.json").exists()
+
+
+def test_cpu_peak_memory_is_per_run_not_per_process():
+    from mpt.runner.throughput import peak_memory, reset_peak_memory
+
+    cpu = torch.device("cpu")
+    big = torch.ones(64 * 2**20, dtype=torch.float32)  # 256 MiB resident
+    before = peak_memory(cpu)["peak_bytes"]
+    del big
+    reset_peak_memory(cpu)
+    after = peak_memory(cpu)
+    assert after["kind"] == "cpu_peak_rss"
+    assert after["peak_bytes"] < before - 200 * 2**20  # the earlier run's peak does not carry over

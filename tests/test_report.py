@@ -44,9 +44,9 @@ def report(swept) -> Path:
 def test_each_configuration_has_its_own_folder_named_from_its_choices(swept):
     recs = records(swept)
     assert len(recs) == 9
-    assert "resnet50_fp16_dynamic_synthetic_smoke_seed1" in recs
+    assert "resnet50_fp16_dynamic_synthetic_smoke_cpu_seed1" in recs
     diverged = [name for name, rec in recs.items() if rec["status"] == "diverged"]
-    assert len(diverged) == 1 and diverged[0].startswith("resnet50_fp32_none_synthetic_smoke_seed0__optim.lr=")
+    assert len(diverged) == 1 and diverged[0].startswith("resnet50_fp32_none_synthetic_smoke_cpu_seed0__optim.lr=")
     assert recs[diverged[0]]["variant"].startswith("optim.lr=") and recs[diverged[0]]["variant"].endswith(",schedule.log_every=1")
 
 
@@ -58,7 +58,7 @@ def test_relaunching_a_sweep_skips_finished_runs_and_force_reruns(swept):
     assert {p: p.stat().st_mtime_ns for p in swept.glob("*/result.json")} == before
 
     # A run that did not finish (its record still says `running`) is redone.
-    unfinished = swept / "resnet50_fp32_none_synthetic_smoke_seed1" / "result.json"
+    unfinished = swept / "resnet50_fp32_none_synthetic_smoke_cpu_seed1" / "result.json"
     rec = json.loads(unfinished.read_text())
     unfinished.write_text(json.dumps({**rec, "status": "running"}))
     r = run_cli("-m", "precision=fp32", "scale=none", "seed=0,1", "schedule=smoke", f"hydra.sweep.dir={swept}", cwd=ROOT)
@@ -66,7 +66,7 @@ def test_relaunching_a_sweep_skips_finished_runs_and_force_reruns(swept):
 
     r = run_cli("-m", "precision=fp32", "scale=none", "seed=0", "schedule=smoke", "force=true", f"hydra.sweep.dir={swept}", cwd=ROOT)
     assert "skipped (force=true" not in r.stdout
-    forced = swept / "resnet50_fp32_none_synthetic_smoke_seed0" / "result.json"
+    forced = swept / "resnet50_fp32_none_synthetic_smoke_cpu_seed0" / "result.json"
     assert forced.stat().st_mtime_ns != before[forced]
 
 
@@ -106,16 +106,18 @@ def test_a_diverged_run_shows_as_diverged(report):
 
 
 def test_throughput_speedup_is_over_fp32_on_the_same_device(report, swept):
-    tp = pd.read_csv(report / "tables" / "throughput.csv")
+    tp = pd.read_csv(report / "tables" / "throughput.csv", dtype={"variant": "string"})
     recs = [r for r in records(swept).values()]
 
     def median(precision, scale):
-        return statistics.median(r["throughput"]["pipeline"] for r in recs if r["choices"]["precision"] == precision and r["choices"]["scale"] == scale)
+        return statistics.median(r["throughput"]["pipeline"] for r in recs if r["choices"]["precision"] == precision
+                                 and r["choices"]["scale"] == scale and r["status"] == "ok" and not r["variant"])
 
-    fp16 = tp[(tp.precision == "fp16") & (tp.scale == "none")]
+    fp16 = tp[(tp.precision == "fp16") & (tp.scale == "none") & tp.variant.isna()]
     assert fp16.throughput.item() == pytest.approx(median("fp16", "none"))
     assert fp16.speedup_vs_fp32.item() == pytest.approx(median("fp16", "none") / median("fp32", "none"))
     assert set(tp.throughput_unit) == {"images/s"}
+    assert not tp.variant.fillna("").str.contains("optim.lr").any()  # the diverged run times nothing
 
 
 def test_paper_comparison_puts_our_cells_next_to_the_published_ones(report):
@@ -125,7 +127,22 @@ def test_paper_comparison_puts_our_cells_next_to_the_published_ones(report):
     assert row.published.item() == 75.92 and row.data.item() == "synthetic" and row.schedule.item() == "smoke"
     ours = acc[(acc.precision == "fp32") & (acc.scale == "none") & (acc.variant == "")]["mean"].item()
     assert row.ours.item() == pytest.approx(100 * ours)
-    assert "diverges" in (report / "tables" / "paper_comparison.md").read_text()  # SSD without scaling, as published
+    md = (report / "tables" / "paper_comparison.md").read_text().splitlines()
+    ours_diverged = [l for l in md if "| resnet50 | fp32 |" in l and "optim.lr=" in l]
+    assert len(ours_diverged) == 3 and all("| diverged |" in line for line in ours_diverged)  # Table 1 top-1, GTC top-1 and top-5
+
+
+def test_a_report_of_only_diverged_runs_says_so(swept, tmp_path):
+    import shutil
+
+    only = tmp_path / "only"
+    for rec in swept.glob("*/result.json"):
+        if json.loads(rec.read_text())["status"] == "diverged":
+            shutil.copytree(rec.parent, only / rec.parent.name)
+    r = subprocess.run([sys.executable, "-m", "mpt.report.cli", str(only), "--out", str(tmp_path / "out")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [l for l in (tmp_path / "out" / "tables" / "accuracy.md").read_text().splitlines() if l.startswith("| resnet50")]
+    assert len(rows) == 1 and rows[0].endswith("| diverged |")
 
 
 def test_figures_are_valid_pngs(report):

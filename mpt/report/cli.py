@@ -54,7 +54,8 @@ def build_report(paths: list[Path], out: Path, published_path: Path | None) -> l
     ]
     if published_path is not None and published_path.exists():
         paper = tables.paper_comparison(runs, pd.read_csv(published_path))
-        sections.append((f"Against the published values ({published_path})", "paper_comparison", paper, tables.render_paper(paper)))
+        shown = published_path.resolve().relative_to(Path.cwd()) if published_path.resolve().is_relative_to(Path.cwd()) else published_path
+        sections.append((f"Against the published values ({shown})", "paper_comparison", paper, tables.render_paper(paper)))
     text = [f"# Report\n\n{len(runs)} runs: " + ", ".join(f"{n} {s}" for s, n in runs.status.value_counts().items()) + ".\n"]
     for title, name, df, md in sections:
         text.append(f"## {title}\n\n" + write_table(df, md, out, name, written) + "\n")

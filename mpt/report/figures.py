@@ -78,11 +78,14 @@ def loss_scale_curves(curves: pd.DataFrame, out: Path) -> list[Path]:
 
 
 def throughput_bars(table: pd.DataFrame, out: Path) -> list[Path]:
-    """Samples/s per model and mode, one figure per device, each bar labelled with its speedup over fp32."""
+    """Samples/s per model and mode, each bar labelled with its speedup over fp32: one figure per
+    device, data, schedule, variant, batch size and resolution, since bars are only comparable within one."""
     written = []
     if table.empty:
         return written
-    for device, df in table.groupby("device_name"):
+    setup = ["device_name", "data", "schedule", "variant", "config.schedule.batch_size", "config.schedule.image_size"]
+    for keys, df in table.fillna({"variant": ""}).groupby(setup):
+        device, data, schedule, variant, batch, size = keys
         models = sorted(df["model"].unique())
         modes = _modes_in_order(df)
         width = 0.8 / max(len(modes), 1)
@@ -96,9 +99,9 @@ def throughput_bars(table: pd.DataFrame, out: Path) -> list[Path]:
                     ax.annotate(f"{speedup:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=7)
         unit = df["throughput_unit"].dropna().iloc[0] if df["throughput_unit"].notna().any() else "samples/s"
         ax.set_xticks(range(len(models)), models)
-        ax.set(ylabel=unit, title=f"throughput on {device} (label: speedup over fp32)")
+        where = f"{data}, {schedule}, batch {batch:g}, {size:g} px" + (f", {variant}" if variant else "")
+        ax.set(ylabel=unit, title=f"throughput on {device}\n{where} (label: speedup over fp32)")
         ax.legend(fontsize=8)
         ax.grid(axis="y", alpha=0.3)
-        safe = "".join(c if c.isalnum() else "_" for c in str(device)).strip("_")
-        written.append(_save(fig, out / f"throughput_{safe}.png"))
+        written.append(_save(fig, out / f"throughput_{zlib.crc32(repr(keys).encode()):08x}.png"))
     return written

@@ -71,7 +71,8 @@ def record_row(rec: dict, path: Path) -> dict:
         "status": rec["status"],
         "message": rec.get("message"),
         **choices,
-        "variant": rec.get("variant") or "",
+        # Records before the variant field: the folder name holds it after "__".
+        "variant": rec.get("variant") if rec.get("variant") is not None else path.parent.name.partition("__")[2],
         "seed": rec.get("seed"),
         "precision_label": rec["precision"]["label"] or rec["precision"]["name"],
         "scale_value": scale_value,

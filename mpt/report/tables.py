@@ -15,7 +15,9 @@ PERCENT_METRICS = {"top1", "top5", "map", "map_11pt", "map_all"}
 MODE_KEYS = ["mode", "precision", "scale", "scale_value"]
 # A table cell: runs that differ only in their seed.
 CELL_KEYS = ["model", "data", "schedule", "variant"]
-SAME_SETUP = ["model", "device_name", "config.schedule.batch_size", "config.schedule.image_size"]
+# Speed and memory are compared only within one setup: same model, device, data, schedule, variant,
+# batch size and resolution.
+SAME_SETUP = ["model", "device_name", "data", "schedule", "variant", "config.schedule.batch_size", "config.schedule.image_size"]
 
 
 def _mode_order(df: pd.DataFrame) -> list[str]:
@@ -42,13 +44,18 @@ def metric_summary(runs: pd.DataFrame) -> pd.DataFrame:
             precision_order=group.precision_order.iloc[0],
             scale_order=group.scale_order.iloc[0],
         )
-        for col in _metric_columns(runs):
-            values = ok[col].dropna()
+        # The task's own metric always gets a row, so a cell whose every run diverged still shows.
+        columns = dict.fromkeys([f"metric.{base['primary']}", *_metric_columns(runs)])
+        for col in columns:
+            values = ok[col].dropna() if col in ok else pd.Series(dtype=float)
             values = values[values.map(math.isfinite)]
             rows.append({**base, "metric": col.removeprefix("metric."), "n": len(values),
                          "mean": values.mean() if len(values) else math.nan,
                          "std": values.std(ddof=1) if len(values) > 1 else math.nan})
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows, columns=SUMMARY_COLUMNS)
+
+
+SUMMARY_COLUMNS = [*CELL_KEYS, *MODE_KEYS, "runs", "ok", "diverged", "failed", "primary", "precision_order", "scale_order", "metric", "n", "mean", "std"]
 
 
 def accuracy(runs: pd.DataFrame) -> pd.DataFrame:
@@ -77,12 +84,15 @@ def accuracy_cell(row) -> str:
 
 
 def throughput(runs: pd.DataFrame) -> pd.DataFrame:
-    """Median samples/s per (setup, mode) and the speedup over `fp32` without scaling in the same setup."""
-    return _relative_to_fp32(runs.dropna(subset=["throughput"]), "throughput", "speedup_vs_fp32", extra=["throughput_unit"])
+    """Median samples/s per (setup, mode) of the runs that finished, and the speedup over `fp32`
+    without scaling in the same setup."""
+    finished = runs[runs.status == "ok"].dropna(subset=["throughput"])
+    return _relative_to_fp32(finished, "throughput", "speedup_vs_fp32", extra=["throughput_unit"])
 
 
 def memory(runs: pd.DataFrame) -> pd.DataFrame:
-    return _relative_to_fp32(runs.dropna(subset=["peak_memory_bytes"]), "peak_memory_bytes", "ratio_to_fp32", extra=["memory_kind"])
+    finished = runs[runs.status == "ok"].dropna(subset=["peak_memory_bytes"])
+    return _relative_to_fp32(finished, "peak_memory_bytes", "ratio_to_fp32", extra=["memory_kind"])
 
 
 def _relative_to_fp32(runs: pd.DataFrame, value: str, ratio: str, extra: list[str]) -> pd.DataFrame:
@@ -169,7 +179,7 @@ def render_relative(table: pd.DataFrame, value: str, ratio: str, fmt_value, unit
     table = table.assign(cell=[
         f"{fmt_value(r[value])}" + ("" if math.isnan(r[ratio]) else f" ({r[ratio]:.2f}x)") for _, r in table.iterrows()
     ])
-    pivot = table.pivot_table(index=[*keys, unit_col], columns="mode", values="cell", aggfunc="first")
+    pivot = table.fillna({k: "" for k in keys}).pivot_table(index=[*keys, unit_col], columns="mode", values="cell", aggfunc="first")
     pivot = pivot[[m for m in order if m in pivot.columns]].reset_index().fillna("")
     pivot.columns = [str(c).removeprefix("config.schedule.") for c in pivot.columns]
     return _md(pivot)

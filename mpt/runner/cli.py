@@ -5,14 +5,16 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import zlib
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from .config import ConfigError, register_configs, validate
+from .config import ConfigError, as_plain, register_configs, validate
 
 log = logging.getLogger("mpt")
 
@@ -22,37 +24,57 @@ NOT_IN_NAME = {"force", "experiment", "device", "hydra"}
 
 
 def variant() -> str:
-    """The command line's overrides beyond the group choices and the seed, sorted: what sets a run
-    apart from the others of its model, mode, data and schedule (e.g. "optim.lr=0.2")."""
+    """The command line's overrides beyond the group choices and the seed, sorted, with values as
+    Hydra parses them (1e-1 and 0.1 are one variant): what sets a run apart from the others of its
+    model, mode, data and schedule, e.g. "optim.lr=0.2"."""
+    parsed = OverridesParser.create().parse_overrides(list(HydraConfig.get().overrides.task))
     extra = []
-    for override in HydraConfig.get().overrides.task:
-        key = override.split("=", 1)[0].lstrip("+~")
-        if key not in GROUPS and key != "seed" and key.split(".")[0] not in NOT_IN_NAME:
-            extra.append(override)
+    for o in parsed:
+        key = o.key_or_group
+        if key in GROUPS or key == "seed" or key.split(".")[0] in NOT_IN_NAME:
+            continue
+        prefix = "~" if o.is_delete() else "+" if o.is_add() else ""
+        extra.append(f"{prefix}{key}" if o.is_delete() else f"{prefix}{key}={o.value()}")
     return ",".join(sorted(extra))
 
 
-def run_name(seed: int) -> str:
-    """The run folder's name: every group choice, the seed, then the variant.
+def _safe(part: str) -> str:
+    """A variant as a file name: paths and long values become a short hash of themselves."""
+    key, _, value = part.partition("=")
+    if "/" in value or len(value) > 40:
+        value = f"h{zlib.crc32(value.encode()):08x}"
+    return f"{key}={value}" if _ else key
+
+
+def device_type(name: str) -> str:
+    if name == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name.split(":")[0]
+
+
+def run_name(seed: int, device: str) -> str:
+    """The run folder's name: every group choice, the device type, the seed, then the variant.
 
     Deterministic, so relaunching a sweep finds each run's earlier record, and distinct configs
     never share a folder.
     """
     choices = HydraConfig.get().runtime.choices
-    name = "_".join([*(choices[g] for g in GROUPS), f"seed{seed}"])
-    extra = variant().replace("/", "_")
-    return name + ("__" + extra if extra else "")
+    name = "_".join([*(choices[g] for g in GROUPS), device_type(device), f"seed{seed}"])
+    extra = variant()
+    return name + ("__" + ",".join(_safe(p) for p in extra.split(",")) if extra else "")
 
 
 OmegaConf.register_new_resolver("mpt_run_name", run_name, use_cache=False)
 register_configs()
 
 
-def previous_status(run_dir: Path) -> str | None:
+def previous_record(run_dir: Path) -> dict:
     try:
-        return json.loads((run_dir / "result.json").read_text()).get("status")
+        return json.loads((run_dir / "result.json").read_text())
     except (OSError, ValueError):
-        return None
+        return {}
 
 
 def _fmt_bytes(n: float | None) -> str:
@@ -86,10 +108,12 @@ def run(cfg: DictConfig) -> str:
 
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    done = previous_status(run_dir)
-    if done == "ok" and not cfg.force:
-        print(f"mpt-run: {run_dir} already has a record with status ok; skipped (force=true runs it again)", flush=True)
-        return "skipped"
+    previous = previous_record(run_dir)
+    if previous.get("status") == "ok" and not cfg.force:
+        if previous.get("config") == as_plain(cfg):
+            print(f"mpt-run: {run_dir} already has a record with status ok; skipped (force=true runs it again)", flush=True)
+            return "skipped"
+        print(f"mpt-run: {run_dir} has an ok record of a different config (the config files changed); running again", flush=True)
     try:
         validate(cfg)
         job = Run(cfg, run_dir, variant=variant())

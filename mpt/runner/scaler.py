@@ -29,8 +29,8 @@ class ScaleHistory:
     def summary(self, final: float) -> dict:
         return {
             "final": final,
-            "min": min(self.scales, default=final),
-            "max": max(self.scales, default=final),
+            "min": min([*self.scales, final]),  # final: the scale the next step would use
+            "max": max([*self.scales, final]),
             "skipped_steps": sum(self.overflows),
             "steps": len(self.scales),
         }
