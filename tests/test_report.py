@@ -16,7 +16,7 @@ from mpt.report.records import mode_label
 
 from .conftest import ROOT, run_cli
 
-SWEEP = ["-m", "precision=fp32,fp16", "scale=none,dynamic", "seed=0,1", "schedule=smoke"]
+SWEEP = ["-m", "precision=fp32,fp16", "scale=none,dynamic", "seed=0,1", "schedule=smoke", "checkpoint=false"]
 
 
 def records(runs: Path) -> dict[str, dict]:
@@ -28,7 +28,7 @@ def swept(tmp_path_factory) -> Path:
     runs = tmp_path_factory.mktemp("sweep") / "runs"
     r = run_cli(*SWEEP, f"hydra.sweep.dir={runs}", cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
-    r = run_cli("-m", "precision=fp32", "optim.lr=1e12", "schedule=smoke", "schedule.log_every=1", f"hydra.sweep.dir={runs}", cwd=ROOT)
+    r = run_cli("-m", "precision=fp32", "optim.lr=1e12", "schedule=smoke", "schedule.log_every=1", "checkpoint=false", f"hydra.sweep.dir={runs}", cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     return runs
 
@@ -61,10 +61,10 @@ def test_relaunching_a_sweep_skips_finished_runs_and_force_reruns(swept):
     unfinished = swept / "resnet50_fp32_none_synthetic_smoke_cpu_seed1" / "result.json"
     rec = json.loads(unfinished.read_text())
     unfinished.write_text(json.dumps({**rec, "status": "running"}))
-    r = run_cli("-m", "precision=fp32", "scale=none", "seed=0,1", "schedule=smoke", f"hydra.sweep.dir={swept}", cwd=ROOT)
+    r = run_cli("-m", "precision=fp32", "scale=none", "seed=0,1", "schedule=smoke", "checkpoint=false", f"hydra.sweep.dir={swept}", cwd=ROOT)
     assert r.stdout.count("skipped (force=true") == 1 and json.loads(unfinished.read_text())["status"] == "ok"
 
-    r = run_cli("-m", "precision=fp32", "scale=none", "seed=0", "schedule=smoke", "force=true", f"hydra.sweep.dir={swept}", cwd=ROOT)
+    r = run_cli("-m", "precision=fp32", "scale=none", "seed=0", "schedule=smoke", "force=true", "checkpoint=false", f"hydra.sweep.dir={swept}", cwd=ROOT)
     assert "skipped (force=true" not in r.stdout
     forced = swept / "resnet50_fp32_none_synthetic_smoke_cpu_seed0" / "result.json"
     assert forced.stat().st_mtime_ns != before[forced]

@@ -1,7 +1,8 @@
 """Data sources. Each yields batches already on the run's device.
 
-`build_data` returns a DataSource: `epoch()` iterates one pass of training batches, `val()` the
-validation batches, `steps_per_epoch` and `info` (num_classes, ...) size the run and the model.
+`build_data` returns a DataSource: `epoch(e, start)` iterates one pass of training batches from
+batch `start`, `val()` the validation batches, `steps_per_epoch` and `info` (num_classes, ...) size
+the run and the model, and `state_dict()` holds the position a resumed run continues from.
 """
 
 from __future__ import annotations
@@ -16,7 +17,11 @@ class DataSource(Protocol):
     info: dict
     steps_per_epoch: int
 
-    def epoch(self, epoch: int) -> Iterator[Any]: ...
+    def epoch(self, epoch: int, start: int = 0) -> Iterator[Any]: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
 
     def val(self) -> Iterable[Any]: ...
 

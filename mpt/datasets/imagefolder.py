@@ -12,7 +12,7 @@ from typing import Iterable, Iterator
 
 import torch
 from omegaconf import DictConfig
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset, Sampler
 from torchvision import datasets, transforms
 
 from ..runner.config import ConfigError
@@ -30,6 +30,42 @@ def open_split(root: Path, split: str, transform) -> datasets.ImageFolder:
         return datasets.ImageFolder(str(folder), transform=transform)
     except FileNotFoundError as e:  # no class folders, or a class folder without images
         raise ConfigError(f"data.root={root}: {split}/ is not an image folder: {e}") from None
+
+
+class SeededSamples(Dataset):
+    """Samples keyed by (epoch, index), each augmented from its own seed: the same crops whatever
+    the worker count, and again after a resume. The caller's RNG is left as it was."""
+
+    def __init__(self, dataset: Dataset, seed: int):
+        self.dataset, self.seed = dataset, seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: tuple[int, int]):
+        epoch, index = key
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed((self.seed * 1_000_003 + epoch) * 100_000_007 + index)
+            return self.dataset[index]
+
+
+class EpochBatches(Sampler):
+    """Batches of (epoch, index) in a fresh random order each epoch, from batch `start` on."""
+
+    def __init__(self, size: int, batch_size: int, generator: torch.Generator):
+        self.size, self.batch_size, self.generator = size, batch_size, generator
+        self.epoch, self.start = 0, 0
+
+    def set_epoch(self, epoch: int, start: int) -> None:
+        self.epoch, self.start = epoch, start
+
+    def __len__(self) -> int:
+        return self.size // self.batch_size - self.start
+
+    def __iter__(self):
+        perm = torch.randperm(self.size, generator=self.generator).tolist()
+        for b in range(self.start, self.size // self.batch_size):
+            yield [(self.epoch, i) for i in perm[b * self.batch_size : (b + 1) * self.batch_size]]
 
 
 class ImageFolderData:
@@ -55,16 +91,16 @@ class ImageFolderData:
             raise ConfigError(f"data.root={root}: {len(self.train_set)} training images, fewer than one batch of {schedule.batch_size}")
         self.device = device
         workers = min(8, os.cpu_count() or 1) if data.num_workers == -1 else data.num_workers
-        common = dict(
-            batch_size=schedule.batch_size,
-            num_workers=workers,
-            pin_memory=device.type == "cuda",
-            persistent_workers=workers > 0,
-        )
+        # Loaders get generators of their own, so iterating them never draws from the global RNG
+        # that dropout uses: a resumed run's random stream stays the uninterrupted one's.
+        common = dict(num_workers=workers, pin_memory=device.type == "cuda", persistent_workers=workers > 0)
         self.order = torch.Generator().manual_seed(seed)
-        self.train_loader = DataLoader(self.train_set, shuffle=True, drop_last=True, generator=self.order, **common)
-        self.val_loader = DataLoader(self.val_set, shuffle=False, **common)
-        self.steps_per_epoch = len(self.train_loader)
+        self.batches = EpochBatches(len(self.train_set), schedule.batch_size, self.order)
+        self.train_loader = DataLoader(SeededSamples(self.train_set, seed), batch_sampler=self.batches,
+                                       generator=torch.Generator().manual_seed(seed), **common)
+        self.val_loader = DataLoader(self.val_set, batch_size=schedule.batch_size, shuffle=False,
+                                     generator=torch.Generator().manual_seed(seed), **common)
+        self.steps_per_epoch = len(self.train_set) // schedule.batch_size
         self.info = {
             "num_classes": len(self.train_set.classes),
             "classes": self.train_set.classes,
@@ -78,8 +114,18 @@ class ImageFolderData:
         for images, labels in loader:
             yield images.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
 
-    def epoch(self, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def epoch(self, epoch: int, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """One pass in a fresh random order, from batch `start` (a resumed run's position)."""
+        self.epoch_start_state = self.order.get_state()
+        self.batches.set_epoch(epoch, start)
         return self._to_device(self.train_loader)
+
+    def state_dict(self) -> dict:
+        """The order generator as it was when the current epoch began."""
+        return {"order": self.epoch_start_state}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.order.set_state(state["order"])
 
     def val(self) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
         return self._to_device(self.val_loader)

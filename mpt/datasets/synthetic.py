@@ -40,11 +40,20 @@ class SyntheticImages:
         self.steps_per_epoch = data.train_samples // self.batch_size
         self.info = {"num_classes": data.num_classes, "train_samples": data.train_samples, "val_samples": data.val_samples, "resident": True}
 
-    def epoch(self, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def epoch(self, epoch: int, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """One pass in a fresh random order, from batch `start` (a resumed run's position)."""
+        self.epoch_start_state = self.order.get_state()
         perm = torch.randperm(self.train_labels.shape[0], generator=self.order).to(self.train_labels.device)
-        for i in range(self.steps_per_epoch):
+        for i in range(start, self.steps_per_epoch):
             idx = perm[i * self.batch_size : (i + 1) * self.batch_size]
             yield self.train_images[idx], self.train_labels[idx]
+
+    def state_dict(self) -> dict:
+        """The order generator as it was when the current epoch began."""
+        return {"order": self.epoch_start_state}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.order.set_state(state["order"])
 
     def val(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for i in range(0, self.val_labels.shape[0], self.batch_size):

@@ -20,7 +20,7 @@ log = logging.getLogger("mpt")
 
 GROUPS = ("model", "precision", "scale", "data", "schedule")
 # Overrides that do not change what a run computes, so they do not name its folder.
-NOT_IN_NAME = {"force", "experiment", "device", "hydra"}
+NOT_IN_NAME = {"force", "resume", "checkpoint", "experiment", "device", "hydra"}
 
 
 def variant() -> str:

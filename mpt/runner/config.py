@@ -118,6 +118,7 @@ class ScheduleConfig:
     image_size: int = MISSING
     eval_every: Optional[int] = None  # steps between evaluations; null: once per epoch with epochs, else at the end
     eval_batches: Optional[int] = None  # cap on validation batches per evaluation
+    checkpoint_every: Optional[int] = None  # steps between checkpoints (null: only at the end)
     log_every: int = 10  # steps between flushes of the per-step log (the only host syncs besides overflow checks)
     throughput_warmup: int = 5  # steps excluded from throughput
     throughput_window: int = 5  # steps per timing window; throughput is the median over windows
@@ -146,6 +147,8 @@ class Config:
     cudnn_benchmark: bool = True
     deterministic: bool = False
     force: bool = False  # run even if the run folder already holds a record with status ok
+    resume: bool = True  # continue from the run folder's checkpoint when there is one
+    checkpoint: bool = True  # write checkpoints (every schedule.checkpoint_every steps and at the end)
 
 
 def register_configs() -> None:
@@ -179,7 +182,7 @@ def validate(cfg: DictConfig) -> None:
     """Range and combination checks, run before anything is built. Raises ConfigError naming the key."""
     for key in ["schedule.batch_size", "schedule.image_size", "schedule.log_every", "schedule.throughput_window", "optim.lr"]:
         _positive(cfg, key)
-    for key in ["schedule.steps", "schedule.epochs", "schedule.eval_every", "schedule.eval_batches", "optim.clip_grad_norm"]:
+    for key in ["schedule.steps", "schedule.epochs", "schedule.eval_every", "schedule.eval_batches", "schedule.checkpoint_every", "optim.clip_grad_norm"]:
         _positive(cfg, key, allow_none=True)
     for key in ["optim.momentum", "optim.weight_decay", "schedule.throughput_warmup"]:
         if OmegaConf.select(cfg, key) < 0:

@@ -216,14 +216,14 @@ class PrecisionEngine:
         return {
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
-            "scaler": self.scaler.state_dict(),
+            "scaler": self.scaler.full_state_dict(),
             "masters": [m.detach().clone() for m in self.master_weights()],
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        self.scaler.load_state_dict(state["scaler"])
+        self.scaler.load_full_state_dict(state["scaler"])
         with torch.no_grad():
             for m, saved in zip(self.master_weights(), state["masters"]):
                 m.copy_(saved)

@@ -40,6 +40,7 @@ def write_json_atomic(path: Path, data: dict) -> None:
             json.dump(_json_safe(data), f, indent=2, allow_nan=False)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide records from the other users of a shared results folder
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -49,9 +50,23 @@ def write_json_atomic(path: Path, data: dict) -> None:
 class MetricsLog:
     """metrics.jsonl: one line per training step and network, one per evaluation."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, keep_before_step: int | None = None):
+        """A fresh log, or, resuming from a checkpoint at `keep_before_step`, the log of the steps
+        before it (and the evaluation at it): rows a killed run wrote past its checkpoint go."""
         self.path = path
-        self._file: TextIO = open(path, "w")  # a rerun in the same folder starts a fresh log
+        kept = []
+        if keep_before_step is not None and path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    row = json.loads(line)
+                except ValueError:  # a line cut short by the kill
+                    continue
+                limit = keep_before_step if row.get("kind") == "eval" else keep_before_step - 1
+                if row.get("step", limit + 1) <= limit:
+                    kept.append(line + "\n")
+        self._file: TextIO = open(path, "w")
+        self._file.writelines(kept)
+        self._file.flush()
 
     def write(self, rows: list[dict]) -> None:
         for row in rows:

@@ -37,7 +37,8 @@ class ScaleHistory:
 
 
 class LossScaler:
-    """S = 1 and no overflow check (scale=none)."""
+    """S = 1 and no overflow check (scale=none). Subclasses add to state_dict; the history is kept
+    by `full_state_dict`, so a resumed run's record counts the steps before the checkpoint."""
 
     checks_overflow = False
 
@@ -58,6 +59,13 @@ class LossScaler:
 
     def summary(self) -> dict:
         return self.history.summary(self.scale)
+
+    def full_state_dict(self) -> dict:
+        return {**self.state_dict(), "history": {"scales": list(self.history.scales), "overflows": list(self.history.overflows)}}
+
+    def load_full_state_dict(self, state: dict) -> None:
+        self.load_state_dict(state)
+        self.history = ScaleHistory(list(state["history"]["scales"]), list(state["history"]["overflows"]))
 
 
 class StaticScaler(LossScaler):

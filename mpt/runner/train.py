@@ -19,6 +19,7 @@ from ..models import build_task
 from .config import as_plain, static_scale_value
 from .optim import effective_lr
 from .precision import PrecisionEngine, autocast, check_device_support, prepare_model, set_fp32_math
+from . import checkpoint
 from .record import MetricsLog, environment, git_commit, now_iso, write_json_atomic
 from .scaler import Diverged, build_scaler
 from .throughput import ThroughputMeter, peak_memory, reset_peak_memory
@@ -84,10 +85,51 @@ class Run:
         }
         self.forward_context = lambda: autocast(cfg.precision, self.device)
         self.meter = ThroughputMeter(self.device, s.throughput_warmup, s.throughput_window, self.task.sample_unit)
-        self.metrics = MetricsLog(run_dir / "metrics.jsonl")
         self.step, self.samples, self.last_loss, self.last_finite_loss = 0, 0, None, None
+        self.epoch, self.batch_in_epoch = 0, 0  # the data position
         self.pending: list[dict[str, Any]] = []  # per-step rows whose tensors are not yet on the host
+        self.checkpoint_every = s.checkpoint_every
         self.record = self._initial_record()
+        saved = checkpoint.load(run_dir) if cfg.resume and not cfg.force and cfg.checkpoint else None
+        if saved is not None and saved["config"] != self.record["config"]:
+            log.warning("%s holds a checkpoint of a different config; starting over", run_dir)
+            saved = None
+        self.metrics = MetricsLog(run_dir / "metrics.jsonl", keep_before_step=saved["step"] if saved else None)
+        if saved is not None:
+            self._restore(saved)
+
+    def _state(self) -> dict:
+        return {
+            "config": self.record["config"],
+            "step": self.step,
+            "samples": self.samples,
+            "epoch": self.epoch,
+            "batch_in_epoch": self.batch_in_epoch,
+            "last_loss": self.last_loss,
+            "last_finite_loss": self.last_finite_loss,
+            "metrics": self.record["metrics"],
+            "data": self.data.state_dict(),
+            "engines": {name: {"model": e.model.state_dict(), **e.state_dict()} for name, e in self.engines.items()},
+            "rng": checkpoint.rng_state(),
+        }
+
+    def _restore(self, saved: dict) -> None:
+        for name, engine in self.engines.items():
+            engine.model.load_state_dict(saved["engines"][name]["model"])
+            engine.load_state_dict(saved["engines"][name])
+        self.data.load_state_dict(saved["data"])
+        self.step, self.samples = saved["step"], saved["samples"]
+        self.epoch, self.batch_in_epoch = saved["epoch"], saved["batch_in_epoch"]
+        self.last_loss, self.last_finite_loss = saved["last_loss"], saved["last_finite_loss"]
+        self.record["metrics"] = saved["metrics"]
+        self.record["resumed_from_step"] = saved["step"]
+        checkpoint.set_rng_state(saved["rng"])  # last: building the run drew from the generators
+        log.info("resuming %s from its checkpoint at step %d of %d", self.run_dir, self.step, self.total_steps)
+        print(f"mpt-run: resuming from the checkpoint at step {self.step} of {self.total_steps} (resume=false starts over)", flush=True)
+
+    def save_checkpoint(self) -> None:
+        self._flush()  # the log on disk covers every step the checkpoint does
+        checkpoint.save(self.run_dir, self._state())
 
     def _initial_record(self) -> dict:
         cfg = self.cfg
@@ -169,15 +211,15 @@ class Run:
 
     def steps(self) -> Iterator[int]:
         """The training loop, yielding after each step (a benchmark can drive it a window at a time)."""
-        epoch = 0
-        batches = self.data.epoch(epoch)
+        batches = self.data.epoch(self.epoch, self.batch_in_epoch)
         while self.step < self.total_steps:
             t0 = time.perf_counter()
             batch = next(batches, None)
             if batch is None:
-                epoch += 1
-                batches = self.data.epoch(epoch)
+                self.epoch, self.batch_in_epoch = self.epoch + 1, 0
+                batches = self.data.epoch(self.epoch)
                 continue
+            self.batch_in_epoch += 1
             wait = time.perf_counter() - t0
             self.pending.extend(self._train_step(self.step, batch))
             self.step += 1
@@ -188,6 +230,9 @@ class Run:
                 self._flush()
             if self.step % self.eval_every == 0 or self.step == self.total_steps:
                 self._evaluate(self.step)
+                self.meter.interrupt()
+            if self.cfg.checkpoint and ((self.checkpoint_every and self.step % self.checkpoint_every == 0) or self.step == self.total_steps):
+                self.save_checkpoint()
                 self.meter.interrupt()
             yield self.step
 

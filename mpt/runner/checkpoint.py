@@ -1,0 +1,56 @@
+"""Checkpoints: everything a run needs to continue as if it had never stopped.
+
+Written to a temporary file in the run folder and renamed into place, so a kill mid-write leaves
+the previous checkpoint whole (timm's habit). Loading checks the checkpoint belongs to this config.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+FILENAME = "checkpoint.pt"
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save(run_dir: Path, state: dict) -> Path:
+    path = run_dir / FILENAME
+    fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=f".{FILENAME}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def load(run_dir: Path) -> dict | None:
+    path = run_dir / FILENAME
+    if not path.exists():
+        return None
+    # Our own file, written by save(): RNG states and plain Python objects need the full unpickler.
+    return torch.load(path, map_location="cpu", weights_only=False)
