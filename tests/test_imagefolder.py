@@ -67,3 +67,28 @@ def test_fewer_images_than_a_batch_is_rejected(tmp_path):
     make_folder(tmp_path, per_class=1)
     with pytest.raises(ConfigError, match="2 training images, fewer than one batch of 4"):
         loader(tmp_path, "schedule.batch_size=4")
+
+
+def test_a_corrupt_image_fails_the_run_naming_it_and_the_sweep_goes_on(tmp_path):
+    from .conftest import ROOT, read_record, run_cli
+
+    bad, good = make_folder(tmp_path / "bad", per_class=4, size=32), make_folder(tmp_path / "good", per_class=4, size=32)
+    corrupt = bad / "train" / "dog" / "2.jpg"
+    corrupt.write_bytes(b"\xff\xd8\xff\xe0 not a jpeg")
+    r = run_cli("-m", f"data.root={bad},{good}", "data=imagefolder", "data.num_workers=1", "schedule=smoke", "schedule.batch_size=4",
+                "schedule.steps=4", "checkpoint=false", f"hydra.sweep.dir={tmp_path}/runs", cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    records = {rec["config"]["data"]["root"]: rec for rec in (read_record(p.parent) for p in (tmp_path / "runs").glob("*/result.json"))}
+    assert records[str(bad)]["status"] == "error"
+    assert records[str(bad)]["message"].startswith(f"mpt.datasets.imagefolder.CorruptImage: corrupt image {corrupt}")
+    assert "\n" not in records[str(bad)]["message"]
+    assert records[str(good)]["status"] == "ok"
+
+
+def test_grayscale_and_palette_images_load_as_rgb(tmp_path):
+    make_folder(tmp_path, per_class=2)
+    Image.new("L", (40, 40), 128).save(tmp_path / "train" / "cat" / "gray.png")
+    Image.new("P", (40, 40), 3).save(tmp_path / "train" / "dog" / "palette.png")
+    data = loader(tmp_path, "schedule.image_size=32", "schedule.batch_size=6")
+    images, _ = next(iter(data.epoch(0)))
+    assert images.shape == (6, 3, 32, 32)

@@ -67,3 +67,25 @@ def test_cpu_peak_memory_is_per_run_not_per_process():
     after = peak_memory(cpu)
     assert after["kind"] == "cpu_peak_rss"
     assert after["peak_bytes"] < before - 200 * 2**20  # the earlier run's peak does not carry over
+
+
+@pytest.mark.parametrize(
+    "exc,status,text",
+    [
+        (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), "oom", "out of memory at schedule.batch_size=4; try a smaller batch"),
+        (RuntimeError("something broke\nsecond line"), "error", "RuntimeError: something broke"),
+    ],
+)
+def test_a_failure_is_recorded_not_raised(tmp_path, exc, status, text):
+    cfg = compose_cfg("schedule=smoke", "checkpoint=false")
+    validate(cfg)
+    run = Run(cfg, tmp_path)
+
+    def fails(batch):
+        raise exc
+        yield
+
+    run.task.train_losses = fails
+    rec = run.run()
+    assert rec["status"] == status and rec["message"].startswith(text) and "\n" not in rec["message"]
+    assert json.loads((tmp_path / "result.json").read_text())["status"] == status

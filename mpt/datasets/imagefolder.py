@@ -12,6 +12,7 @@ from typing import Iterable, Iterator
 
 import torch
 from omegaconf import DictConfig
+from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torchvision import datasets, transforms
 
@@ -21,13 +22,26 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
+class CorruptImage(RuntimeError):
+    """An image file PIL cannot read. The run fails naming it, rather than train on a silently
+    smaller dataset; fix or remove the file and rerun to resume from the last checkpoint."""
+
+
+def load_image(path: str) -> Image.Image:
+    try:
+        with open(path, "rb") as f, Image.open(f) as img:
+            return img.convert("RGB")  # grayscale, palette and CMYK images become RGB
+    except (OSError, SyntaxError, ValueError) as e:
+        raise CorruptImage(f"corrupt image {path}: {type(e).__name__}: {e}") from None
+
+
 def open_split(root: Path, split: str, transform) -> datasets.ImageFolder:
     folder = root / split
     if not folder.is_dir():
         found = sorted(p.name for p in root.iterdir() if p.is_dir())
         raise ConfigError(f"data.root={root}: no '{split}' folder (found: {', '.join(found) or 'nothing'}); expected {split}/<class>/<image>")
     try:
-        return datasets.ImageFolder(str(folder), transform=transform)
+        return datasets.ImageFolder(str(folder), transform=transform, loader=load_image)
     except FileNotFoundError as e:  # no class folders, or a class folder without images
         raise ConfigError(f"data.root={root}: {split}/ is not an image folder: {e}") from None
 

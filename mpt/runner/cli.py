@@ -122,15 +122,9 @@ def run(cfg: DictConfig) -> str:
         if multirun:
             return "invalid"
         sys.exit(2)
-    try:
-        rec = job.train()
-    except Exception as e:  # a crash is recorded as `error`; a sweep goes on to its next run
-        log.exception("run failed")
-        job.record.update(status="error", message=f"{type(e).__name__}: {e}")
-        job.save_record()
-        rec = job.record
+    rec = job.run()  # a crash is recorded as `error` (or `oom`); a sweep goes on to its next run
     print("\n".join(summary_lines(rec)), flush=True)
-    if rec["status"] == "error" and not multirun:
+    if rec["status"] in ("error", "oom") and not multirun:
         sys.exit(1)
     return rec["status"]
 

@@ -45,6 +45,16 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def failure_record(e: BaseException, batch_size: int) -> dict:
+    text = str(e).strip()
+    if "Original Traceback" in text:  # raised in a data-loader worker: the last line is the error itself
+        text = text.splitlines()[-1]
+    first = text.splitlines()[0] if text else ""
+    if isinstance(e, (torch.OutOfMemoryError, MemoryError)):
+        return {"status": "oom", "message": f"out of memory at schedule.batch_size={batch_size}; try a smaller batch ({type(e).__name__}: {first})"}
+    return {"status": "error", "message": first if "Original Traceback" in str(e) else f"{type(e).__name__}: {first}"}
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -208,6 +218,17 @@ class Run:
             self.metrics.close()
         self.save_record()
         return rec
+
+    def run(self) -> dict:
+        """train(), and a failure recorded instead of raised: `oom` naming the batch size, any other
+        exception `error` with its one-line message. The checkpoint stays for a rerun to resume."""
+        try:
+            return self.train()
+        except Exception as e:
+            log.exception("run failed")
+            self.record.update(failure_record(e, self.cfg.schedule.batch_size))
+            self.save_record()
+            return self.record
 
     def steps(self) -> Iterator[int]:
         """The training loop, yielding after each step (a benchmark can drive it a window at a time)."""
