@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 import zlib
 from pathlib import Path
@@ -129,7 +130,66 @@ def run(cfg: DictConfig) -> str:
     return rec["status"]
 
 
+# Flags after which Hydra prints or does something other than train: it gets the command line as is.
+_PASS_THROUGH = {"--help", "-h", "--hydra-help", "--info", "-i", "--cfg", "-c", "--shell-completion", "-sc", "--config-name", "-cn",
+                 "--config-path", "-cp", "--config-dir", "-cd", "--package", "-p", "--experimental-rerun", "--resolve"}
+
+
+def preflight(args: list[str]) -> str | None:
+    """Compose and validate every configuration the command line asks for (each value of a sweep)
+    before Hydra starts anything, so a bad value is one line naming it and no run begins."""
+    if any(a.split("=")[0] in _PASS_THROUGH for a in args):
+        return None
+    from hydra import compose, initialize_config_module
+    from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
+    from hydra.core.override_parser.types import Transformer
+
+    words = [a for a in args if not a.startswith("-")]
+    try:
+        parsed = OverridesParser.create().parse_overrides(words)
+    except OverrideParseException as e:
+        return str(e).splitlines()[0]
+    plain, sweeps = [], []
+    for text, o in zip(words, parsed):
+        if o.key_or_group.split(".")[0].split("/")[0] == "hydra":
+            continue
+        if o.is_add() and o.key_or_group not in GROUPS + ("experiment",):
+            return f"{text}: no such config key (mpt-run --cfg job lists them)"
+        if o.is_sweep_override():
+            sweeps.append((o, [f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()]))
+        else:
+            plain.append(text)
+    candidates = [plain + [values[0] for _, values in sweeps]]
+    for i, (_, values) in enumerate(sweeps):
+        for v in values[1:]:
+            candidates.append(plain + [vs[0] if j != i else v for j, (_, vs) in enumerate(sweeps)])
+    for overrides in candidates:
+        try:
+            with initialize_config_module(config_module="mpt.configs", version_base="1.3"):
+                validate(compose(config_name="config", overrides=overrides))
+        except MissingConfigException as e:
+            found = re.search(r"Could not find '([^/']+)/([^']+)'", str(e))
+            if not found:
+                return str(e).splitlines()[0]
+            group, option = found.groups()
+            choices = re.findall(r"^\t(\S+)$", str(e).split("Config search path")[0], flags=re.M)
+            return f"{group}={option}: no such option; choose one of {', '.join(choices)}"
+        except ConfigCompositionException as e:
+            cause = str(e.__cause__ or e).splitlines()[0]
+            key = re.search(r"(?:override|override ')\s*'?([^\s']+)", str(e))
+            if "Could not override" in str(e):
+                return f"{key.group(1) if key else str(e)}: no such config key ({cause})"
+            return f"{str(e).removeprefix('Error merging override ')}: {cause}"
+        except ConfigError as e:
+            return str(e)
+    return None
+
+
 def main() -> None:
+    problem = preflight(sys.argv[1:])
+    if problem:
+        print(f"mpt-run: error: {problem}", file=sys.stderr)
+        sys.exit(2)
     run()
 
 
