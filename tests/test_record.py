@@ -89,3 +89,14 @@ def test_a_failure_is_recorded_not_raised(tmp_path, exc, status, text):
     rec = run.run()
     assert rec["status"] == status and rec["message"].startswith(text) and "\n" not in rec["message"]
     assert json.loads((tmp_path / "result.json").read_text())["status"] == status
+
+
+def test_a_mode_the_device_cannot_run_is_one_clear_error(monkeypatch):
+    from mpt.runner.config import ConfigError
+    from mpt.runner.precision import check_device_support
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla V100-SXM2-16GB")
+    with pytest.raises(ConfigError, match=r"^precision=bf16: Tesla V100-SXM2-16GB has no bfloat16 support; use fp16, mixed or amp$"):
+        check_device_support(compose_cfg("precision=bf16").precision, torch.device("cuda"))
+    check_device_support(compose_cfg("precision=mixed").precision, torch.device("cuda"))  # FP16 modes are fine there
