@@ -69,6 +69,10 @@ def test_relaunching_a_sweep_skips_finished_runs_and_force_reruns(swept):
     forced = swept / "resnet50_fp32_none_synthetic_smoke_cpu_seed0" / "result.json"
     assert forced.stat().st_mtime_ns != before[forced]
 
+    # A diverged run is a result too: relaunched, it is skipped, not diverged again.
+    r = run_cli("-m", "precision=fp32", "optim.lr=1e12", "schedule=smoke", "schedule.log_every=1", "checkpoint=false", f"hydra.sweep.dir={swept}", cwd=ROOT)
+    assert "already has a record with status diverged; skipped" in r.stdout
+
 
 def test_runs_csv_has_one_row_per_record_with_its_values(report, swept):
     runs = pd.read_csv(report / "runs.csv")

@@ -20,9 +20,8 @@ from .conftest import ROOT, read_record, run_cli
 DETERMINISTIC_FIELDS = ["status", "steps", "samples", "epochs", "metrics", "final_train_loss", "last_finite_train_loss", "loss_scale", "choices", "config"]
 
 
-def train_rows(run_dir: Path) -> list[dict]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if r["kind"] == "train"]
+def log_rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def tensors_equal(a, b) -> bool:
@@ -67,10 +66,11 @@ def test_killed_and_resumed_run_matches_an_uninterrupted_one(tmp_path, model, pr
     assert "mpt-run: resuming from the checkpoint at step" in r.stdout
 
     ref, res = read_record(reference), read_record(killed)
-    assert res["resumed_from_step"] >= 4
+    assert res["resumed_from_step"] in (4, 6)  # mid-epoch, or at an epoch boundary (3 batches an epoch)
     for field in DETERMINISTIC_FIELDS:
         assert res[field] == ref[field], field
-    assert train_rows(killed) == train_rows(reference)  # every step's loss, lr, scale and overflow
+    assert log_rows(killed) == log_rows(reference)  # every step's loss, lr, scale and overflow, every evaluation
+    assert [r["step"] for r in log_rows(reference) if r["kind"] == "eval"] == [3, 6, 8]
     a, b = checkpoint.load(reference), checkpoint.load(killed)
     assert tensors_equal(a["engines"], b["engines"])  # weights, masters, momentum, schedule, scaler
     assert a["step"] == b["step"] == 8
@@ -84,9 +84,23 @@ def test_resume_false_starts_over(tmp_path):
     r = run_cli(*args, cwd=ROOT)
     assert "resuming from the checkpoint at step 2" in r.stdout and read_record(tmp_path)["resumed_from_step"] == 2
     record.write_text(json.dumps({**json.loads(record.read_text()), "status": "error"}))
+    written = (tmp_path / checkpoint.FILENAME).stat().st_mtime_ns  # a resume at the last step trains nothing, so writes nothing
     r = run_cli(*args, "resume=false", cwd=ROOT)
     assert "resuming" not in r.stdout and "resumed_from_step" not in read_record(tmp_path)
-    assert read_record(tmp_path)["steps"] == 2
+    assert (tmp_path / checkpoint.FILENAME).stat().st_mtime_ns != written  # trained again from step 0
+
+
+def test_an_unreadable_checkpoint_is_an_error_record(tmp_path):
+    args = ["schedule=smoke", "schedule.steps=2", f"hydra.run.dir={tmp_path}"]
+    assert run_cli(*args, cwd=ROOT).returncode == 0
+    record = tmp_path / "result.json"
+    record.write_text(json.dumps({**json.loads(record.read_text()), "status": "running"}))  # as if killed
+    (tmp_path / checkpoint.FILENAME).write_bytes(b"not a checkpoint")
+    r = run_cli(*args, cwd=ROOT)
+    assert r.returncode == 1
+    rec = read_record(tmp_path)
+    assert rec["status"] == "error" and "\n" not in rec["message"] and rec["choices"]["model"] == "resnet50"
+    assert r.stderr.strip().splitlines()[-1] == f"mpt-run: error: {rec['message']}"
 
 
 def test_a_kill_while_writing_leaves_the_previous_checkpoint(tmp_path, monkeypatch):

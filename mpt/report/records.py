@@ -66,6 +66,9 @@ def record_row(rec: dict, path: Path) -> dict:
     env = rec.get("environment") or {}
     git = rec.get("git") or {}
     scale_value = _number((rec.get("scale_config") or {}).get("value"))
+    # A run that failed while being set up has only a minimal record: name its mode from its choices.
+    precision = rec.get("precision") or {}
+    label = precision.get("label") or precision.get("name") or choices["precision"]
     row = {
         "run_dir": str(path.parent),
         "status": rec["status"],
@@ -74,9 +77,9 @@ def record_row(rec: dict, path: Path) -> dict:
         # Records before the variant field: the folder name holds it after "__".
         "variant": rec.get("variant") if rec.get("variant") is not None else path.parent.name.partition("__")[2],
         "seed": rec.get("seed"),
-        "precision_label": rec["precision"]["label"] or rec["precision"]["name"],
+        "precision_label": label,
         "scale_value": scale_value,
-        "mode": mode_label(rec["precision"]["label"] or rec["precision"]["name"], choices["scale"], scale_value),
+        "mode": mode_label(label, choices["scale"], scale_value),
         "primary_metric": primary,
         "higher_is_better": rec.get("higher_is_better", True),
         "metric_value": _number(metrics.get(primary)),

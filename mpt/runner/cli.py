@@ -15,7 +15,8 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from .config import ConfigError, as_plain, register_configs, validate
+from .config import ConfigError, as_plain, computational, register_configs, validate
+from .record import write_json_atomic
 
 log = logging.getLogger("mpt")
 
@@ -105,16 +106,17 @@ def summary_lines(rec: dict) -> list[str]:
 
 @hydra.main(version_base="1.3", config_path="pkg://mpt.configs", config_name="config")
 def run(cfg: DictConfig) -> str:
-    from .train import Run  # torch and torchvision load after Hydra has parsed the command line
+    from .train import Run, failure_record  # torch and torchvision load after Hydra has parsed the command line
 
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     previous = previous_record(run_dir)
-    if previous.get("status") == "ok" and not cfg.force:
-        if previous.get("config") == as_plain(cfg):
-            print(f"mpt-run: {run_dir} already has a record with status ok; skipped (force=true runs it again)", flush=True)
+    final = previous.get("status") in ("ok", "diverged")  # results; a failed or unfinished run is redone
+    if final and not cfg.force:
+        if computational(previous.get("config") or {}) == computational(as_plain(cfg)):
+            print(f"mpt-run: {run_dir} already has a record with status {previous['status']}; skipped (force=true runs it again)", flush=True)
             return "skipped"
-        print(f"mpt-run: {run_dir} has an ok record of a different config (the config files changed); running again", flush=True)
+        print(f"mpt-run: {run_dir} has a {previous['status']} record of a different config (the config files changed); running again", flush=True)
     try:
         validate(cfg)
         job = Run(cfg, run_dir, variant=variant())
@@ -123,6 +125,15 @@ def run(cfg: DictConfig) -> str:
         if multirun:
             return "invalid"
         sys.exit(2)
+    except Exception as e:  # setting up failed (out of memory moving the model, an unreadable checkpoint): still a record
+        log.exception("setting up the run failed")
+        rec = {"schema": 1, "run_dir": str(run_dir), "choices": {g: cfg[g].name for g in GROUPS}, "seed": cfg.seed,
+               "config": as_plain(cfg), **failure_record(e, cfg.schedule.batch_size)}
+        write_json_atomic(run_dir / "result.json", rec)
+        print(f"mpt-run: {rec['status']}: {rec['message']}", file=sys.stderr)
+        if multirun:
+            return rec["status"]
+        sys.exit(1)
     rec = job.run()  # a crash is recorded as `error` (or `oom`); a sweep goes on to its next run
     print("\n".join(summary_lines(rec)), flush=True)
     if rec["status"] in ("error", "oom") and not multirun:

@@ -243,6 +243,23 @@ def static_scale_value(cfg: DictConfig) -> float:
     return float(cfg.scale.value if cfg.scale.value is not None else cfg.model.static_scale)
 
 
+# Settings that change how a run is driven or logged, not what it computes: a checkpoint or record
+# made under other values of these still stands.
+NOT_COMPUTATIONAL = {("force",), ("resume",), ("checkpoint",), ("schedule", "checkpoint_every"), ("schedule", "log_every"),
+                     ("schedule", "throughput_warmup"), ("schedule", "throughput_window")}
+
+
+def computational(plain: dict) -> dict:
+    """A plain config without the NOT_COMPUTATIONAL settings, for "is this the same run?"."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in plain.items()}
+    for path in NOT_COMPUTATIONAL:
+        node = out
+        for key in path[:-1]:
+            node = node.get(key, {})
+        node.pop(path[-1], None)
+    return out
+
+
 def as_plain(cfg: Any) -> Any:
     """The resolved config as plain Python (enums as their names), for records."""
     return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)

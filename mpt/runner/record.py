@@ -64,9 +64,13 @@ class MetricsLog:
                 limit = keep_before_step if row.get("kind") == "eval" else keep_before_step - 1
                 if row.get("step", limit + 1) <= limit:
                     kept.append(line + "\n")
-        self._file: TextIO = open(path, "w")
-        self._file.writelines(kept)
-        self._file.flush()
+        # Rewritten through a temporary file: a kill now must not lose the log of the steps kept.
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            f.writelines(kept)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+        self._file: TextIO = open(path, "a")
 
     def write(self, rows: list[dict]) -> None:
         for row in rows:

@@ -60,6 +60,13 @@ class ThroughputMeter:
             self.compute.append(self._samples / max(elapsed - self._wait, 1e-12))
             self._start()
 
+    def state_dict(self) -> dict:
+        return {"pipeline": list(self.pipeline), "compute": list(self.compute)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Windows timed before a checkpoint count; the resumed process warms up again."""
+        self.pipeline, self.compute = list(state["pipeline"]), list(state["compute"])
+
     def interrupt(self) -> None:
         """An evaluation or a checkpoint ran: the open window no longer times training alone."""
         self._open = False

@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 
 from ..datasets import build_data
 from ..models import build_task
-from .config import as_plain, static_scale_value
+from .config import as_plain, computational, static_scale_value
 from .optim import effective_lr
 from .precision import PrecisionEngine, autocast, check_device_support, prepare_model, set_fp32_math
 from . import checkpoint
@@ -97,13 +97,16 @@ class Run:
         self.meter = ThroughputMeter(self.device, s.throughput_warmup, s.throughput_window, self.task.sample_unit)
         self.step, self.samples, self.last_loss, self.last_finite_loss = 0, 0, None, None
         self.epoch, self.batch_in_epoch = 0, 0  # the data position
+        self.peak_before_resume = 0
         self.pending: list[dict[str, Any]] = []  # per-step rows whose tensors are not yet on the host
         self.checkpoint_every = s.checkpoint_every
         self.record = self._initial_record()
         saved = checkpoint.load(run_dir) if cfg.resume and not cfg.force and cfg.checkpoint else None
-        if saved is not None and saved["config"] != self.record["config"]:
-            log.warning("%s holds a checkpoint of a different config; starting over", run_dir)
+        if saved is not None and computational(saved["config"]) != computational(self.record["config"]):
+            print(f"mpt-run: {run_dir} holds a checkpoint of a different config; starting over", flush=True)
             saved = None
+        if saved is None:  # starting over: a stale checkpoint must not be resumed later
+            (run_dir / checkpoint.FILENAME).unlink(missing_ok=True)
         self.metrics = MetricsLog(run_dir / "metrics.jsonl", keep_before_step=saved["step"] if saved else None)
         if saved is not None:
             self._restore(saved)
@@ -121,6 +124,10 @@ class Run:
             "data": self.data.state_dict(),
             "engines": {name: {"model": e.model.state_dict(), **e.state_dict()} for name, e in self.engines.items()},
             "rng": checkpoint.rng_state(),
+            "started_at": self.record["started_at"],
+            "git": self.record["git"],
+            "throughput": self.meter.state_dict(),
+            "peak_memory_bytes": peak_memory(self.device)["peak_bytes"],
         }
 
     def _restore(self, saved: dict) -> None:
@@ -133,6 +140,11 @@ class Run:
         self.last_loss, self.last_finite_loss = saved["last_loss"], saved["last_finite_loss"]
         self.record["metrics"] = saved["metrics"]
         self.record["resumed_from_step"] = saved["step"]
+        self.record["started_at"], self.record["resumed_at"] = saved["started_at"], now_iso()
+        if saved["git"] != self.record["git"]:
+            print(f"mpt-run: warning: the checkpoint was written by commit {saved['git'].get('commit')}, this is {self.record['git'].get('commit')}", flush=True)
+        self.meter.load_state_dict(saved["throughput"])
+        self.peak_before_resume = saved["peak_memory_bytes"]
         checkpoint.set_rng_state(saved["rng"])  # last: building the run drew from the generators
         log.info("resuming %s from its checkpoint at step %d of %d", self.run_dir, self.step, self.total_steps)
         print(f"mpt-run: resuming from the checkpoint at step {self.step} of {self.total_steps} (resume=false starts over)", flush=True)
@@ -212,6 +224,7 @@ class Run:
             rec["last_finite_train_loss"] = self.last_finite_loss
             rec["throughput"] = self.meter.summary()
             rec["memory"] = peak_memory(self.device)
+            rec["memory"]["peak_bytes"] = max(rec["memory"]["peak_bytes"], self.peak_before_resume)
             rec["loss_scale"] = {name: e.scaler.summary() for name, e in self.engines.items()}
             rec["finished_at"] = now_iso()
             rec["duration_s"] = time.perf_counter() - t_start
