@@ -59,6 +59,11 @@ def check_device_support(p: DictConfig, device: torch.device) -> None:
         raise ConfigError(f"precision={p.name}: {torch.cuda.get_device_name(device)} has no bfloat16 support; use fp16, mixed or amp")
 
 
+def default_channels_last(p: DictConfig, device: torch.device) -> bool:
+    """The tensor-core layout on CUDA; on a CPU, FP16 convolutions were markedly faster channels-last."""
+    return device.type == "cuda" or p.param_dtype == DType.float16
+
+
 def _cast_floating(tree, dtype: torch.dtype):
     return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
 

@@ -18,7 +18,7 @@ from ..datasets import build_data
 from ..models import build_task
 from .config import as_plain, computational, static_scale_value
 from .optim import effective_lr
-from .precision import PrecisionEngine, autocast, check_device_support, prepare_model, set_fp32_math
+from .precision import PrecisionEngine, autocast, check_device_support, default_channels_last, prepare_model, set_fp32_math
 from . import checkpoint
 from .record import MetricsLog, environment, git_commit, now_iso, write_json_atomic
 from .scaler import Diverged, build_scaler
@@ -85,10 +85,7 @@ class Run:
         milestones = [to_steps(m) for m in s.lr_milestones]
         self.eval_every = s.eval_every if s.eval_every is not None else (per_epoch if s.epochs is not None else self.total_steps)
 
-        channels_last = cfg.channels_last
-        if channels_last is None:  # FP16 convolutions on CPU were markedly faster channels-last; the tensor-core layout on CUDA
-            channels_last = self.device.type == "cuda" or cfg.precision.param_dtype.name == "float16"
-        self.channels_last = bool(channels_last)
+        self.channels_last = cfg.channels_last if cfg.channels_last is not None else default_channels_last(cfg.precision, self.device)
         self.engines = {
             name: PrecisionEngine(prepare_model(net, cfg.precision, self.device, self.channels_last), cfg, build_scaler(cfg), milestones, self.device)
             for name, net in self.task.networks().items()
