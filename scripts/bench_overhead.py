@@ -18,7 +18,6 @@ and mixed (FP16 model, FP32 batch-norm, an FP32 master copy, a static loss scale
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -28,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import torchvision
+from omegaconf import DictConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -42,7 +42,7 @@ from mpt.runner.train import Run, resolve_device  # noqa: E402
 SCALE_FOR = {"fp32": "none", "tf32": "none", "bf16": "none", "amp": "dynamic", "mixed": "static"}
 
 
-def compose(args) -> "DictConfig":  # noqa: F821
+def compose(args) -> DictConfig:
     from hydra import compose as hydra_compose, initialize_config_module
 
     register_configs()
@@ -67,7 +67,7 @@ def runner_stepper(cfg, run_dir: Path):
 def hand_stepper(cfg, device: torch.device):
     """What a researcher writes by hand for this precision, with nothing else in the loop."""
     torch.manual_seed(cfg.seed)
-    p, b, s = cfg.precision.name, cfg.schedule.batch_size, cfg.schedule.image_size
+    p, b = cfg.precision.name, cfg.schedule.batch_size
     set_fp32_math(p == "tf32")
     model = torchvision.models.get_model(cfg.model.arch, weights=None, num_classes=cfg.data.num_classes).to(device)
     channels_last = device.type == "cuda" or p == "mixed"

@@ -37,5 +37,3 @@ def build_data(cfg: DictConfig, device: torch.device) -> DataSource:
         return ImageFolderData(cfg.data, cfg.schedule, seed=cfg.seed, device=device)
     raise ValueError(f"data.name={cfg.data.name}: expected synthetic or imagefolder")
 
-
-DATA_NAMES = ("synthetic", "imagefolder")

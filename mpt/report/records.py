@@ -6,7 +6,6 @@ Numbers stay numbers here: every formatting decision belongs to the renderers (t
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -149,6 +148,3 @@ def load_curves(runs: pd.DataFrame) -> pd.DataFrame:
         frames.append(train)
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
-
-def finite(x: float | None) -> bool:
-    return x is not None and not (isinstance(x, float) and math.isnan(x))

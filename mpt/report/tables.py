@@ -134,7 +134,7 @@ def loss_scaling(runs: pd.DataFrame) -> pd.DataFrame:
 
 def paper_comparison(runs: pd.DataFrame, published: pd.DataFrame) -> pd.DataFrame:
     """Each published cell next to ours for the same model, precision, scale and metric."""
-    ours = metric_summary(runs) if not runs.empty else pd.DataFrame(columns=["model", "precision", "scale", "scale_value", "metric"])
+    ours = metric_summary(runs)
     rows = []
     for pub in published.itertuples():
         match = ours[(ours.model == pub.model) & (ours.precision == pub.precision) & (ours.scale == pub.scale) & (ours.metric == pub.metric)]

@@ -15,12 +15,11 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from .config import ConfigError, as_plain, computational, register_configs, validate
+from .config import GROUPS, ConfigError, as_plain, computational, register_configs, validate
 from .record import write_json_atomic
 
 log = logging.getLogger("mpt")
 
-GROUPS = ("model", "precision", "scale", "data", "schedule")
 # Overrides that do not change what a run computes, so they do not name its folder.
 NOT_IN_NAME = {"force", "resume", "checkpoint", "experiment", "device", "hydra"}
 
@@ -153,7 +152,6 @@ def preflight(args: list[str]) -> str | None:
         return None
     from hydra import compose, initialize_config_module
     from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
-    from hydra.core.override_parser.types import Transformer
 
     words = [a for a in args if not a.startswith("-")]
     try:

@@ -165,6 +165,7 @@ def register_configs() -> None:
         cs.store(group="schema", name=group, node=node)
 
 
+GROUPS = ("model", "precision", "scale", "data", "schedule")  # the config groups that make a run's choices
 SCALE_NAMES = ("none", "static", "dynamic")
 TASKS = ("classification",)
 OPTIMIZERS = ("sgd",)

@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 
 from ..datasets import build_data
 from ..models import build_task
-from .config import as_plain, computational, static_scale_value
+from .config import GROUPS, as_plain, computational, static_scale_value
 from .optim import effective_lr
 from .precision import PrecisionEngine, autocast, check_device_support, default_channels_last, prepare_model, set_fp32_math
 from . import checkpoint
@@ -25,8 +25,6 @@ from .scaler import Diverged, build_scaler
 from .throughput import ThroughputMeter, peak_memory, reset_peak_memory
 
 log = logging.getLogger("mpt")
-
-CHOICE_KEYS = ("model", "precision", "scale", "data", "schedule")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -158,7 +156,7 @@ class Run:
             "status": "running",
             "message": None,
             "run_dir": str(self.run_dir),
-            "choices": {k: plain[k]["name"] for k in CHOICE_KEYS},
+            "choices": {k: plain[k]["name"] for k in GROUPS},
             "variant": self.variant,  # overrides beyond the choices and the seed
             "seed": cfg.seed,
             "config": plain,
