@@ -44,8 +44,9 @@ class PaperRecipe:
     lr: float = 0.1  # per 256 samples; scaled linearly with the batch size
     momentum: float = 0.9
     weight_decay: float = 1e-4
-    epochs: float = 90
-    lr_milestones: list[float] = field(default_factory=lambda: [30.0, 60.0])  # in epochs
+    epochs: Optional[float] = 90  # the length in epochs, or
+    steps: Optional[int] = None  # in iterations (SSD's recipe is counted in iterations)
+    lr_milestones: list[float] = field(default_factory=lambda: [30.0, 60.0])  # in the unit of the length
     lr_gamma: float = 0.1
     source: str = ""
 
@@ -53,13 +54,14 @@ class PaperRecipe:
 @dataclass
 class ModelConfig:
     name: str = MISSING
-    task: str = "classification"
+    task: str = "classification"  # classification | detection
     arch: str = MISSING  # torchvision builder name
     input_size: int = 224  # the paper's resolution (schedule=paper and bench)
     small_input_size: int = 32  # smallest size the architecture accepts (schedule=short and smoke)
     static_scale: float = 1000.0  # default of scale=static for this model
     static_scale_source: str = ""
     aux_loss_weight: float = 0.0  # auxiliary classifier heads (GoogLeNet, Inception v3)
+    backbone_weights: Optional[str] = None  # detection: a local torchvision vgg16 state dict to start from (null: random init)
     recipe: PaperRecipe = field(default_factory=PaperRecipe)
 
 
@@ -99,12 +101,20 @@ class DataConfig:
     train_samples: int = 512
     val_samples: int = 128
     noise: float = 0.5
-    # imagefolder: root/<train_split>/<class>/* and root/<val_split>/<class>/*
+    # synthetic, for detection models: coloured shapes (num_classes of them) on noisy backgrounds
+    max_objects: int = 3
+    pixel_noise: float = 0.1  # std of the Gaussian noise on [0, 1] pixels
+    # imagefolder: root/<train_split>/<class>/* and root/<val_split>/<class>/*; voc: see datasets/voc.py
     root: Optional[str] = None
     train_split: str = "train"
     val_split: str = "val"
     num_workers: int = -1  # -1: min(8, CPU count)
     resize_ratio: float = 256 / 224  # validation: Resize(image_size * ratio) then CenterCrop(image_size)
+    # voc: sets to train and evaluate on ("VOC2007/trainval" in a devkit, or a split file of a flat folder)
+    train_sets: list[str] = field(default_factory=list)
+    val_sets: list[str] = field(default_factory=list)
+    class_names: list[str] = field(default_factory=list)
+    keep_difficult: bool = False  # train on objects marked difficult too (evaluation always ignores them)
 
 
 @dataclass
@@ -145,6 +155,9 @@ class Config:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     channels_last: Optional[bool] = None  # null: on for convolutional models on CUDA, and for FP16 weights on CPU
     cudnn_benchmark: bool = True
+    # On a CPU, FP16 convolutions (FP16 weights or FP16 autocast) as FP32 convolutions of FP16 values
+    # rounded once: a GPU's arithmetic, ~50x faster than torch's CPU FP16 kernels (cpu_half_conv.py).
+    emulate_cpu_fp16_conv: bool = True
     deterministic: bool = False
     force: bool = False  # run even if the run folder already holds a record with status ok
     resume: bool = True  # continue from the run folder's checkpoint when there is one
@@ -167,7 +180,8 @@ def register_configs() -> None:
 
 GROUPS = ("model", "precision", "scale", "data", "schedule")  # the config groups that make a run's choices
 SCALE_NAMES = ("none", "static", "dynamic")
-TASKS = ("classification",)
+TASKS = ("classification", "detection")
+DATA_TASKS = {"synthetic": TASKS, "imagefolder": ("classification",), "voc": ("detection",)}  # the batches each source can make
 OPTIMIZERS = ("sgd",)
 
 
@@ -196,6 +210,14 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"model.task={cfg.model.task}: expected one of {', '.join(TASKS)}")
     if cfg.optim.name not in OPTIMIZERS:
         raise ConfigError(f"optim.name={cfg.optim.name}: expected one of {', '.join(OPTIMIZERS)}")
+    if cfg.data.name not in DATA_TASKS:
+        raise ConfigError(f"data.name={cfg.data.name}: expected one of {', '.join(DATA_TASKS)}")
+    if cfg.model.task not in DATA_TASKS[cfg.data.name]:
+        fits = [d for d, tasks in DATA_TASKS.items() if cfg.model.task in tasks]
+        raise ConfigError(f"data={cfg.data.name} has no {cfg.model.task} data for model={cfg.model.name}; use data={' or data='.join(fits)}")
+    if cfg.model.task == "detection" and cfg.schedule.image_size != cfg.model.input_size:
+        # Its default boxes and feature-map strides are laid out for this one size.
+        raise ConfigError(f"schedule.image_size={cfg.schedule.image_size}: {cfg.model.name} takes {cfg.model.input_size}x{cfg.model.input_size} images only")
     if cfg.schedule.image_size < cfg.model.small_input_size:
         raise ConfigError(
             f"schedule.image_size={cfg.schedule.image_size}: {cfg.model.name} needs at least {cfg.model.small_input_size} pixels"
@@ -236,6 +258,16 @@ def validate(cfg: DictConfig) -> None:
     if d.name == "synthetic":
         for key in ["data.num_classes", "data.train_samples", "data.val_samples"]:
             _positive(cfg, key)
+    if d.name == "synthetic" and cfg.model.task == "detection":
+        _positive(cfg, "data.max_objects")
+        if not 0 <= d.pixel_noise < 1:
+            raise ConfigError(f"data.pixel_noise={d.pixel_noise}: must be in [0, 1)")
+    if d.name == "voc":
+        for key in ["data.train_sets", "data.val_sets", "data.class_names"]:
+            if not OmegaConf.select(cfg, key):
+                raise ConfigError(f"{key} is empty: data=voc needs it (see configs/data/voc.yaml)")
+        if len(set(d.class_names)) != len(d.class_names):
+            raise ConfigError(f"data.class_names={list(d.class_names)}: a class is listed twice")
     if d.num_workers < -1:
         raise ConfigError(f"data.num_workers={d.num_workers}: must be -1 (auto) or >= 0")
 

@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from .config import ConfigError, DType, Update
+from .cpu_half_conv import emulate_half_convs
 from .optim import FP16MomentumSGD, build_torch_optimizer, effective_lr
 from .scaler import LossScaler
 
@@ -68,15 +69,22 @@ def _cast_floating(tree, dtype: torch.dtype):
     return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
 
 
-def prepare_model(model: nn.Module, p: DictConfig, device: torch.device, channels_last: bool) -> nn.Module:
+def uses_cpu_fp16_convs(p: DictConfig, device: torch.device) -> bool:
+    return device.type == "cpu" and DType.float16 in (p.param_dtype, p.autocast)
+
+
+def prepare_model(model: nn.Module, p: DictConfig, device: torch.device, channels_last: bool, emulate_cpu_fp16_conv: bool = False) -> nn.Module:
     """Put the model's weights where the mode says, on the device.
 
     FP16 (or BF16) weights get apex O2's casts at the model's boundary: floating inputs are cast to
     the weights' dtype on the way in, floating outputs to FP32 on the way out, so the loss is always
-    computed in FP32 and no task needs to know the mode.
+    computed in FP32 and no task needs to know the mode. On a CPU, FP16 convolutions can run as the
+    GPU's arithmetic at FP32 speed (cpu_half_conv.py) instead of torch's slow reference kernels.
     """
     dtype = torch_dtype(p.param_dtype)
     model.to(device=device, dtype=dtype)
+    if emulate_cpu_fp16_conv and uses_cpu_fp16_convs(p, device):
+        emulate_half_convs(model)
     if p.norm_fp32:
         for module in model.modules():
             if isinstance(module, nn.modules.batchnorm._BatchNorm):

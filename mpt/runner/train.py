@@ -18,7 +18,7 @@ from ..datasets import build_data
 from ..models import build_task
 from .config import GROUPS, as_plain, computational, static_scale_value
 from .optim import effective_lr
-from .precision import PrecisionEngine, autocast, check_device_support, default_channels_last, prepare_model, set_fp32_math
+from .precision import PrecisionEngine, autocast, check_device_support, default_channels_last, prepare_model, set_fp32_math, uses_cpu_fp16_convs
 from . import checkpoint
 from .record import MetricsLog, environment, git_commit, now_iso, write_json_atomic
 from .scaler import Diverged, build_scaler
@@ -85,7 +85,7 @@ class Run:
 
         self.channels_last = cfg.channels_last if cfg.channels_last is not None else default_channels_last(cfg.precision, self.device)
         self.engines = {
-            name: PrecisionEngine(prepare_model(net, cfg.precision, self.device, self.channels_last), cfg, build_scaler(cfg), milestones, self.device)
+            name: PrecisionEngine(prepare_model(net, cfg.precision, self.device, self.channels_last, cfg.emulate_cpu_fp16_conv), cfg, build_scaler(cfg), milestones, self.device)
             for name, net in self.task.networks().items()
         }
         self.forward_context = lambda: autocast(cfg.precision, self.device)
@@ -171,6 +171,7 @@ class Run:
                 "fp32_math": self.fp32_math,
                 "tf32_active": bool(cfg.precision.tf32 and self.device.type == "cuda"),  # TF32 exists only on CUDA
                 "channels_last": self.channels_last,
+                "cpu_fp16_conv": ("emulated" if cfg.emulate_cpu_fp16_conv else "native") if uses_cpu_fp16_convs(cfg.precision, self.device) else None,
             },
             "scale_config": {
                 "strategy": cfg.scale.name,
