@@ -27,6 +27,10 @@ class DataSource(Protocol):
 
 
 def build_data(cfg: DictConfig, device: torch.device) -> DataSource:
+    if cfg.data.name == "synthetic" and cfg.model.task == "detection":
+        from .shapes import SyntheticShapes
+
+        return SyntheticShapes(cfg.data, cfg.schedule, seed=cfg.seed, device=device)
     if cfg.data.name == "synthetic":
         from .synthetic import SyntheticImages
 
@@ -35,5 +39,9 @@ def build_data(cfg: DictConfig, device: torch.device) -> DataSource:
         from .imagefolder import ImageFolderData
 
         return ImageFolderData(cfg.data, cfg.schedule, seed=cfg.seed, device=device)
-    raise ValueError(f"data.name={cfg.data.name}: expected synthetic or imagefolder")
+    if cfg.data.name == "voc":
+        from .voc import VOCData
+
+        return VOCData(cfg.data, cfg.schedule, seed=cfg.seed, device=device)
+    raise ValueError(f"data.name={cfg.data.name}: expected synthetic, imagefolder or voc")
 

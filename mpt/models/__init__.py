@@ -61,4 +61,8 @@ def build_task(cfg: DictConfig, data_info: dict) -> Task:
         from .classification import Classification
 
         return Classification(cfg.model, num_classes=data_info["num_classes"])
+    if cfg.model.task == "detection":
+        from .detection import Detection
+
+        return Detection(cfg.model, num_classes=data_info["num_classes"], class_names=data_info["classes"], image_size=cfg.schedule.image_size)
     raise ValueError(f"model.task={cfg.model.task}: no such task")

@@ -1,0 +1,227 @@
+"""PASCAL VOC detection data on disk, in either of its two common layouts.
+
+- The devkit: `root/VOC2007/{Annotations/<id>.xml, JPEGImages/<id>.jpg, ImageSets/Main/<split>.txt}`;
+  a set is named `VOC2007/trainval`, and several sets are joined (VOC07+12: `VOC2007/trainval`
+  and `VOC2012/trainval`).
+- A flat pair of folders: `root/annotations/*.xml` and `root/images/*`, with a set named by a
+  split file under root: a `.txt` of ids or file names, one per line, or a `.csv` with a
+  `filename` column (the raccoon dataset's `train_labels.csv`).
+
+Every annotation of a set is parsed when the data is built, so a missing or corrupt file, or a
+class not in `data.class_names`, stops the run before training, naming the file. Box corners are
+VOC's 1-based inclusive pixels; they become continuous coordinates (x1 - 1, y1 - 1, x2, y2).
+
+Training augmentation is SSD's (torchvision's references use the same): photometric distortion,
+zoom-out onto a canvas of the mean colour (expand), an IoU-constrained random crop, horizontal flip,
+then a resize to image_size x image_size. Objects marked difficult are left out of training unless
+`data.keep_difficult`, and kept, flagged, for evaluation, which ignores them as VOC does.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+from omegaconf import DictConfig
+from torch.utils.data import DataLoader, Dataset
+from torchvision import tv_tensors
+from torchvision.transforms import v2
+
+from ..models.detection import MEAN_PIXEL_01
+from ..runner.config import ConfigError
+from .imagefolder import load_image
+from .sampling import EpochBatches, SeededSamples
+
+
+class CorruptAnnotation(RuntimeError):
+    """A VOC XML file that cannot be read as an annotation."""
+
+
+@dataclass
+class Annotation:
+    image: Path
+    boxes: list[list[float]]  # continuous x1 y1 x2 y2
+    labels: list[int]  # 1..C
+    difficult: list[bool]
+
+
+def _number(node: ET.Element, tag: str, file: Path) -> float:
+    text = node.findtext(tag)
+    try:
+        return float(text)
+    except (TypeError, ValueError):
+        raise CorruptAnnotation(f"corrupt annotation {file}: <{tag}> is {text!r}, not a number") from None
+
+
+def parse_annotation(file: Path, image_dir: Path, class_index: dict[str, int]) -> Annotation:
+    try:
+        root = ET.parse(file).getroot()
+    except (ET.ParseError, OSError) as e:
+        raise CorruptAnnotation(f"corrupt annotation {file}: {type(e).__name__}: {e}") from None
+    filename = root.findtext("filename") or f"{file.stem}.jpg"
+    image = image_dir / filename
+    if not image.is_file() and (image_dir / f"{file.stem}.jpg").is_file():
+        image = image_dir / f"{file.stem}.jpg"  # VOC's <filename> sometimes disagrees with the id
+    boxes, labels, difficult = [], [], []
+    for obj in root.iter("object"):
+        name = (obj.findtext("name") or "").strip()
+        if name not in class_index:
+            raise ConfigError(f"{file}: object class '{name}' is not in data.class_names ({', '.join(class_index)})")
+        box = obj.find("bndbox")
+        if box is None:
+            raise CorruptAnnotation(f"corrupt annotation {file}: an object '{name}' has no <bndbox>")
+        x1, y1, x2, y2 = (_number(box, t, file) for t in ("xmin", "ymin", "xmax", "ymax"))
+        if not (x2 >= x1 and y2 >= y1):
+            raise CorruptAnnotation(f"corrupt annotation {file}: box ({x1}, {y1}, {x2}, {y2}) of '{name}' has its corners swapped")
+        boxes.append([x1 - 1, y1 - 1, x2, y2])
+        labels.append(class_index[name])
+        difficult.append(obj.findtext("difficult", "0").strip() == "1")
+    return Annotation(image, boxes, labels, difficult)
+
+
+def _ids_from_split_file(file: Path) -> list[str]:
+    if file.suffix == ".csv":
+        with open(file, newline="") as f:
+            reader = csv.DictReader(f)
+            if "filename" not in (reader.fieldnames or []):
+                raise ConfigError(f"{file}: a split .csv needs a 'filename' column (found: {', '.join(reader.fieldnames or [])})")
+            names = [row["filename"] for row in reader]
+    else:
+        names = [line.split()[0] for line in file.read_text().splitlines() if line.strip()]
+    return list(dict.fromkeys(Path(n).stem for n in names))  # a csv has a row per object: one id per image
+
+
+def resolve_set(root: Path, name: str) -> tuple[list[str], Path, Path]:
+    """(ids, annotation folder, image folder) of one named set, in either layout."""
+    parts = Path(name).parts
+    if len(parts) == 2 and (root / parts[0] / "Annotations").is_dir():
+        year, split = parts
+        split_file = root / year / "ImageSets" / "Main" / f"{split}.txt"
+        if not split_file.is_file():
+            raise ConfigError(f"data set {name}: no {split_file} (the devkit's split lists are ImageSets/Main/<split>.txt)")
+        return _ids_from_split_file(split_file), root / year / "Annotations", root / year / "JPEGImages"
+    if (root / "annotations").is_dir() and (root / "images").is_dir():
+        split_file = root / name
+        if not split_file.is_file():
+            raise ConfigError(f"data set {name}: no split file {split_file} (a .txt of ids or a .csv with a filename column)")
+        return _ids_from_split_file(split_file), root / "annotations", root / "images"
+    raise ConfigError(
+        f"data.root={root}: neither a VOC devkit (VOC2007/Annotations, ...) holding set {name} nor a flat annotations/ + images/ folder pair"
+    )
+
+
+def read_sets(root: Path, names: list[str], class_names: list[str]) -> list[Annotation]:
+    class_index = {n: i + 1 for i, n in enumerate(class_names)}
+    out = []
+    for name in names:
+        ids, ann_dir, image_dir = resolve_set(root, name)
+        for i in ids:
+            file = ann_dir / f"{i}.xml"
+            if not file.is_file():
+                raise ConfigError(f"data set {name}: image '{i}' has no annotation {file}")
+            out.append(parse_annotation(file, image_dir, class_index))
+    return out
+
+
+class VOCDetection(Dataset):
+    def __init__(self, annotations: list[Annotation], transform, keep_difficult: bool, with_difficult: bool):
+        self.annotations, self.transform = annotations, transform
+        self.keep_difficult, self.with_difficult = keep_difficult, with_difficult
+
+    def __len__(self) -> int:
+        return len(self.annotations)
+
+    def __getitem__(self, index: int):
+        a = self.annotations[index]
+        image = tv_tensors.Image(v2.functional.pil_to_tensor(load_image(str(a.image))))
+        keep = [k for k, d in enumerate(a.difficult) if self.keep_difficult or self.with_difficult or not d]
+        boxes = torch.tensor([a.boxes[k] for k in keep], dtype=torch.float32).reshape(-1, 4)
+        target = {
+            "boxes": tv_tensors.BoundingBoxes(boxes, format="XYXY", canvas_size=tuple(image.shape[-2:])),
+            "labels": torch.tensor([a.labels[k] for k in keep], dtype=torch.int64),
+        }
+        if self.with_difficult:
+            target["difficult"] = torch.tensor([a.difficult[k] for k in keep], dtype=torch.bool)
+        image, target = self.transform(image, target)
+        return image, {k: v.as_subclass(torch.Tensor) for k, v in target.items()}
+
+
+def ssd_train_transform(size: int):
+    return v2.Compose([
+        v2.RandomPhotometricDistort(),
+        v2.RandomZoomOut(fill=[round(255 * m) for m in MEAN_PIXEL_01], side_range=(1.0, 4.0), p=0.5),
+        v2.RandomIoUCrop(),
+        v2.RandomHorizontalFlip(p=0.5),
+        v2.Resize((size, size), antialias=True),
+        v2.SanitizeBoundingBoxes(min_size=1.0),  # boxes the crop cut to slivers go, with their labels
+        v2.ToDtype(torch.float32, scale=True),
+    ])
+
+
+def eval_transform(size: int):
+    return v2.Compose([v2.Resize((size, size), antialias=True), v2.ToDtype(torch.float32, scale=True)])
+
+
+def collate(samples):
+    images, targets = zip(*samples)
+    return torch.stack(images), list(targets)
+
+
+class VOCData:
+    def __init__(self, data: DictConfig, schedule: DictConfig, seed: int, device: torch.device):
+        if data.root is None:
+            raise ConfigError("data.root is not set: give the VOCdevkit folder, or a folder with annotations/ and images/")
+        root = Path(os.path.expanduser(data.root))
+        if not root.is_dir():
+            raise ConfigError(f"data.root={root}: no such folder")
+        if not data.class_names:
+            raise ConfigError("data.class_names is empty: list the object classes, e.g. data.class_names=[raccoon]")
+        size = schedule.image_size
+        train = read_sets(root, list(data.train_sets), list(data.class_names))
+        val = read_sets(root, list(data.val_sets), list(data.class_names))
+        if len(train) < schedule.batch_size:
+            raise ConfigError(f"data.train_sets={list(data.train_sets)}: {len(train)} images, fewer than one batch of {schedule.batch_size}")
+        self.device = device
+        workers = min(8, os.cpu_count() or 1) if data.num_workers == -1 else data.num_workers
+        common = dict(num_workers=workers, pin_memory=device.type == "cuda", persistent_workers=workers > 0, collate_fn=collate)
+        self.order = torch.Generator().manual_seed(seed)
+        self.batches = EpochBatches(len(train), schedule.batch_size, self.order)
+        train_set = VOCDetection(train, ssd_train_transform(size), data.keep_difficult, with_difficult=False)
+        val_set = VOCDetection(val, eval_transform(size), keep_difficult=True, with_difficult=True)
+        self.train_loader = DataLoader(SeededSamples(train_set, seed), batch_sampler=self.batches, **common)
+        self.val_loader = DataLoader(val_set, batch_size=schedule.batch_size, shuffle=False, **common)
+        self.steps_per_epoch = len(train) // schedule.batch_size
+        self.info = {
+            "num_classes": len(data.class_names),
+            "classes": list(data.class_names),
+            "train_samples": len(train),
+            "val_samples": len(val),
+            "train_objects": sum(len(a.labels) for a in train),
+            "val_objects": sum(len(a.labels) for a in val),
+            "resident": False,
+            "num_workers": workers,
+        }
+
+    def _to_device(self, loader: DataLoader) -> Iterator[tuple[torch.Tensor, list[dict]]]:
+        for images, targets in loader:
+            yield images.to(self.device, non_blocking=True), [{k: v.to(self.device) for k, v in t.items()} for t in targets]
+
+    def epoch(self, epoch: int, start: int = 0) -> Iterator[tuple[torch.Tensor, list[dict]]]:
+        """One pass in a fresh random order, from batch `start` (a resumed run's position)."""
+        self.epoch_start_state = self.order.get_state()
+        self.batches.set_epoch(epoch, start)
+        return self._to_device(self.train_loader)
+
+    def state_dict(self) -> dict:
+        return {"order": self.epoch_start_state}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.order.set_state(state["order"])
+
+    def val(self) -> Iterable[tuple[torch.Tensor, list[dict]]]:
+        return self._to_device(self.val_loader)
