@@ -1,0 +1,191 @@
+"""SSD300 and its data: VOC XML in both layouts, SSD augmentation, errors naming the problem, and
+every precision mode end to end on a tiny config."""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+
+from mpt.datasets import build_data
+from mpt.datasets.voc import CorruptAnnotation
+from mpt.runner.config import ConfigError, validate
+from .conftest import CPU, compose_cfg, read_record, run_cli, shared_data
+
+RACCOON = ["data=voc", "data.train_sets=[train_labels.csv]", "data.val_sets=[test_labels.csv]", "data.class_names=[raccoon]", "data.num_workers=0"]
+
+
+def voc_cfg(root: Path, *extra: str):
+    cfg = compose_cfg("model=ssd", *RACCOON, f"data.root={root}", "schedule=smoke", *extra)
+    validate(cfg)
+    return cfg
+
+
+def csv_objects(file: Path) -> dict[str, list[list[float]]]:
+    objects: dict[str, list[list[float]]] = {}
+    with open(file, newline="") as f:
+        for row in csv.DictReader(f):
+            objects.setdefault(Path(row["filename"]).stem, []).append([float(row[k]) for k in ("width", "height", "xmin", "ymin", "xmax", "ymax")])
+    return objects
+
+
+def test_raccoon_flat_layout_reads_every_split_image_and_object():
+    root = shared_data("raccoon")
+    data = build_data(voc_cfg(root), CPU)
+    train, test = csv_objects(root / "train_labels.csv"), csv_objects(root / "test_labels.csv")
+    assert data.info["train_samples"] == len(train) and data.info["val_samples"] == len(test)
+    assert data.info["train_objects"] == sum(map(len, train.values()))
+    assert data.info["val_objects"] == sum(map(len, test.values()))
+
+    # Validation: resized to 300x300, boxes scaled from VOC's inclusive corners (x1 - 1, ..., x2).
+    images, targets = next(iter(data.val()))
+    assert images.shape == (4, 3, 300, 300) and images.dtype == torch.float32 and 0 <= images.min() and images.max() <= 1
+    first = data.val_loader.dataset.annotations[0].image.stem
+    expected = torch.tensor([[(x1 - 1) * 300 / w, (y1 - 1) * 300 / h, x2 * 300 / w, y2 * 300 / h] for w, h, x1, y1, x2, y2 in test[first]])
+    assert torch.allclose(targets[0]["boxes"], expected, atol=1e-3)
+    assert targets[0]["labels"].tolist() == [1] * len(expected) and not targets[0]["difficult"].any()
+
+    # Training: augmented (crops, flips, zoom-out), every surviving box inside the image and non-degenerate.
+    images, targets = next(iter(data.epoch(0)))
+    assert images.shape == (4, 3, 300, 300)
+    for t in targets:
+        b = t["boxes"]
+        assert set(t) == {"boxes", "labels"} and len(b) == len(t["labels"])
+        assert (b[:, 2:] > b[:, :2]).all() and (b >= 0).all() and (b <= 300).all()  # (a crop may keep no box: ~1% of samples)
+
+
+def test_training_augmentation_is_seeded_per_sample():
+    root = shared_data("raccoon")
+    a = next(iter(build_data(voc_cfg(root), CPU).epoch(0)))
+    b = next(iter(build_data(voc_cfg(root), CPU).epoch(0)))
+    c = next(iter(build_data(voc_cfg(root, "seed=1"), CPU).epoch(0)))
+    assert torch.equal(a[0], b[0]) and all(torch.equal(x["boxes"], y["boxes"]) for x, y in zip(a[1], b[1]))
+    assert not torch.equal(a[0], c[0])
+
+
+def make_devkit(tmp_path: Path, raccoon: Path) -> Path:
+    """A VOCdevkit with VOC2007 and VOC2012 made of raccoon files; one VOC2012 object marked difficult."""
+    ids = sorted(p.stem for p in (raccoon / "annotations").glob("*.xml"))[:12]
+    split = {"VOC2007": ids[:4], "VOC2012": ids[4:8], "VOC2007-test": ids[8:12]}
+    root = tmp_path / "VOCdevkit"
+    for year in ("VOC2007", "VOC2012"):
+        for sub in ("Annotations", "JPEGImages", "ImageSets/Main"):
+            (root / year / sub).mkdir(parents=True)
+    for year, names in [("VOC2007", split["VOC2007"] + split["VOC2007-test"]), ("VOC2012", split["VOC2012"])]:
+        for i in names:
+            shutil.copy(raccoon / "annotations" / f"{i}.xml", root / year / "Annotations" / f"{i}.xml")
+            (root / year / "JPEGImages" / f"{i}.jpg").symlink_to(raccoon / "images" / f"{i}.jpg")
+    (root / "VOC2007/ImageSets/Main/trainval.txt").write_text("\n".join(split["VOC2007"]) + "\n")
+    (root / "VOC2007/ImageSets/Main/test.txt").write_text("\n".join(split["VOC2007-test"]) + "\n")
+    (root / "VOC2012/ImageSets/Main/trainval.txt").write_text("\n".join(split["VOC2012"]) + "\n")
+    marked = root / "VOC2012/Annotations" / f"{split['VOC2012'][0]}.xml"
+    marked.write_text(marked.read_text().replace("<difficult>0</difficult>", "<difficult>1</difficult>", 1))
+    return root
+
+
+def test_devkit_layout_joins_years_and_sets_difficult_objects_aside(tmp_path):
+    root = make_devkit(tmp_path, shared_data("raccoon"))
+    base = ["model=ssd", "data=voc", f"data.root={root}", "data.class_names=[raccoon]", "data.num_workers=0", "schedule=smoke"]
+    cfg = compose_cfg(*base, "data.val_sets=[VOC2007/test,VOC2012/trainval]")
+    validate(cfg)
+    data = build_data(cfg, CPU)
+    assert data.info["train_samples"] == 8 and data.info["val_samples"] == 8  # VOC2007 + VOC2012 trainval
+    train_objects = data.info["train_objects"]
+    # The difficult object is in the annotation count, but training leaves it out and evaluation flags it.
+    val = data.val_loader.dataset
+    flagged = [val[i][1]["difficult"].sum().item() for i in range(len(val))]
+    assert sum(flagged) == 1
+    train = data.train_loader.dataset.dataset  # SeededSamples wraps it
+    difficult_image = next(i for i, a in enumerate(train.annotations) if any(a.difficult))
+    assert len(train.annotations[difficult_image].labels) > 0
+    keep = compose_cfg(*base, "data.keep_difficult=true")
+    kept = build_data(keep, CPU).train_loader.dataset.dataset
+    assert kept.keep_difficult and not train.keep_difficult
+    assert train_objects == sum(len(a.labels) for a in train.annotations)
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["data.root=/no/such/folder"], "data.root=/no/such/folder: no such folder"),
+        (["data.class_names=[dog]"], "object class 'raccoon' is not in data.class_names (dog)"),
+        (["data.train_sets=[missing.csv]"], "no split file"),
+        (["data.class_names=[raccoon,raccoon]"], "a class is listed twice"),
+    ],
+)
+def test_bad_voc_settings_are_named(overrides, message):
+    root = shared_data("raccoon")
+    cfg = compose_cfg("model=ssd", *RACCOON, f"data.root={root}", "schedule=smoke", *overrides)
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        validate(cfg)
+        build_data(cfg, CPU)
+
+
+def test_corrupt_annotation_is_named(tmp_path):
+    raccoon = shared_data("raccoon")
+    root = tmp_path / "flat"
+    shutil.copytree(raccoon / "annotations", root / "annotations")
+    (root / "images").symlink_to(raccoon / "images")
+    shutil.copy(raccoon / "train_labels.csv", root / "train_labels.csv")
+    shutil.copy(raccoon / "test_labels.csv", root / "test_labels.csv")
+    victim = root / "annotations" / f"{Path(next(csv.DictReader(open(root / 'train_labels.csv')))['filename']).stem}.xml"
+    victim.write_text(victim.read_text()[:200])
+    with pytest.raises(CorruptAnnotation, match=f"corrupt annotation {victim}"):
+        build_data(voc_cfg(root), CPU)
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["model=ssd", "data=imagefolder"], "data=imagefolder has no detection data for model=ssd; use data=synthetic or data=voc"),
+        (["model=resnet50", "data=voc", "data.root=/x"], "data=voc has no classification data for model=resnet50"),
+        (["model=ssd", "schedule.image_size=512"], "schedule.image_size=512: ssd takes 300x300 images only"),
+        (["model=ssd", "data=voc", "data.root=/x", "data.class_names=[]"], "data.class_names is empty"),
+    ],
+)
+def test_detection_config_errors(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        validate(compose_cfg(*overrides))
+
+
+def test_ssd_defaults_and_the_table2_preset():
+    cfg = compose_cfg("model=ssd", "scale=static", "schedule=paper")
+    validate(cfg)
+    assert cfg.model.static_scale == 8 and cfg.schedule.batch_size == 32 and cfg.schedule.steps == 120_000
+    assert cfg.schedule.epochs is None and list(cfg.schedule.lr_milestones) == [80_000, 100_000]
+    assert cfg.optim.lr * 32 / 256 == pytest.approx(1e-3) and cfg.optim.weight_decay == 5e-4
+    voc = compose_cfg("model=ssd", "data=voc")
+    assert list(voc.data.train_sets) == ["VOC2007/trainval", "VOC2012/trainval"] and list(voc.data.val_sets) == ["VOC2007/test"]
+    assert len(voc.data.class_names) == 20
+    with initialize_config_module(config_module="mpt.configs", version_base="1.3"):
+        preset = compose(config_name="config", overrides=["experiment=paper_table2"], return_hydra_config=True)
+    assert preset.model.name == "ssd"
+    assert dict(preset.hydra.sweeper.params) == {"precision": "fp32,mixed", "scale": "none,static"}
+
+
+MODES = ["fp32", "tf32", "fp16", "mixed", "fp16_modmom", "amp", "bf16"]
+
+
+def test_every_precision_mode_trains_and_evaluates_ssd_on_cpu(tmp_path):
+    tiny = ["model=ssd", "scale=static", "schedule=smoke", "schedule.batch_size=1", "schedule.steps=2", "data.train_samples=2",
+            "data.val_samples=2", "checkpoint=false", f"hydra.sweep.dir={tmp_path}"]
+    result = run_cli("-m", f"precision={','.join(MODES)}", *tiny, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = {r["choices"]["precision"]: r for r in (json.loads(p.read_text()) for p in tmp_path.glob("*/result.json"))}
+    assert sorted(records) == sorted(MODES)
+    for mode, r in records.items():
+        assert r["status"] == "ok", (mode, r["message"])
+        assert r["steps"] == 2 and r["throughput"]["unit"] == "images/s"
+        assert r["scale_config"]["value"] == 8
+        assert 0 <= r["metrics"]["map"] <= 1 and 0 <= r["metrics"]["map_all"] <= 1
+        rows = [json.loads(line) for line in (Path(r["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+        train = [row for row in rows if row["kind"] == "train"]
+        assert len(train) == 2 and all(torch.isfinite(torch.tensor([row["loss"], row["loss_box"], row["loss_cls"]])).all() for row in train)
+    assert records["fp16"]["precision"]["cpu_fp16_conv"] == "emulated" and records["amp"]["precision"]["cpu_fp16_conv"] == "emulated"
+    assert records["fp32"]["precision"]["cpu_fp16_conv"] is None
+    assert read_record(Path(records["mixed"]["run_dir"]))["precision"]["master_weights"] is True
