@@ -39,8 +39,7 @@ class _HalfConv2dFn(torch.autograd.Function):
         stride, padding, dilation, groups = ctx.conv
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         needs = ctx.needs_input_grad
-        # The incoming gradient is rounded to FP16 first: on a GPU it arrives as an FP16 tensor.
-        gy = grad_y.to(torch.float16).float()
+        gy = grad_y.float()  # an FP16 tensor: the gradient of an FP16 output
         gx, gw, gb = torch.ops.aten.convolution_backward(
             gy, x16.float(), w16.float(), [w16.shape[0]] if b_dtype is not None else None,
             list(stride), list(padding), list(dilation), False, [0, 0], groups, [needs[0], needs[1], needs[2] and b_dtype is not None],
