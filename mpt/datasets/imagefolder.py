@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import torch
 from omegaconf import DictConfig
@@ -17,7 +16,7 @@ from torch.utils.data import DataLoader
 from torchvision import datasets, transforms
 
 from ..runner.config import ConfigError
-from .sampling import EpochBatches, SeededSamples
+from .sampling import EpochBatches, LoaderData, SeededSamples
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -47,7 +46,7 @@ def open_split(root: Path, split: str, transform) -> datasets.ImageFolder:
         raise ConfigError(f"data.root={root}: {split}/ is not an image folder: {e}") from None
 
 
-class ImageFolderData:
+class ImageFolderData(LoaderData):
     def __init__(self, data: DictConfig, schedule: DictConfig, seed: int, device: torch.device):
         if data.root is None:
             raise ConfigError("data.root is not set: give the ImageFolder root, e.g. data.root=/data/imagenet")
@@ -89,22 +88,6 @@ class ImageFolderData:
             "num_workers": workers,
         }
 
-    def _to_device(self, loader: DataLoader) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for images, labels in loader:
-            yield images.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
-
-    def epoch(self, epoch: int, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """One pass in a fresh random order, from batch `start` (a resumed run's position)."""
-        self.epoch_start_state = self.order.get_state()
-        self.batches.set_epoch(epoch, start)
-        return self._to_device(self.train_loader)
-
-    def state_dict(self) -> dict:
-        """The order generator as it was when the current epoch began."""
-        return {"order": self.epoch_start_state}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.order.set_state(state["order"])
-
-    def val(self) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
-        return self._to_device(self.val_loader)
+    def to_device(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        images, labels = batch
+        return images.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)

@@ -3,8 +3,10 @@ augmentation an uninterrupted run would have seen."""
 
 from __future__ import annotations
 
+from typing import Any, Iterable, Iterator
+
 import torch
-from torch.utils.data import Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 
 class SeededSamples(Dataset):
@@ -41,3 +43,32 @@ class EpochBatches(Sampler):
         perm = torch.randperm(self.size, generator=self.generator).tolist()
         for b in range(self.start, self.size // self.batch_size):
             yield [(self.epoch, i) for i in perm[b * self.batch_size : (b + 1) * self.batch_size]]
+
+
+class LoaderData:
+    """A DataSource over two DataLoaders: `train_loader` batched by `batches` (EpochBatches drawing
+    from `order`) and `val_loader`; `to_device` moves one loaded batch to the run's device."""
+
+    train_loader: DataLoader
+    val_loader: DataLoader
+    batches: EpochBatches
+    order: torch.Generator
+
+    def to_device(self, batch: Any) -> Any:
+        raise NotImplementedError
+
+    def epoch(self, epoch: int, start: int = 0) -> Iterator[Any]:
+        """One pass in a fresh random order, from batch `start` (a resumed run's position)."""
+        self.epoch_start_state = self.order.get_state()
+        self.batches.set_epoch(epoch, start)
+        return map(self.to_device, self.train_loader)
+
+    def state_dict(self) -> dict:
+        """The order generator as it was when the current epoch began."""
+        return {"order": self.epoch_start_state}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.order.set_state(state["order"])
+
+    def val(self) -> Iterable[Any]:
+        return map(self.to_device, self.val_loader)

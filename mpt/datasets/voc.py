@@ -24,7 +24,6 @@ import os
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import torch
 from omegaconf import DictConfig
@@ -35,7 +34,7 @@ from torchvision.transforms import v2
 from ..models.detection import MEAN_PIXEL_01
 from ..runner.config import ConfigError
 from .imagefolder import load_image
-from .sampling import EpochBatches, SeededSamples
+from .sampling import EpochBatches, LoaderData, SeededSamples
 
 
 class CorruptAnnotation(RuntimeError):
@@ -172,7 +171,7 @@ def collate(samples):
     return torch.stack(images), list(targets)
 
 
-class VOCData:
+class VOCData(LoaderData):
     def __init__(self, data: DictConfig, schedule: DictConfig, seed: int, device: torch.device):
         if data.root is None:
             raise ConfigError("data.root is not set: give the VOCdevkit folder, or a folder with annotations/ and images/")
@@ -207,21 +206,6 @@ class VOCData:
             "num_workers": workers,
         }
 
-    def _to_device(self, loader: DataLoader) -> Iterator[tuple[torch.Tensor, list[dict]]]:
-        for images, targets in loader:
-            yield images.to(self.device, non_blocking=True), [{k: v.to(self.device) for k, v in t.items()} for t in targets]
-
-    def epoch(self, epoch: int, start: int = 0) -> Iterator[tuple[torch.Tensor, list[dict]]]:
-        """One pass in a fresh random order, from batch `start` (a resumed run's position)."""
-        self.epoch_start_state = self.order.get_state()
-        self.batches.set_epoch(epoch, start)
-        return self._to_device(self.train_loader)
-
-    def state_dict(self) -> dict:
-        return {"order": self.epoch_start_state}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.order.set_state(state["order"])
-
-    def val(self) -> Iterable[tuple[torch.Tensor, list[dict]]]:
-        return self._to_device(self.val_loader)
+    def to_device(self, batch: tuple[torch.Tensor, list[dict]]) -> tuple[torch.Tensor, list[dict]]:
+        images, targets = batch
+        return images.to(self.device, non_blocking=True), [{k: v.to(self.device, non_blocking=True) for k, v in t.items()} for t in targets]

@@ -87,7 +87,8 @@ def summary_lines(rec: dict) -> list[str]:
     lines = [f"mpt-run {c['model']} precision={c['precision']} scale={c['scale']} data={c['data']} schedule={c['schedule']}: {rec['status']}"]
     if rec.get("message"):
         lines.append(f"  message:    {rec['message']}")
-    metrics = {k: v for k, v in rec["metrics"].items() if k != "step"}
+    # Per-class APs stay in the record; the summary keeps to the means.
+    metrics = {k: v for k, v in rec["metrics"].items() if k != "step" and not k.startswith("ap_")}
     if metrics:
         lines.append("  metrics:    " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()) + f" (step {rec['metrics']['step']})")
     if rec.get("final_train_loss") is not None:
