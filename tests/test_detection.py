@@ -88,25 +88,28 @@ def make_devkit(tmp_path: Path, raccoon: Path) -> Path:
     return root
 
 
-def test_devkit_layout_joins_years_and_sets_difficult_objects_aside(tmp_path):
+def test_devkit_layout_joins_years_and_difficult_objects_are_flagged(tmp_path):
     root = make_devkit(tmp_path, shared_data("raccoon"))
     base = ["model=ssd", "data=voc", f"data.root={root}", "data.class_names=[raccoon]", "data.num_workers=0", "schedule=smoke"]
     cfg = compose_cfg(*base, "data.val_sets=[VOC2007/test,VOC2012/trainval]")
     validate(cfg)
     data = build_data(cfg, CPU)
     assert data.info["train_samples"] == 8 and data.info["val_samples"] == 8  # VOC2007 + VOC2012 trainval
-    train_objects = data.info["train_objects"]
-    # The difficult object is in the annotation count, but training leaves it out and evaluation flags it.
     val = data.val_loader.dataset
-    flagged = [val[i][1]["difficult"].sum().item() for i in range(len(val))]
-    assert sum(flagged) == 1
-    train = data.train_loader.dataset.dataset  # SeededSamples wraps it
-    difficult_image = next(i for i, a in enumerate(train.annotations) if any(a.difficult))
-    assert len(train.annotations[difficult_image].labels) > 0
-    keep = compose_cfg(*base, "data.keep_difficult=true")
-    kept = build_data(keep, CPU).train_loader.dataset.dataset
-    assert kept.keep_difficult and not train.keep_difficult
-    assert train_objects == sum(len(a.labels) for a in train.annotations)
+    assert sum(val[i][1]["difficult"].sum().item() for i in range(len(val))) == 1  # evaluation sees it, flagged
+
+    # Training keeps the difficult object by default (as SSD did) and drops it with keep_difficult=false.
+    def training_objects(*extra):
+        train = build_data(compose_cfg(*base, *extra), CPU).train_loader.dataset.dataset  # SeededSamples wraps it
+        marked = next(i for i, a in enumerate(train.annotations) if any(a.difficult))
+        train.transform = lambda image, target: (image, target)  # no augmentation: every box survives
+        return len(train[marked][1]["labels"]), len(train.annotations[marked].labels)
+
+    kept, annotated = training_objects()
+    dropped, _ = training_objects("data.keep_difficult=false")
+    assert kept == annotated and dropped == annotated - 1
+    info = build_data(compose_cfg(*base, "data.keep_difficult=false"), CPU).info
+    assert info["train_objects"] == data.info["train_objects"] - 1
 
 
 @pytest.mark.parametrize(
@@ -116,6 +119,7 @@ def test_devkit_layout_joins_years_and_sets_difficult_objects_aside(tmp_path):
         (["data.class_names=[dog]"], "object class 'raccoon' is not in data.class_names (dog)"),
         (["data.train_sets=[missing.csv]"], "no split file"),
         (["data.class_names=[raccoon,raccoon]"], "a class is listed twice"),
+        (["model.input_convention=bgr"], "model.input_convention=bgr: expected one of unit_variance, caffe"),
     ],
 )
 def test_bad_voc_settings_are_named(overrides, message):
@@ -161,7 +165,7 @@ def test_ssd_defaults_and_the_table2_preset():
     assert cfg.optim.lr * 32 / 256 == pytest.approx(1e-3) and cfg.optim.weight_decay == 5e-4
     voc = compose_cfg("model=ssd", "data=voc")
     assert list(voc.data.train_sets) == ["VOC2007/trainval", "VOC2012/trainval"] and list(voc.data.val_sets) == ["VOC2007/test"]
-    assert len(voc.data.class_names) == 20
+    assert len(voc.data.class_names) == 20 and voc.data.keep_difficult
     with initialize_config_module(config_module="mpt.configs", version_base="1.3"):
         preset = compose(config_name="config", overrides=["experiment=paper_table2"], return_hydra_config=True)
     assert preset.model.name == "ssd"

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from mpt.runner.config import validate
+from mpt.runner.config import as_plain, same_computation, validate
 from mpt.runner.record import write_json_atomic
 from mpt.runner.train import Run
 
@@ -100,3 +100,16 @@ def test_a_mode_the_device_cannot_run_is_one_clear_error(monkeypatch):
     with pytest.raises(ConfigError, match=r"^precision=bf16: Tesla V100-SXM2-16GB has no bfloat16 support; use fp16, mixed or amp$"):
         check_device_support(compose_cfg("precision=bf16").precision, torch.device("cuda"))
     check_device_support(compose_cfg("precision=mixed").precision, torch.device("cuda"))  # FP16 modes are fine there
+
+
+@pytest.mark.parametrize("name,overrides", [("resnet50_fp32_none", ["precision=fp32", "scale=none"]),
+                                            ("resnet50_mixed_dynamic", ["precision=mixed", "scale=dynamic"])])
+def test_records_of_an_older_version_match_the_config_that_computes_the_same(name, overrides):
+    # The committed records predate keys added since (data.class_names, emulate_cpu_fp16_conv, ...).
+    # A key they lack takes the value that reproduces how they ran: for FP16 convolutions on a CPU,
+    # torch's native kernels, so today's default (emulated) is a different computation for mixed only.
+    saved = json.loads((ROOT / "results" / "cpu-short" / name / "result.json").read_text())["config"]
+    assert "emulate_cpu_fp16_conv" not in saved
+    assert same_computation(saved, as_plain(compose_cfg(*overrides, "emulate_cpu_fp16_conv=false")))
+    assert same_computation(saved, as_plain(compose_cfg(*overrides))) == (name == "resnet50_fp32_none")
+    assert not same_computation(saved, as_plain(compose_cfg(*overrides, "emulate_cpu_fp16_conv=false", "optim.lr=0.2")))

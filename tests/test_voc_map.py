@@ -68,6 +68,10 @@ def test_eleven_point_and_all_point_differ_where_they_should():
     recall, precision = torch.tensor([0.05, 0.15]), torch.tensor([1.0, 1.0])
     assert average_precision(recall, precision, eleven_point=False) == pytest.approx(0.15)
     assert average_precision(recall, precision, eleven_point=True) == pytest.approx(2 / 11)  # thresholds 0 and 0.1
+    # py-faster-rcnn's thresholds come from np.arange, whose fourth is 0.30000000000000004: a recall
+    # of exactly 3/10 does not reach it (the paper's numbers were computed so).
+    recall = torch.tensor([3 / 10], dtype=torch.float64)  # as voc_map computes it: 3 hits of 10, in float64
+    assert average_precision(recall, torch.tensor([1.0]), eleven_point=True) == pytest.approx(3 / 11)
     assert math.isnan(voc_map([dets([], [], [])], [truth([], [])], 1)["map_all"])  # no ground truth at all
 
 

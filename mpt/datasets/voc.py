@@ -11,10 +11,12 @@ Every annotation of a set is parsed when the data is built, so a missing or corr
 class not in `data.class_names`, stops the run before training, naming the file. Box corners are
 VOC's 1-based inclusive pixels; they become continuous coordinates (x1 - 1, y1 - 1, x2, y2).
 
-Training augmentation is SSD's (torchvision's references use the same): photometric distortion,
+Training augmentation is SSD's, as torchvision's references implement it: photometric distortion,
 zoom-out onto a canvas of the mean colour (expand), an IoU-constrained random crop, horizontal flip,
-then a resize to image_size x image_size. Objects marked difficult are left out of training unless
-`data.keep_difficult`, and kept, flagged, for evaluation, which ignores them as VOC does.
+then a resize to image_size x image_size. (torchvision's distortion differs in detail from Caffe
+SSD's: it may permute channels, and scales brightness instead of adding to it.) Objects marked
+difficult are trained on, as SSD did, unless `data.keep_difficult=false`; evaluation keeps them,
+flagged, and ignores them as VOC does.
 """
 
 from __future__ import annotations
@@ -66,6 +68,8 @@ def parse_annotation(file: Path, image_dir: Path, class_index: dict[str, int]) -
     image = image_dir / filename
     if not image.is_file() and (image_dir / f"{file.stem}.jpg").is_file():
         image = image_dir / f"{file.stem}.jpg"  # VOC's <filename> sometimes disagrees with the id
+    if not image.is_file():
+        raise ConfigError(f"{file}: its image {image} does not exist")
     boxes, labels, difficult = [], [], []
     for obj in root.iter("object"):
         name = (obj.findtext("name") or "").strip()
@@ -188,19 +192,20 @@ class VOCData(LoaderData):
         self.device = device
         workers = min(8, os.cpu_count() or 1) if data.num_workers == -1 else data.num_workers
         common = dict(num_workers=workers, pin_memory=device.type == "cuda", persistent_workers=workers > 0, collate_fn=collate)
+        # Loaders get generators of their own, so iterating them never draws from the global RNG.
         self.order = torch.Generator().manual_seed(seed)
         self.batches = EpochBatches(len(train), schedule.batch_size, self.order)
         train_set = VOCDetection(train, ssd_train_transform(size), data.keep_difficult, with_difficult=False)
         val_set = VOCDetection(val, eval_transform(size), keep_difficult=True, with_difficult=True)
-        self.train_loader = DataLoader(SeededSamples(train_set, seed), batch_sampler=self.batches, **common)
-        self.val_loader = DataLoader(val_set, batch_size=schedule.batch_size, shuffle=False, **common)
+        self.train_loader = DataLoader(SeededSamples(train_set, seed), batch_sampler=self.batches, generator=torch.Generator().manual_seed(seed), **common)
+        self.val_loader = DataLoader(val_set, batch_size=schedule.batch_size, shuffle=False, generator=torch.Generator().manual_seed(seed), **common)
         self.steps_per_epoch = len(train) // schedule.batch_size
         self.info = {
             "num_classes": len(data.class_names),
             "classes": list(data.class_names),
             "train_samples": len(train),
             "val_samples": len(val),
-            "train_objects": sum(len(a.labels) for a in train),
+            "train_objects": sum(sum(1 for d in a.difficult if data.keep_difficult or not d) for a in train),
             "val_objects": sum(len(a.labels) for a in val),
             "resident": False,
             "num_workers": workers,

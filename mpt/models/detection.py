@@ -23,6 +23,7 @@ import torchvision
 from omegaconf import DictConfig
 from torch import nn
 from torchvision.models.detection import ssd300_vgg16
+from torchvision.models.detection.anchor_utils import DefaultBoxGenerator
 from torchvision.models.detection.image_list import ImageList
 from torchvision.ops import box_iou
 
@@ -30,28 +31,43 @@ from ..runner.config import ConfigError
 from . import LossTerm
 from .voc_map import voc_map
 
-# torchvision's SSD input convention (Caffe's): RGB in 0-255 minus the mean pixel, unit std.
+# Caffe's input convention, which torchvision's SSD and its VGG16_Weights.IMAGENET1K_FEATURES use:
+# RGB in 0-255 minus the mean pixel.
 MEAN_PIXEL_01 = (0.48235, 0.45882, 0.40784)
+# The ImageNet convention of torchvision's other weights: RGB in [0, 1], minus mean, over std.
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+# SSD300's default boxes for VOC (Liu et al., ssd_pascal.py: conv4_3 at 0.1, then min_ratio 20 to
+# max_ratio 90 of the image in steps of 17, not clipped); torchvision's builder has COCO's smaller scales.
+VOC_BOX_SCALES = [0.1, 0.2, 0.37, 0.54, 0.71, 0.88, 1.05]
+ASPECT_RATIOS = [[2], [2, 3], [2, 3], [2, 3], [2], [2]]
+FEATURE_STEPS = [8, 16, 32, 64, 100, 300]
 
 
 class SSD300Network(nn.Module):
     """The weights of SSD300: image in [0, 1] -> (box regression [B, 8732, 4], class logits [B, 8732, C+1])."""
 
-    def __init__(self, backbone: nn.Module, head: nn.Module):
+    def __init__(self, backbone: nn.Module, head: nn.Module, input_convention: str = "unit_variance"):
         super().__init__()
         self.backbone, self.head = backbone, head
-        self.register_buffer("mean_255", torch.tensor(MEAN_PIXEL_01).view(1, 3, 1, 1) * 255, persistent=False)
+        # x -> (x - mean) * gain, per channel.
+        if input_convention == "caffe":
+            mean, gain = torch.tensor(MEAN_PIXEL_01), torch.full((3,), 255.0)
+        else:
+            mean, gain = torch.tensor(IMAGENET_MEAN), 1 / torch.tensor(IMAGENET_STD)
+        self.register_buffer("mean", mean.view(1, 3, 1, 1), persistent=False)
+        self.register_buffer("gain", gain.view(1, 3, 1, 1), persistent=False)
 
     def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x = images * 255 - self.mean_255
+        x = (images - self.mean) * self.gain
         out = self.head(list(self.backbone(x).values()))
         return out["bbox_regression"], out["cls_logits"]
 
 
 def load_backbone_weights(path: str) -> nn.Module:
     """torchvision's VGG-16 with the state dict saved at `path` (a full vgg16 state dict or its
-    `features.*` part, e.g. torchvision's VGG16_Weights.IMAGENET1K_FEATURES file, trained on
-    SSD's 0-255 mean-subtracted input)."""
+    `features.*` part). Set model.input_convention to the one the weights were trained with:
+    `caffe` for VGG16_Weights.IMAGENET1K_FEATURES, `unit_variance` for IMAGENET1K_V1."""
     file = Path(path).expanduser()
     if not file.is_file():
         raise ConfigError(f"model.backbone_weights={path}: no such file (expected a torchvision vgg16 state dict saved with torch.save)")
@@ -73,8 +89,11 @@ def load_backbone_weights(path: str) -> nn.Module:
 
 
 def build_ssd300(num_classes: int, backbone_weights: str | None) -> nn.Module:
-    """torchvision's SSD300-VGG16 detector with `num_classes` outputs (background included)."""
+    """torchvision's SSD300-VGG16 detector with `num_classes` outputs (background included) and
+    SSD300's VOC default boxes."""
     detector = ssd300_vgg16(weights=None, weights_backbone=None, num_classes=num_classes)
+    # The same number of boxes per location as torchvision's, so its heads fit unchanged.
+    detector.anchor_generator = DefaultBoxGenerator(ASPECT_RATIOS, scales=VOC_BOX_SCALES, steps=FEATURE_STEPS, clip=False)
     if backbone_weights:
         from torchvision.models.detection.ssd import _vgg_extractor  # the builder's own VGG surgery
 
@@ -94,7 +113,7 @@ class Detection:
         self.num_classes = num_classes  # foreground classes
         self.class_names = class_names
         self.detector = build_ssd300(num_classes + 1, model_cfg.backbone_weights)
-        self.net = SSD300Network(self.detector.backbone, self.detector.head)
+        self.net = SSD300Network(self.detector.backbone, self.detector.head, model_cfg.input_convention)
         self.image_size = image_size
         with torch.no_grad():  # the feature-map sizes fix the default boxes; one small pass finds them
             grids = [f.shape[-2:] for f in self.detector.backbone(torch.zeros(1, 3, image_size, image_size)).values()]

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torchvision.ops import box_iou
 
@@ -31,9 +32,11 @@ def average_precision(recall: torch.Tensor, precision: torch.Tensor, eleven_poin
     """Area under a precision/recall curve given at each detection, in score order."""
     recall, precision = recall.double(), precision.double()
     if eleven_point:
+        # The thresholds exactly as py-faster-rcnn's voc_eval (np.arange(0, 1.1, 0.1)), whose
+        # 0.30000000000000004, 0.6000000000000001 and 0.7000000000000001 exclude a recall of exactly 0.3, 0.6 or 0.7.
         points = []
-        for t in torch.linspace(0, 1, 11, dtype=torch.float64):
-            reached = precision[recall >= t - 1e-12]
+        for t in np.arange(0.0, 1.1, 0.1):
+            reached = precision[recall >= float(t)]
             points.append(float(reached.max()) if reached.numel() else 0.0)
         return sum(points) / 11
     r = torch.cat([torch.zeros(1, dtype=torch.float64), recall, torch.ones(1, dtype=torch.float64)])

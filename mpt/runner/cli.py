@@ -15,7 +15,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from .config import GROUPS, ConfigError, as_plain, computational, register_configs, validate
+from .config import GROUPS, ConfigError, as_plain, same_computation, register_configs, validate
 from .record import write_json_atomic
 
 log = logging.getLogger("mpt")
@@ -113,7 +113,7 @@ def run(cfg: DictConfig) -> str:
     previous = previous_record(run_dir)
     final = previous.get("status") in ("ok", "diverged")  # results; a failed or unfinished run is redone
     if final and not cfg.force:
-        if computational(previous.get("config") or {}) == computational(as_plain(cfg)):
+        if same_computation(previous.get("config") or {}, as_plain(cfg)):
             print(f"mpt-run: {run_dir} already has a record with status {previous['status']}; skipped (force=true runs it again)", flush=True)
             return "skipped"
         print(f"mpt-run: {run_dir} has a {previous['status']} record of a different config (the config files changed); running again", flush=True)

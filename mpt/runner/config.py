@@ -62,6 +62,7 @@ class ModelConfig:
     static_scale_source: str = ""
     aux_loss_weight: float = 0.0  # auxiliary classifier heads (GoogLeNet, Inception v3)
     backbone_weights: Optional[str] = None  # detection: a local torchvision vgg16 state dict to start from (null: random init)
+    input_convention: str = "unit_variance"  # detection: unit_variance ([0,1], ImageNet mean/std) | caffe (0-255 minus the mean pixel)
     recipe: PaperRecipe = field(default_factory=PaperRecipe)
 
 
@@ -114,7 +115,7 @@ class DataConfig:
     train_sets: list[str] = field(default_factory=list)
     val_sets: list[str] = field(default_factory=list)
     class_names: list[str] = field(default_factory=list)
-    keep_difficult: bool = False  # train on objects marked difficult too (evaluation always ignores them)
+    keep_difficult: bool = True  # train on objects marked difficult too, as SSD did (evaluation always ignores them)
 
 
 @dataclass
@@ -181,6 +182,8 @@ def register_configs() -> None:
 GROUPS = ("model", "precision", "scale", "data", "schedule")  # the config groups that make a run's choices
 SCALE_NAMES = ("none", "static", "dynamic")
 TASKS = ("classification", "detection")
+DETECTION_INPUT_SIZE = 300  # SSD300
+INPUT_CONVENTIONS = ("unit_variance", "caffe")
 DATA_TASKS = {"synthetic": TASKS, "imagefolder": ("classification",), "voc": ("detection",)}  # the batches each source can make
 OPTIMIZERS = ("sgd",)
 
@@ -215,9 +218,12 @@ def validate(cfg: DictConfig) -> None:
     if cfg.model.task not in DATA_TASKS[cfg.data.name]:
         fits = [d for d, tasks in DATA_TASKS.items() if cfg.model.task in tasks]
         raise ConfigError(f"data={cfg.data.name} has no {cfg.model.task} data for model={cfg.model.name}; use data={' or data='.join(fits)}")
-    if cfg.model.task == "detection" and cfg.schedule.image_size != cfg.model.input_size:
-        # Its default boxes and feature-map strides are laid out for this one size.
-        raise ConfigError(f"schedule.image_size={cfg.schedule.image_size}: {cfg.model.name} takes {cfg.model.input_size}x{cfg.model.input_size} images only")
+    if cfg.model.task == "detection":
+        if cfg.schedule.image_size != DETECTION_INPUT_SIZE:
+            # Its default boxes and feature-map strides are laid out for this one size.
+            raise ConfigError(f"schedule.image_size={cfg.schedule.image_size}: {cfg.model.name} takes {DETECTION_INPUT_SIZE}x{DETECTION_INPUT_SIZE} images only")
+        if cfg.model.input_convention not in INPUT_CONVENTIONS:
+            raise ConfigError(f"model.input_convention={cfg.model.input_convention}: expected one of {', '.join(INPUT_CONVENTIONS)}")
     if cfg.schedule.image_size < cfg.model.small_input_size:
         raise ConfigError(
             f"schedule.image_size={cfg.schedule.image_size}: {cfg.model.name} needs at least {cfg.model.small_input_size} pixels"
@@ -282,6 +288,27 @@ NOT_COMPUTATIONAL = {("force",), ("resume",), ("checkpoint",), ("schedule", "che
                      ("schedule", "throughput_warmup"), ("schedule", "throughput_window")}
 
 
+# Keys added after records were first written, with the value that reproduces how those runs
+# computed. A key missing from an old config and not listed here takes the current value: its default
+# reproduces the old behaviour.
+LEGACY_VALUES = {("emulate_cpu_fp16_conv",): False}
+
+
+def _with_missing_keys(old: Any, new: Any, path: tuple = ()) -> Any:
+    if not (isinstance(old, dict) and isinstance(new, dict)):
+        return old
+    out = dict(old)
+    for key, value in new.items():
+        out[key] = _with_missing_keys(old[key], value, path + (key,)) if key in old else LEGACY_VALUES.get(path + (key,), value)
+    return out
+
+
+def same_computation(saved: dict, current: dict) -> bool:
+    """Whether a config saved by a record or checkpoint (maybe by an older version) computes what
+    `current` does."""
+    return computational(_with_missing_keys(saved, current)) == computational(current)
+
+
 def computational(plain: dict) -> dict:
     """A plain config without the NOT_COMPUTATIONAL settings, for "is this the same run?"."""
     out = {k: dict(v) if isinstance(v, dict) else v for k, v in plain.items()}
@@ -290,6 +317,9 @@ def computational(plain: dict) -> dict:
         for key in path[:-1]:
             node = node.get(key, {})
         node.pop(path[-1], None)
+    p = out.get("precision", {})
+    if "float16" not in (p.get("param_dtype"), p.get("autocast")):  # the flag changes FP16 convolutions only
+        out.pop("emulate_cpu_fp16_conv", None)
     return out
 
 

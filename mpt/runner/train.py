@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 
 from ..datasets import build_data
 from ..models import build_task
-from .config import GROUPS, as_plain, computational, static_scale_value
+from .config import GROUPS, as_plain, same_computation, static_scale_value
 from .optim import effective_lr
 from .precision import PrecisionEngine, autocast, check_device_support, default_channels_last, prepare_model, set_fp32_math, uses_cpu_fp16_convs
 from . import checkpoint
@@ -97,7 +97,7 @@ class Run:
         self.checkpoint_every = s.checkpoint_every
         self.record = self._initial_record()
         saved = checkpoint.load(run_dir) if cfg.resume and not cfg.force and cfg.checkpoint else None
-        if saved is not None and computational(saved["config"]) != computational(self.record["config"]):
+        if saved is not None and not same_computation(saved["config"], self.record["config"]):
             print(f"mpt-run: {run_dir} holds a checkpoint of a different config; starting over", flush=True)
             saved = None
         if saved is None:  # starting over: a stale checkpoint must not be resumed later
