@@ -7,7 +7,8 @@ the run and the model, and `state_dict()` holds the position a resumed run conti
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator, Protocol
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Optional, Protocol
 
 import torch
 from omegaconf import DictConfig
@@ -26,7 +27,16 @@ class DataSource(Protocol):
     def val(self) -> Iterable[Any]: ...
 
 
-def build_data(cfg: DictConfig, device: torch.device) -> DataSource:
+def build_data(cfg: DictConfig, device: torch.device, workdir: Optional[Path] = None) -> DataSource:
+    """`workdir`: the run's folder, for what a source makes and the run must keep (a trained tokenizer)."""
+    if cfg.data.name == "synthetic" and cfg.model.task == "translation":
+        from .translation import synthetic_translation
+
+        return synthetic_translation(cfg, device)
+    if cfg.data.name == "parallel_text":
+        from .parallel_text import parallel_text
+
+        return parallel_text(cfg, device, workdir)
     if cfg.data.name == "synthetic" and cfg.model.task == "detection":
         from .shapes import SyntheticShapes
 
@@ -43,5 +53,5 @@ def build_data(cfg: DictConfig, device: torch.device) -> DataSource:
         from .voc import VOCData
 
         return VOCData(cfg.data, cfg.schedule, seed=cfg.seed, device=device)
-    raise ValueError(f"data.name={cfg.data.name}: expected synthetic, imagefolder or voc")
+    raise ValueError(f"data.name={cfg.data.name}: expected synthetic, imagefolder, voc or parallel_text")
 

@@ -16,9 +16,11 @@ weights, loss scaler). How the paper's other models fit this seam:
 - Detection (SSD): batches are (list of images, list of target dicts); the task sums the multibox
   loss's dict into one LossTerm and reports the parts in `LossTerm.parts`; evaluation decodes boxes
   and computes VOC mAP; samples are images.
-- Sequence to sequence (GNMT) and language models (bigLSTM): variable-length padded batches;
-  `count_samples` returns the number of non-padding target tokens, `sample_unit` "tokens" (or
-  "words"); evaluation decodes (beam search) or computes perplexity with the full softmax.
+- Translation (`gnmt`): length-bucketed padded batches (datasets/translation.py); one LossTerm of
+  label-smoothed cross-entropy; `count_samples` is the number of non-padding target tokens;
+  evaluation decodes by beam search and scores BLEU with sacrebleu.
+- Language models (bigLSTM): variable-length padded batches; samples are words; evaluation
+  computes perplexity with the full softmax.
 - GAN (DCGAN): `networks()` returns {"discriminator": D, "generator": G}; `train_losses` yields
   the discriminator's LossTerm first and the generator's second. Because it is a generator, D's
   update is applied before G's loss is computed, as DCGAN trains, and each network has its own
@@ -65,4 +67,8 @@ def build_task(cfg: DictConfig, data_info: dict) -> Task:
         from .detection import Detection
 
         return Detection(cfg.model, num_classes=data_info["num_classes"], class_names=data_info["classes"], image_size=cfg.schedule.image_size)
+    if cfg.model.task == "translation":
+        from .gnmt import Translation
+
+        return Translation(cfg.model, data_info)
     raise ValueError(f"model.task={cfg.model.task}: no such task")

@@ -41,29 +41,51 @@ class PaperRecipe:
 
     batch_size: int = 256
     optimizer: str = "sgd"
-    lr: float = 0.1  # per 256 samples; scaled linearly with the batch size
+    lr: float = 0.1  # at a batch of lr_batch samples; scaled linearly with the batch size
+    lr_batch: Optional[int] = 256  # null: lr is used as given at any batch size (Adam recipes)
     momentum: float = 0.9
     weight_decay: float = 1e-4
     epochs: Optional[float] = 90  # the length in epochs, or
     steps: Optional[int] = None  # in iterations (SSD's recipe is counted in iterations)
     lr_milestones: list[float] = field(default_factory=lambda: [30.0, 60.0])  # in the unit of the length
     lr_gamma: float = 0.1
+    warmup_steps: int = 0  # GNMT's exponential warm-up from 1% of the lr
+    clip_grad_norm: Optional[float] = None
     source: str = ""
 
 
 @dataclass
 class ModelConfig:
     name: str = MISSING
-    task: str = "classification"  # classification | detection
-    arch: str = MISSING  # torchvision builder name
-    input_size: int = 224  # the paper's resolution (schedule=paper and bench)
-    small_input_size: int = 32  # smallest size the architecture accepts (schedule=short and smoke)
+    task: str = "classification"  # classification | detection | translation
+    arch: str = MISSING  # torchvision builder name, or the architecture's own name
+    input_size: Optional[int] = 224  # the paper's resolution (schedule=paper and bench); null: the model takes no images
+    small_input_size: Optional[int] = 32  # smallest size the architecture accepts (schedule=short and smoke)
     static_scale: float = 1000.0  # default of scale=static for this model
     static_scale_source: str = ""
     aux_loss_weight: float = 0.0  # auxiliary classifier heads (GoogLeNet, Inception v3)
     backbone_weights: Optional[str] = None  # detection: a local torchvision vgg16 state dict to start from (null: random init)
     input_convention: str = "unit_variance"  # detection: unit_variance ([0,1], ImageNet mean/std) | caffe (0-255 minus the mean pixel)
     recipe: PaperRecipe = field(default_factory=PaperRecipe)
+
+
+@dataclass
+class TranslationModelConfig(ModelConfig):
+    """GNMT-style encoder-decoder (models/gnmt.py). Defaults: NVIDIA's GNMT v2."""
+
+    hidden_size: int = 1024  # LSTM units per direction, embedding size, attention units
+    encoder_layers: int = 4
+    encoder_bidirectional_layers: int = 1  # the first layers are bidirectional, the rest unidirectional
+    decoder_layers: int = 4  # the first one feeds the attention
+    dropout: float = 0.2
+    label_smoothing: float = 0.1
+    loss_reduction: str = "mean"  # mean: over target tokens | sum: over time steps, mean over sentences
+    init_weight: float = 0.1  # every weight starts uniform in [-init_weight, init_weight]
+    beam_size: int = 5  # 1: greedy decoding
+    len_norm_factor: float = 0.6  # GNMT's length penalty ((c + |Y|) / (c + 1))^factor
+    len_norm_const: float = 5.0
+    max_decode_len: int = 150  # tokens, also capped at 2 x source length + 10
+    pad_to_multiple: int = 8  # vocabulary and sequence lengths, for tensor cores
 
 
 @dataclass
@@ -116,6 +138,16 @@ class DataConfig:
     val_sets: list[str] = field(default_factory=list)
     class_names: list[str] = field(default_factory=list)
     keep_difficult: bool = True  # train on objects marked difficult too, as SSD did (evaluation always ignores them)
+    # translation. synthetic: a deterministic word mapping with local reordering; parallel_text:
+    # root/<split>.<lang>[.gz], one sentence per line, splits train_split and val_split
+    src_lang: str = "en"
+    tgt_lang: str = "de"
+    vocab_size: int = 32  # synthetic: words; parallel_text: subword vocabulary of the trained tokenizer
+    min_len: int = 3  # synthetic: shortest sentence (words)
+    max_len: int = 12  # synthetic: longest sentence; parallel_text: longest training pair kept (subwords)
+    tokenizer_model: Optional[str] = None  # parallel_text: a sentencepiece .model to use (null: train one on the training text)
+    tokenizer_sentences: int = 1_000_000  # parallel_text: sentences sampled to train the tokenizer
+    num_buckets: int = 5  # length buckets: a batch draws its pairs from one bucket
 
 
 @dataclass
@@ -126,7 +158,8 @@ class ScheduleConfig:
     epochs: Optional[float] = None  # in passes over the training data
     lr_milestones: list[float] = field(default_factory=list)  # in the unit of the length (epochs or steps)
     lr_gamma: float = 0.1
-    image_size: int = MISSING
+    lr_warmup_steps: int = 0  # exponential warm-up from 1% of the lr (GNMT's)
+    image_size: Optional[int] = MISSING  # null for models that take no images
     eval_every: Optional[int] = None  # steps between evaluations; null: once per epoch with epochs, else at the end
     eval_batches: Optional[int] = None  # cap on validation batches per evaluation
     checkpoint_every: Optional[int] = None  # steps between checkpoints (null: only at the end)
@@ -137,9 +170,12 @@ class ScheduleConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = "sgd"
-    lr: float = 0.1  # per 256 samples
-    momentum: float = 0.9
+    name: str = "sgd"  # sgd | adam
+    lr: float = 0.1  # at a batch of lr_batch samples
+    lr_batch: Optional[int] = 256  # lr scales linearly with schedule.batch_size / lr_batch; null: used as given
+    momentum: float = 0.9  # sgd
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # adam
+    eps: float = 1e-8  # adam
     weight_decay: float = 1e-4
     clip_grad_norm: Optional[float] = None  # applied to unscaled gradients
 
@@ -170,6 +206,7 @@ def register_configs() -> None:
     cs.store(name="config_schema", node=Config)
     for group, node in [
         ("model", ModelConfig),
+        ("model_translation", TranslationModelConfig),
         ("precision", PrecisionConfig),
         ("scale", ScaleConfig),
         ("data", DataConfig),
@@ -181,11 +218,13 @@ def register_configs() -> None:
 
 GROUPS = ("model", "precision", "scale", "data", "schedule")  # the config groups that make a run's choices
 SCALE_NAMES = ("none", "static", "dynamic")
-TASKS = ("classification", "detection")
+TASKS = ("classification", "detection", "translation")
+IMAGE_TASKS = ("classification", "detection")
 DETECTION_INPUT_SIZE = 300  # SSD300
 INPUT_CONVENTIONS = ("unit_variance", "caffe")
-DATA_TASKS = {"synthetic": TASKS, "imagefolder": ("classification",), "voc": ("detection",)}  # the batches each source can make
-OPTIMIZERS = ("sgd",)
+DATA_TASKS = {"synthetic": TASKS, "imagefolder": ("classification",), "voc": ("detection",), "parallel_text": ("translation",)}  # the batches each source can make
+OPTIMIZERS = ("sgd", "adam")
+LOSS_REDUCTIONS = ("mean", "sum")
 
 
 def _positive(cfg: DictConfig, key: str, allow_none: bool = False) -> None:
@@ -198,11 +237,13 @@ def _positive(cfg: DictConfig, key: str, allow_none: bool = False) -> None:
 
 def validate(cfg: DictConfig) -> None:
     """Range and combination checks, run before anything is built. Raises ConfigError naming the key."""
-    for key in ["schedule.batch_size", "schedule.image_size", "schedule.log_every", "schedule.throughput_window", "optim.lr"]:
+    for key in ["schedule.batch_size", "schedule.log_every", "schedule.throughput_window", "optim.lr", "optim.eps"]:
         _positive(cfg, key)
-    for key in ["schedule.steps", "schedule.epochs", "schedule.eval_every", "schedule.eval_batches", "schedule.checkpoint_every", "optim.clip_grad_norm"]:
+    for key in ["schedule.steps", "schedule.epochs", "schedule.eval_every", "schedule.eval_batches", "schedule.checkpoint_every", "optim.clip_grad_norm", "optim.lr_batch"]:
         _positive(cfg, key, allow_none=True)
-    for key in ["optim.momentum", "optim.weight_decay", "schedule.throughput_warmup"]:
+    if len(cfg.optim.betas) != 2 or not all(0 <= b < 1 for b in cfg.optim.betas):
+        raise ConfigError(f"optim.betas={list(cfg.optim.betas)}: expected two numbers in [0, 1)")
+    for key in ["optim.momentum", "optim.weight_decay", "schedule.throughput_warmup", "schedule.lr_warmup_steps"]:
         if OmegaConf.select(cfg, key) < 0:
             raise ConfigError(f"{key}={OmegaConf.select(cfg, key)}: must be zero or positive")
     if (cfg.schedule.steps is None) == (cfg.schedule.epochs is None):
@@ -218,16 +259,20 @@ def validate(cfg: DictConfig) -> None:
     if cfg.model.task not in DATA_TASKS[cfg.data.name]:
         fits = [d for d, tasks in DATA_TASKS.items() if cfg.model.task in tasks]
         raise ConfigError(f"data={cfg.data.name} has no {cfg.model.task} data for model={cfg.model.name}; use data={' or data='.join(fits)}")
+    if cfg.model.task in IMAGE_TASKS:
+        _positive(cfg, "schedule.image_size")
+        if cfg.schedule.image_size < cfg.model.small_input_size:
+            raise ConfigError(
+                f"schedule.image_size={cfg.schedule.image_size}: {cfg.model.name} needs at least {cfg.model.small_input_size} pixels"
+            )
+    if cfg.model.task == "translation":
+        _validate_translation(cfg)
     if cfg.model.task == "detection":
         if cfg.schedule.image_size != DETECTION_INPUT_SIZE:
             # Its default boxes and feature-map strides are laid out for this one size.
             raise ConfigError(f"schedule.image_size={cfg.schedule.image_size}: {cfg.model.name} takes {DETECTION_INPUT_SIZE}x{DETECTION_INPUT_SIZE} images only")
         if cfg.model.input_convention not in INPUT_CONVENTIONS:
             raise ConfigError(f"model.input_convention={cfg.model.input_convention}: expected one of {', '.join(INPUT_CONVENTIONS)}")
-    if cfg.schedule.image_size < cfg.model.small_input_size:
-        raise ConfigError(
-            f"schedule.image_size={cfg.schedule.image_size}: {cfg.model.name} needs at least {cfg.model.small_input_size} pixels"
-        )
 
     scale = cfg.scale
     if scale.name not in SCALE_NAMES:
@@ -256,7 +301,9 @@ def validate(cfg: DictConfig) -> None:
     if p.update_rule != Update.optimizer and p.norm_fp32:
         raise ConfigError(f"precision {p.name}: update_rule={p.update_rule.name} updates FP16 weights only; norm_fp32 must be false")
     if p.update_rule != Update.optimizer and cfg.optim.name != "sgd":
-        raise ConfigError(f"precision {p.name}: the FP16 momentum updates are SGD; optim.name={cfg.optim.name} is not supported with it")
+        raise ConfigError(
+            f"precision {p.name}: its FP16 update is momentum SGD and cannot run optim.name={cfg.optim.name}; use optim.name=sgd, or precision=mixed"
+        )
     if p.autocast is not None and p.param_dtype != DType.float32:
         raise ConfigError(f"precision {p.name}: autocast works on FP32 weights; got param_dtype={p.param_dtype.name}")
 
@@ -276,6 +323,35 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"data.class_names={list(d.class_names)}: a class is listed twice")
     if d.num_workers < -1:
         raise ConfigError(f"data.num_workers={d.num_workers}: must be -1 (auto) or >= 0")
+
+
+def _validate_translation(cfg: DictConfig) -> None:
+    m, d = cfg.model, cfg.data
+    for key in ["model.hidden_size", "model.encoder_layers", "model.decoder_layers", "model.beam_size", "model.max_decode_len", "model.pad_to_multiple", "model.init_weight"]:
+        _positive(cfg, key)
+    if not 0 <= m.encoder_bidirectional_layers <= m.encoder_layers:
+        raise ConfigError(f"model.encoder_bidirectional_layers={m.encoder_bidirectional_layers}: must be between 0 and model.encoder_layers={m.encoder_layers}")
+    if m.decoder_layers < 2:
+        raise ConfigError(f"model.decoder_layers={m.decoder_layers}: GNMT needs at least 2 (the attention layer and one above it)")
+    for key in ["model.dropout", "model.label_smoothing"]:
+        if not 0 <= OmegaConf.select(cfg, key) < 1:
+            raise ConfigError(f"{key}={OmegaConf.select(cfg, key)}: must be in [0, 1)")
+    if m.loss_reduction not in LOSS_REDUCTIONS:
+        raise ConfigError(f"model.loss_reduction={m.loss_reduction}: expected one of {', '.join(LOSS_REDUCTIONS)}")
+    if m.len_norm_factor < 0 or m.len_norm_const < 0:
+        raise ConfigError(f"model.len_norm_factor={m.len_norm_factor}, model.len_norm_const={m.len_norm_const}: must be zero or positive")
+    for key in ["data.vocab_size", "data.max_len", "data.num_buckets", "data.tokenizer_sentences"]:
+        _positive(cfg, key)
+    if d.name == "synthetic":
+        if d.vocab_size < 2:
+            raise ConfigError(f"data.vocab_size={d.vocab_size}: a synthetic language needs at least 2 words")
+        if not 1 <= d.min_len <= d.max_len:
+            raise ConfigError(f"data.min_len={d.min_len}, data.max_len={d.max_len}: need 1 <= min_len <= max_len")
+    if d.name == "parallel_text":
+        if d.root is None:
+            raise ConfigError("data.root is not set: data=parallel_text needs the folder holding <split>.<lang>[.gz] files")
+        if d.src_lang == d.tgt_lang:
+            raise ConfigError(f"data.src_lang={d.src_lang} equals data.tgt_lang: translation needs two languages")
 
 
 def static_scale_value(cfg: DictConfig) -> float:

@@ -76,9 +76,21 @@ def build_torch_optimizer(params, cfg: DictConfig, lr: float) -> torch.optim.Opt
     o = cfg.optim
     if o.name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=o.momentum, weight_decay=o.weight_decay)
-    raise ValueError(f"optim.name={o.name}: expected sgd")
+    if o.name == "adam":
+        return torch.optim.Adam(params, lr=lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+    raise ValueError(f"optim.name={o.name}: expected sgd or adam")
 
 
 def effective_lr(cfg: DictConfig) -> float:
-    """optim.lr is per 256 samples (the linear scaling rule of the paper's recipes)."""
-    return float(cfg.optim.lr) * cfg.schedule.batch_size / 256
+    """optim.lr at a batch of optim.lr_batch samples, scaled linearly (the rule of the paper's SGD
+    recipes); with lr_batch null (Adam recipes, which were tuned at their own batch) as given."""
+    if cfg.optim.lr_batch is None:
+        return float(cfg.optim.lr)
+    return float(cfg.optim.lr) * cfg.schedule.batch_size / cfg.optim.lr_batch
+
+
+def lr_factor(step: int, milestones: list[int], gamma: float, warmup_steps: int) -> float:
+    """The multiple of the base lr at optimizer step `step`: GNMT's exponential warm-up from 1% over
+    `warmup_steps` (NVIDIA's WarmupMultiStepLR), then a factor `gamma` at each milestone passed."""
+    warm = 0.01 ** ((warmup_steps - step) / warmup_steps) if step < warmup_steps else 1.0
+    return warm * gamma ** sum(step >= m for m in milestones)

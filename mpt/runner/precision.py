@@ -17,6 +17,7 @@ The modes of DESIGN.md map onto two update paths:
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Iterator
 
 import torch
@@ -25,8 +26,9 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from .config import ConfigError, DType, Update
+from .cpu_autocast_lstm import autocast_half_lstms
 from .cpu_half_conv import emulate_half_convs
-from .optim import FP16MomentumSGD, build_torch_optimizer, effective_lr
+from .optim import FP16MomentumSGD, build_torch_optimizer, effective_lr, lr_factor
 from .scaler import LossScaler
 
 TORCH_DTYPES = {DType.float32: torch.float32, DType.float16: torch.float16, DType.bfloat16: torch.bfloat16}
@@ -85,6 +87,8 @@ def prepare_model(model: nn.Module, p: DictConfig, device: torch.device, channel
     model.to(device=device, dtype=dtype)
     if emulate_cpu_fp16_conv and uses_cpu_fp16_convs(p, device):
         emulate_half_convs(model)
+    if device.type == "cpu" and p.autocast == DType.float16:
+        autocast_half_lstms(model)
     if p.norm_fp32:
         for module in model.modules():
             if isinstance(module, nn.modules.batchnorm._BatchNorm):
@@ -170,7 +174,7 @@ class PrecisionEngine:
         update_cls = _TorchUpdate if cfg.precision.update_rule == Update.optimizer else _FP16Update
         self.update = update_cls(params, cfg, effective_lr(cfg))
         self.optimizer = self.update.optimizer
-        self.scheduler = torch.optim.lr_scheduler.MultiStepLR(self.optimizer, milestones=lr_milestones, gamma=cfg.schedule.lr_gamma)
+        self.scheduler = build_lr_schedule(self.optimizer, lr_milestones, cfg.schedule.lr_gamma, cfg.schedule.lr_warmup_steps)
         self.last_grad_norm: torch.Tensor | None = None
 
     @property
@@ -240,6 +244,12 @@ class PrecisionEngine:
         with torch.no_grad():
             for m, saved in zip(self.master_weights(), state["masters"]):
                 m.copy_(saved)
+
+
+def build_lr_schedule(optimizer: torch.optim.Optimizer, milestones: list[int], gamma: float, warmup_steps: int):
+    if warmup_steps == 0:  # the schedule earlier checkpoints hold
+        return torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=milestones, gamma=gamma)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(lr_factor, milestones=milestones, gamma=gamma, warmup_steps=warmup_steps))
 
 
 def _by_dtype(tensors: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:

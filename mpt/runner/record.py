@@ -34,10 +34,14 @@ def _json_safe(value: Any) -> Any:
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
+    write_bytes_atomic(path, json.dumps(_json_safe(data), indent=2, allow_nan=False).encode())
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(_json_safe(data), f, indent=2, allow_nan=False)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide records from the other users of a shared results folder

@@ -74,7 +74,7 @@ class Run:
         torch.backends.cudnn.benchmark = cfg.cudnn_benchmark and not cfg.deterministic
         self.fp32_math = set_fp32_math(cfg.precision.tf32)
 
-        self.data = build_data(cfg, self.device)
+        self.data = build_data(cfg, self.device, workdir=run_dir)
         self.task = build_task(cfg, self.data.info)
         s = cfg.schedule
         per_epoch = self.data.steps_per_epoch
@@ -177,8 +177,8 @@ class Run:
                 "strategy": cfg.scale.name,
                 "value": static_scale_value(cfg) if cfg.scale.name == "static" else None,
             },
-            "optim": {"name": cfg.optim.name, "lr": effective_lr(cfg), "lr_per_256": cfg.optim.lr, "batch_size": cfg.schedule.batch_size},
-            "data": {k: v for k, v in self.data.info.items() if k != "classes"},
+            "optim": {"name": cfg.optim.name, "lr": effective_lr(cfg), "lr_config": cfg.optim.lr, "lr_batch": cfg.optim.lr_batch, "batch_size": cfg.schedule.batch_size},
+            "data": {k: v for k, v in self.data.info.items() if isinstance(v, (str, int, float, bool, type(None)))},
             "total_steps": self.total_steps,
             "steps": 0,
             "samples": 0,
