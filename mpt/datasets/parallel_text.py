@@ -1,5 +1,6 @@
 """Parallel text on disk: <root>/<split>.<lang>, or <split>.<lang>.gz, one sentence per line, line i
-of the source file translating line i of the target file (WMT16 en-de and Multi30k both come so).
+of the source file translating line i of the target file (WMT16 en-de and Multi30k both come so). Splits: data.train_split, data.val_split (evaluated during
+training) and, optionally, data.test_split (evaluated once, in full, at the end).
 
 The subword vocabulary is a sentencepiece BPE model trained on both sides of the training text (one
 shared vocabulary, as GNMT's joint BPE), or a given .model file. The run saves the model it used
@@ -112,6 +113,7 @@ def parallel_text(cfg: DictConfig, device: torch.device, workdir: Optional[Path]
         else:
             dropped += 1
     val = list(zip(encode(val_src), encode(val_tgt)))
+    test = read_pairs(root, d.test_split, d.src_lang, d.tgt_lang) if d.test_split is not None else None
 
     def detokenize(ids: list[int]) -> str:
         return sp.decode([i for i in ids if i > EOS])
@@ -124,4 +126,8 @@ def parallel_text(cfg: DictConfig, device: torch.device, workdir: Optional[Path]
         "train_pairs_dropped": dropped,  # empty, or longer than data.max_len subwords
         "val_split": d.val_split,
     }
-    return TranslationData(train, val, val_tgt, detokenize, info, d, cfg.schedule, cfg.model.pad_to_multiple, cfg.seed, device)
+    data = TranslationData(train, val, val_tgt, detokenize, info, d, cfg.schedule, cfg.model.pad_to_multiple, cfg.seed, device)
+    if test is not None:
+        data.test_pairs, data.test_refs = list(zip(encode(test[0]), encode(test[1]))), test[1]
+        data.info.update(test_split=d.test_split, test_pairs=len(test[0]))
+    return data

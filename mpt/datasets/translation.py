@@ -81,6 +81,8 @@ class TranslationData:
         device: torch.device,
     ):
         self.train, self.val_pairs, self.val_refs = train, val, val_refs
+        self.test_pairs: Optional[list[tuple[np.ndarray, np.ndarray]]] = None
+        self.test_refs: list[str] = []
         self.batch_size, self.multiple, self.device = schedule.batch_size, multiple, device
         longest = np.array([max(len(s), len(t)) for s, t in train], dtype=np.int64)
         bucket = np.minimum(longest * data.num_buckets // (data.max_len + 1), data.num_buckets - 1)
@@ -125,10 +127,17 @@ class TranslationData:
         self.order.set_state(state["order"])
 
     def val(self) -> Iterator[TranslationBatch]:
-        order = sorted(range(len(self.val_pairs)), key=lambda i: len(self.val_pairs[i][0]))
+        return self._in_length_order(self.val_pairs, self.val_refs)
+
+    def test(self) -> Optional[Iterator[TranslationBatch]]:
+        """The test split (data.test_split), or None without one."""
+        return None if self.test_pairs is None else self._in_length_order(self.test_pairs, self.test_refs)
+
+    def _in_length_order(self, pairs, refs) -> Iterator[TranslationBatch]:
+        order = sorted(range(len(pairs)), key=lambda i: len(pairs[i][0]))
         for i in range(0, len(order), self.batch_size):
             idx = order[i : i + self.batch_size]
-            yield collate([self.val_pairs[j] for j in idx], self.multiple, self.device, refs=[self.val_refs[j] for j in idx])
+            yield collate([pairs[j] for j in idx], self.multiple, self.device, refs=[refs[j] for j in idx])
 
 
 class SyntheticLanguagePair:

@@ -131,6 +131,7 @@ class DataConfig:
     root: Optional[str] = None
     train_split: str = "train"
     val_split: str = "val"
+    test_split: Optional[str] = None  # parallel_text: scored once at the end of the run (metrics test_*)
     num_workers: int = -1  # -1: min(8, CPU count)
     resize_ratio: float = 256 / 224  # validation: Resize(image_size * ratio) then CenterCrop(image_size)
     # voc: sets to train and evaluate on ("VOC2007/trainval" in a devkit, or a split file of a flat folder)

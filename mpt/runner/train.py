@@ -313,6 +313,9 @@ class Run:
         cap = self.cfg.schedule.eval_batches
         batches = islice(self.data.val(), cap) if cap else self.data.val()
         metrics = self.task.evaluate(batches, self.forward_context)
+        test = getattr(self.data, "test", lambda: None)() if step == self.total_steps else None
+        if test is not None:  # a held-out split the source was given, scored once, at the end, in full
+            metrics.update({f"test_{k.removeprefix('val_')}": v for k, v in self.task.evaluate(test, self.forward_context).items()})
         self.record["metrics"] = {**metrics, "step": step}
         self.metrics.write([{"kind": "eval", "step": step, **metrics}])
         log.info("step %d/%d eval %s", step, self.total_steps, {k: round(v, 4) for k, v in metrics.items()})
