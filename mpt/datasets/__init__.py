@@ -27,8 +27,9 @@ class DataSource(Protocol):
     def val(self) -> Iterable[Any]: ...
 
 
-def build_data(cfg: DictConfig, device: torch.device, workdir: Optional[Path] = None) -> DataSource:
-    """`workdir`: the run's folder, for what a source makes and the run must keep (a trained tokenizer)."""
+def build_data(cfg: DictConfig, device: torch.device, workdir: Optional[Path] = None, resuming: bool = False) -> DataSource:
+    """`workdir`: the run's folder, for what a source makes and the run must keep (a trained
+    tokenizer); `resuming`: the run continues from a checkpoint there, so it reuses what it made."""
     if cfg.data.name == "synthetic" and cfg.model.task == "translation":
         from .translation import synthetic_translation
 
@@ -36,7 +37,7 @@ def build_data(cfg: DictConfig, device: torch.device, workdir: Optional[Path] = 
     if cfg.data.name == "parallel_text":
         from .parallel_text import parallel_text
 
-        return parallel_text(cfg, device, workdir)
+        return parallel_text(cfg, device, workdir, resuming)
     if cfg.data.name == "synthetic" and cfg.model.task == "detection":
         from .shapes import SyntheticShapes
 

@@ -37,12 +37,24 @@ def split_file(root: Path, split: str, lang: str) -> Path:
 
 def read_lines(path: Path) -> list[str]:
     try:
-        raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
-        return raw.decode("utf-8").splitlines()
-    except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
-        raise ConfigError(f"{path}: not a readable gzip file ({e})") from None
+        raw = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot be read ({e.strerror})") from None
+    if path.suffix == ".gz":
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
+            raise ConfigError(f"{path}: not a readable gzip file ({e})") from None
+    try:
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+    # Lines end at "\n" only: str.splitlines would also split at U+2028, U+0085, form feeds and the
+    # like, which web-crawled corpora (WMT's CommonCrawl) hold mid-sentence, and misalign the pairs.
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    return [line.removesuffix("\r") for line in lines]
 
 
 def read_pairs(root: Path, split: str, src_lang: str, tgt_lang: str) -> tuple[list[str], list[str]]:
@@ -85,7 +97,7 @@ def load_tokenizer(proto: bytes, source: str):
     return sp
 
 
-def parallel_text(cfg: DictConfig, device: torch.device, workdir: Optional[Path]) -> TranslationData:
+def parallel_text(cfg: DictConfig, device: torch.device, workdir: Optional[Path], resuming: bool = False) -> TranslationData:
     d = cfg.data
     root = Path(d.root).expanduser()
     if not root.is_dir():
@@ -98,6 +110,9 @@ def parallel_text(cfg: DictConfig, device: torch.device, workdir: Optional[Path]
         if not path.is_file():
             raise ConfigError(f"data.tokenizer_model={d.tokenizer_model}: no such file")
         proto, origin = path.read_bytes(), str(path)
+    elif resuming and workdir is not None and (workdir / TOKENIZER_FILE).is_file():
+        # the vocabulary the checkpoint's model was trained with (its sha256 is checked on restore)
+        proto, origin = (workdir / TOKENIZER_FILE).read_bytes(), "trained on the training text, kept by the run"
     else:
         proto, origin = train_tokenizer(train_src + train_tgt, d.vocab_size, d.tokenizer_sentences, cfg.seed), "trained on the training text"
     sp = load_tokenizer(proto, origin)
@@ -115,6 +130,8 @@ def parallel_text(cfg: DictConfig, device: torch.device, workdir: Optional[Path]
             dropped += 1
     val = list(zip(encode(val_src), encode(val_tgt)))
     test = read_pairs(root, d.test_split, d.src_lang, d.tgt_lang) if d.test_split is not None else None
+    if test is not None and not test[0]:
+        raise ConfigError(f"data.test_split={d.test_split}: its files in {root} hold no lines")
 
     def detokenize(ids: list[int]) -> str:
         return sp.decode([i for i in ids if i > EOS])

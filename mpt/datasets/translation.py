@@ -18,6 +18,7 @@ from ..runner.config import ConfigError
 
 PAD, UNK, BOS, EOS = 0, 1, 2, 3
 FIRST_WORD = 4
+SORT_BLOCK = 8  # evaluation batches are length-sorted within blocks of this many
 
 
 @dataclass
@@ -94,7 +95,7 @@ class TranslationData:
                 f"(bucket sizes {[len(b) for b in self.buckets]}); use a smaller batch or fewer data.num_buckets"
             )
         if not val:
-            raise ConfigError(f"data.val_split={data.val_split}: no validation pairs")
+            raise ConfigError(f"data.{'val_split=' + data.val_split if data.name == 'parallel_text' else 'val_samples=0'}: no validation pairs")
         self.order = torch.Generator().manual_seed(20_000 + seed)
         self.info = {
             **info,
@@ -120,10 +121,13 @@ class TranslationData:
             yield collate([self.train[i] for i in idx.tolist()], self.multiple, self.device)
 
     def state_dict(self) -> dict:
-        """The order generator as it was when the current epoch began."""
-        return {"order": self.epoch_start_state}
+        """The order generator as it was when the current epoch began, and the vocabulary's identity."""
+        return {"order": self.epoch_start_state, "tokenizer_sha256": self.info.get("tokenizer_sha256")}
 
     def load_state_dict(self, state: dict) -> None:
+        saved, now = state.get("tokenizer_sha256"), self.info.get("tokenizer_sha256")
+        if saved != now:  # the same ids would mean other subwords: the checkpoint's model cannot go on
+            raise ConfigError(f"the checkpoint was trained with tokenizer sha256 {saved}, this run's is {now} (the text or data.tokenizer_model changed); resume=false starts over")
         self.order.set_state(state["order"])
 
     def val(self) -> Iterator[TranslationBatch]:
@@ -134,10 +138,14 @@ class TranslationData:
         return None if self.test_pairs is None else self._in_length_order(self.test_pairs, self.test_refs)
 
     def _in_length_order(self, pairs, refs) -> Iterator[TranslationBatch]:
-        order = sorted(range(len(pairs)), key=lambda i: len(pairs[i][0]))
-        for i in range(0, len(order), self.batch_size):
-            idx = order[i : i + self.batch_size]
-            yield collate([pairs[j] for j in idx], self.multiple, self.device, refs=[refs[j] for j in idx])
+        """Batches of similar source length, sorted within blocks of SORT_BLOCK batches in file order,
+        so the first N batches (schedule.eval_batches) are a sample of the set, not its shortest."""
+        block = SORT_BLOCK * self.batch_size
+        for start in range(0, len(pairs), block):
+            order = sorted(range(start, min(start + block, len(pairs))), key=lambda i: len(pairs[i][0]))
+            for i in range(0, len(order), self.batch_size):
+                idx = order[i : i + self.batch_size]
+                yield collate([pairs[j] for j in idx], self.multiple, self.device, refs=[refs[j] for j in idx])
 
 
 class SyntheticLanguagePair:

@@ -19,7 +19,7 @@ def beam_search(
     reorder: Callable[[torch.Tensor], None],
     n: int,
     beam: int,
-    max_len: int,
+    max_len: torch.Tensor,
     bos: int,
     eos: int,
     banned: Sequence[int],
@@ -31,9 +31,11 @@ def beam_search(
 
     step(tokens): log-probabilities (n*beam, V) of the next token, given each row's last token
     (the caller keeps the decoder state). reorder(rows): row r of the new state is row rows[r] of
-    the old one. Returns each sentence's best hypothesis without its EOS; a hypothesis still open
-    after `max_len` tokens is ended there.
+    the old one. max_len (n,): each sentence's cap in tokens, EOS included; at its last step an
+    open hypothesis can only end (with the model's own EOS probability). Returns each sentence's
+    best hypothesis without its EOS.
     """
+    last_step = (max_len.to(device) - 1)[:, None, None]
     rows = torch.arange(n, device=device)[:, None] * beam
     tokens = torch.full((n * beam,), bos, dtype=torch.long, device=device)
     scores = torch.zeros(n, beam, device=device)
@@ -42,7 +44,7 @@ def beam_search(
     lengths = torch.zeros(n, beam, dtype=torch.long, device=device)
     picks, parents = [], []
     eos_only = None
-    for t in range(max_len):
+    for t in range(int(max_len.max())):
         logp = step(tokens).float().view(n, beam, -1)
         vocab = logp.shape[-1]
         if eos_only is None:
@@ -50,9 +52,8 @@ def beam_search(
             eos_only[eos] = 0.0
             blocked = torch.zeros(vocab, dtype=torch.bool, device=device)
             blocked[list(banned)] = True
-        logp = logp.masked_fill(blocked, -torch.inf)
-        if t == max_len - 1:
-            logp = eos_only.expand_as(logp)
+            not_eos = torch.arange(vocab, device=device) != eos
+        logp = logp.masked_fill(blocked | (not_eos & (t >= last_step)), -torch.inf)
         logp = torch.where(finished[..., None], eos_only, logp)
         scores, index = (scores[..., None] + logp).view(n, -1).topk(beam, dim=1)
         parent, token = index // vocab, index % vocab

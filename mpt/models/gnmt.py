@@ -47,7 +47,9 @@ class BahdanauAttention(nn.Module):
         """query (B, Tq, Hq), context (B, S, C), keys (B, S, U), pad_mask (B, S) True at padding -> (B, Tq, C)."""
         q = self.linear_q(query)
         v = self.linear_att / self.linear_att.norm() * self.normalize_scalar
-        scores = torch.tanh(q.unsqueeze(2) + keys.unsqueeze(1) + self.normalize_bias).matmul(v)  # (B, Tq, S)
+        # the bias in the keys' dtype: under autocast an FP32 parameter would promote this, the
+        # largest activation of the model (B x Tq x S x units), to FP32
+        scores = torch.tanh(q.unsqueeze(2) + keys.unsqueeze(1) + self.normalize_bias.to(keys.dtype)).matmul(v)  # (B, Tq, S)
         scores = scores.masked_fill(pad_mask.unsqueeze(1), torch.finfo(scores.dtype).min)
         return torch.bmm(F.softmax(scores, dim=-1).to(context.dtype), context)
 
@@ -72,7 +74,7 @@ class Encoder(nn.Module):
                 out, _ = pad_packed_sequence(lstm(packed)[0], batch_first=True, total_length=x.shape[1])
             else:
                 out, _ = lstm(inp)
-            x = out + x if i >= 2 and out.shape == x.shape else out
+            x = out + x if i >= 2 and out.shape == x.shape else out  # (a layer that changes the width has none)
         return x
 
 
@@ -114,7 +116,9 @@ class GNMT(nn.Module):
         self.decoder = Decoder(m.hidden_size, self.encoder.out_size, m.decoder_layers, m.dropout, self.padded_vocab)
         with torch.no_grad():
             for name, p in self.named_parameters():
-                if "normalize_" not in name:
+                if name.split(".")[-1].startswith("bias_hh"):
+                    p.zero_()  # NVIDIA's init_lstm_: one of an LSTM's two (summed) biases starts at zero
+                elif "normalize_" not in name:
                     p.uniform_(-m.init_weight, m.init_weight)
             self.embedding.weight[PAD].zero_()
 
@@ -181,7 +185,8 @@ class Translation:
         def reorder(rows: torch.Tensor) -> None:
             holder["state"] = holder["state"][:, :, rows]
 
-        max_len = min(self.cfg.max_decode_len, 2 * int(batch.src_len_cpu.max()) + 10)
+        # per sentence, so a sentence's output does not depend on the batch it is in
+        max_len = torch.clamp(2 * batch.src_len_cpu + 10, max=self.cfg.max_decode_len)
         return beam_search(step, reorder, batch.src.shape[0], beam, max_len, BOS, EOS, self.banned,
                            self.cfg.len_norm_factor, self.cfg.len_norm_const, batch.src.device)  # fmt: skip
 
@@ -204,5 +209,7 @@ class Translation:
         if not hyps:
             raise ValueError("evaluation saw no sentences: the validation set is empty")
         val_loss = float(nll) / tokens
-        bleu = sacrebleu.corpus_bleu(hyps, [refs])  # default 13a tokenization, mixed case: sacrebleu's standard
-        return {"bleu": bleu.score, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 700.0)), "val_sentences": len(hyps)}
+        bleu = sacrebleu.corpus_bleu(hyps, [refs])  # 13a tokenization, case-sensitive: sacrebleu's standard
+        # as NVIDIA's GNMT scores itself (sacrebleu --score-only -lc --tokenize intl), for comparing with its published BLEU
+        bleu_lc_intl = sacrebleu.corpus_bleu(hyps, [refs], lowercase=True, tokenize="intl")
+        return {"bleu": bleu.score, "bleu_lc_intl": bleu_lc_intl.score, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 700.0)), "val_sentences": len(hyps)}

@@ -84,7 +84,7 @@ def throughput_bars(table: pd.DataFrame, out: Path) -> list[Path]:
     if table.empty:
         return written
     setup = ["device_name", "data", "schedule", "variant", "config.schedule.batch_size", "config.schedule.image_size"]
-    for keys, df in table.fillna({"variant": ""}).groupby(setup):
+    for keys, df in table.fillna({"variant": ""}).groupby(setup, dropna=False):  # image_size is null for models without images
         device, data, schedule, variant, batch, size = keys
         models = sorted(df["model"].unique())
         modes = _modes_in_order(df)
@@ -99,7 +99,7 @@ def throughput_bars(table: pd.DataFrame, out: Path) -> list[Path]:
                     ax.annotate(f"{speedup:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=7)
         unit = df["throughput_unit"].dropna().iloc[0] if df["throughput_unit"].notna().any() else "samples/s"
         ax.set_xticks(range(len(models)), models)
-        where = f"{data}, {schedule}, batch {batch:g}, {size:g} px" + (f", {variant}" if variant else "")
+        where = f"{data}, {schedule}, batch {batch:g}" + ("" if pd.isna(size) else f", {size:g} px") + (f", {variant}" if variant else "")
         ax.set(ylabel=unit, title=f"throughput on {device}\n{where} (label: speedup over fp32)")
         ax.legend(fontsize=8)
         ax.grid(axis="y", alpha=0.3)

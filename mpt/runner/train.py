@@ -74,7 +74,8 @@ class Run:
         torch.backends.cudnn.benchmark = cfg.cudnn_benchmark and not cfg.deterministic
         self.fp32_math = set_fp32_math(cfg.precision.tf32)
 
-        self.data = build_data(cfg, self.device, workdir=run_dir)
+        resuming = cfg.resume and not cfg.force and cfg.checkpoint and (run_dir / checkpoint.FILENAME).is_file()
+        self.data = build_data(cfg, self.device, workdir=run_dir, resuming=resuming)
         self.task = build_task(cfg, self.data.info)
         s = cfg.schedule
         per_epoch = self.data.steps_per_epoch
