@@ -34,6 +34,14 @@ def build_data(cfg: DictConfig, device: torch.device, workdir: Optional[Path] = 
         from .translation import synthetic_translation
 
         return synthetic_translation(cfg, device)
+    if cfg.data.name == "synthetic" and cfg.model.task == "language_model":
+        from .text_corpus import synthetic_lm
+
+        return synthetic_lm(cfg, device)
+    if cfg.data.name == "text_corpus":
+        from .text_corpus import text_corpus
+
+        return text_corpus(cfg, device)
     if cfg.data.name == "parallel_text":
         from .parallel_text import parallel_text
 
@@ -54,5 +62,5 @@ def build_data(cfg: DictConfig, device: torch.device, workdir: Optional[Path] = 
         from .voc import VOCData
 
         return VOCData(cfg.data, cfg.schedule, seed=cfg.seed, device=device)
-    raise ValueError(f"data.name={cfg.data.name}: expected synthetic, imagefolder, voc or parallel_text")
+    raise ValueError(f"data.name={cfg.data.name}: expected synthetic, imagefolder, voc, parallel_text or text_corpus")
 

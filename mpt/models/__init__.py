@@ -19,7 +19,8 @@ weights, loss scaler). How the paper's other models fit this seam:
 - Translation (`gnmt`): length-bucketed padded batches (datasets/translation.py); one LossTerm of
   label-smoothed cross-entropy; `count_samples` is the number of non-padding target tokens;
   evaluation decodes by beam search and scores BLEU with sacrebleu.
-- Language models (bigLSTM): variable-length padded batches; samples are words; evaluation
+- Language models (`biglstm`): windows of continuous text streams, the LSTM state carried between
+  batches in the network's buffers; a sampled-softmax LossTerm; samples are words; evaluation
   computes perplexity with the full softmax.
 - GAN (DCGAN): `networks()` returns {"discriminator": D, "generator": G}; `train_losses` yields
   the discriminator's LossTerm first and the generator's second. Because it is a generator, D's
@@ -71,4 +72,8 @@ def build_task(cfg: DictConfig, data_info: dict) -> Task:
         from .gnmt import Translation
 
         return Translation(cfg.model, data_info)
+    if cfg.model.task == "language_model":
+        from .biglstm import LanguageModel
+
+        return LanguageModel(cfg.model, data_info, batch_size=cfg.schedule.batch_size)
     raise ValueError(f"model.task={cfg.model.task}: no such task")

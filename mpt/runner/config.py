@@ -51,6 +51,7 @@ class PaperRecipe:
     lr_gamma: float = 0.1
     warmup_steps: int = 0  # GNMT's exponential warm-up from 1% of the lr
     clip_grad_norm: Optional[float] = None
+    initial_accumulator: float = 0.0  # adagrad
     source: str = ""
 
 
@@ -86,6 +87,18 @@ class TranslationModelConfig(ModelConfig):
     len_norm_const: float = 5.0
     max_decode_len: int = 150  # tokens, also capped at 2 x source length + 10
     pad_to_multiple: int = 8  # vocabulary and sequence lengths, for tensor cores
+
+
+@dataclass
+class LanguageModelConfig(ModelConfig):
+    """bigLSTM (models/biglstm.py): LSTM layers with projections, sampled softmax. Defaults: the paper's."""
+
+    hidden_size: int = 8192  # LSTM cells per layer
+    proj_size: int = 1024  # each layer's output projection; also the embedding size
+    layers: int = 2
+    dropout: float = 0.1
+    num_sampled: int = 8192  # negatives per step, log-uniform over frequency-ranked ids
+    bptt: int = 20  # time steps per batch; the state carries over from one batch to the next
 
 
 @dataclass
@@ -149,6 +162,12 @@ class DataConfig:
     tokenizer_model: Optional[str] = None  # parallel_text: a sentencepiece .model to use (null: train one on the training text)
     tokenizer_sentences: int = 1_000_000  # parallel_text: sentences sampled to train the tokenizer
     num_buckets: int = 5  # length buckets: a batch draws its pairs from one bucket
+    # language modeling. text_corpus: file globs under root (train_split, val_split, test_split), one
+    # tokenized sentence per line; synthetic: sentences of a random Markov source (vocab_size words)
+    min_count: int = 1  # text_corpus: words seen fewer times in training become <unk>
+    max_vocab: Optional[int] = None  # text_corpus: keep at most this many ids (the most frequent)
+    vocab_file: Optional[str] = None  # text_corpus: one token per line, most frequent first (instead of counting)
+    sentence_end_prob: float = 0.1  # synthetic: the chance a sentence ends after each word
 
 
 @dataclass
@@ -176,7 +195,8 @@ class OptimConfig:
     lr_batch: Optional[int] = 256  # lr scales linearly with schedule.batch_size / lr_batch; null: used as given
     momentum: float = 0.9  # sgd
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # adam
-    eps: float = 1e-8  # adam
+    eps: float = 1e-8  # adam, adagrad
+    initial_accumulator: float = 0.0  # adagrad
     weight_decay: float = 1e-4
     clip_grad_norm: Optional[float] = None  # applied to unscaled gradients
 
@@ -208,6 +228,7 @@ def register_configs() -> None:
     for group, node in [
         ("model", ModelConfig),
         ("model_translation", TranslationModelConfig),
+        ("model_language", LanguageModelConfig),
         ("precision", PrecisionConfig),
         ("scale", ScaleConfig),
         ("data", DataConfig),
@@ -219,12 +240,12 @@ def register_configs() -> None:
 
 GROUPS = ("model", "precision", "scale", "data", "schedule")  # the config groups that make a run's choices
 SCALE_NAMES = ("none", "static", "dynamic")
-TASKS = ("classification", "detection", "translation")
+TASKS = ("classification", "detection", "translation", "language_model")
 IMAGE_TASKS = ("classification", "detection")
 DETECTION_INPUT_SIZE = 300  # SSD300
 INPUT_CONVENTIONS = ("unit_variance", "caffe")
-DATA_TASKS = {"synthetic": TASKS, "imagefolder": ("classification",), "voc": ("detection",), "parallel_text": ("translation",)}  # the batches each source can make
-OPTIMIZERS = ("sgd", "adam")
+DATA_TASKS = {"synthetic": TASKS, "imagefolder": ("classification",), "voc": ("detection",), "parallel_text": ("translation",), "text_corpus": ("language_model",)}  # the batches each source can make
+OPTIMIZERS = ("sgd", "adam", "adagrad")
 LOSS_REDUCTIONS = ("mean", "sum")
 
 
@@ -268,6 +289,8 @@ def validate(cfg: DictConfig) -> None:
             )
     if cfg.model.task == "translation":
         _validate_translation(cfg)
+    if cfg.model.task == "language_model":
+        _validate_language_model(cfg)
     if cfg.model.task == "detection":
         if cfg.schedule.image_size != DETECTION_INPUT_SIZE:
             # Its default boxes and feature-map strides are laid out for this one size.
@@ -353,6 +376,25 @@ def _validate_translation(cfg: DictConfig) -> None:
             raise ConfigError("data.root is not set: data=parallel_text needs the folder holding <split>.<lang>[.gz] files")
         if d.src_lang == d.tgt_lang:
             raise ConfigError(f"data.src_lang={d.src_lang} equals data.tgt_lang: translation needs two languages")
+
+
+def _validate_language_model(cfg: DictConfig) -> None:
+    m, d = cfg.model, cfg.data
+    for key in ["model.hidden_size", "model.proj_size", "model.layers", "model.num_sampled", "model.bptt"]:
+        _positive(cfg, key)
+    if m.proj_size >= m.hidden_size:
+        raise ConfigError(f"model.proj_size={m.proj_size}: must be smaller than model.hidden_size={m.hidden_size} (nn.LSTM's projection)")
+    if not 0 <= m.dropout < 1:
+        raise ConfigError(f"model.dropout={m.dropout}: must be in [0, 1)")
+    if d.name == "synthetic":
+        _positive(cfg, "data.vocab_size")
+        if not 0 < d.sentence_end_prob < 1:
+            raise ConfigError(f"data.sentence_end_prob={d.sentence_end_prob}: must be in (0, 1)")
+    if d.name == "text_corpus":
+        if d.root is None:
+            raise ConfigError("data.root is not set: data=text_corpus needs the folder its file patterns are under")
+        _positive(cfg, "data.min_count")
+        _positive(cfg, "data.max_vocab", allow_none=True)
 
 
 def static_scale_value(cfg: DictConfig) -> float:

@@ -38,8 +38,9 @@ class FP16MomentumSGD(torch.optim.Optimizer):
                     raise TypeError(f"FP16MomentumSGD updates FP16 weights; got a {p.dtype} parameter of shape {tuple(p.shape)}")
 
     @torch.no_grad()
-    def step(self, closure=None, grad_scale: float = 1.0, grad_coef: float = 1.0):
-        """grad_scale: the loss scale the gradients carry. grad_coef: a clipping factor for the unscaled gradient."""
+    def step(self, closure=None, grad_scale: float = 1.0, grad_coef: float = 1.0, clipped: set[int] | None = None):
+        """grad_scale: the loss scale the gradients carry. grad_coef: a clipping factor for the unscaled
+        gradient, applied to the parameters whose ids are in `clipped` (None: all)."""
         for group in self.param_groups:
             lr, m, wd = group["lr"], group["momentum"], group["weight_decay"]
             held = momentum_headroom(m) * grad_scale  # the scale G is held at
@@ -52,15 +53,16 @@ class FP16MomentumSGD(torch.optim.Optimizer):
                     state["scale"] = held
                 buf = state["momentum"]
                 w = p.float()
+                coef = grad_coef if clipped is None or id(p) in clipped else 1.0
                 if self.modified:
                     # G/held = m*(G/held) + coef*g + wd*w, where the gradient arrives as S*g.
-                    g = p.grad.float().mul_(grad_coef * held / grad_scale).add_(w, alpha=wd * held)
+                    g = p.grad.float().mul_(coef * held / grad_scale).add_(w, alpha=wd * held)
                     G = buf.float().mul_(m * held / state["scale"]).add_(g)
                     buf.copy_(G)
                     state["scale"] = held
                     p.copy_(w.sub_(G, alpha=lr / held))
                 else:
-                    g = p.grad.float().mul_(grad_coef / grad_scale).add_(w, alpha=wd)
+                    g = p.grad.float().mul_(coef / grad_scale).add_(w, alpha=wd)
                     v = buf.float().mul_(m).sub_(g, alpha=lr)
                     buf.copy_(v)
                     p.copy_(w.add_(v))
@@ -76,9 +78,11 @@ def build_torch_optimizer(params, cfg: DictConfig, lr: float) -> torch.optim.Opt
     o = cfg.optim
     if o.name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=o.momentum, weight_decay=o.weight_decay)
+    if o.name == "adagrad":
+        return torch.optim.Adagrad(params, lr=lr, initial_accumulator_value=o.initial_accumulator, eps=o.eps, weight_decay=o.weight_decay)
     if o.name == "adam":
         return torch.optim.Adam(params, lr=lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
-    raise ValueError(f"optim.name={o.name}: expected sgd or adam")
+    raise ValueError(f"optim.name={o.name}: expected sgd, adam or adagrad")
 
 
 def effective_lr(cfg: DictConfig) -> float:

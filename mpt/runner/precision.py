@@ -130,9 +130,9 @@ class _TorchUpdate:
                 m.grad.copy_(p.grad)
         return [m.grad for m, p in zip(self.masters, self.params) if p.grad is not None]
 
-    def apply(self, grads: list[torch.Tensor], scale: float, coef: torch.Tensor | None) -> None:
+    def apply(self, grads: list[torch.Tensor], scale: float, coef: torch.Tensor | None, clipped: list[bool]) -> None:
         if coef is not None:
-            torch._foreach_mul_(grads, coef)
+            torch._foreach_mul_([g for g, c in zip(grads, clipped) if c], coef)
         self.optimizer.step()
         if self.low_pairs:
             torch._foreach_copy_([p for p, _ in self.low_pairs], [m for _, m in self.low_pairs])
@@ -155,8 +155,9 @@ class _FP16Update:
     def grads(self) -> list[torch.Tensor]:
         return [p.grad for p in self.params if p.grad is not None]
 
-    def apply(self, grads: list[torch.Tensor], scale: float, coef: torch.Tensor | None) -> None:
-        self.optimizer.step(grad_scale=scale, grad_coef=1.0 if coef is None else coef)
+    def apply(self, grads: list[torch.Tensor], scale: float, coef: torch.Tensor | None, clipped: list[bool]) -> None:
+        with_grads = [p for p in self.params if p.grad is not None]
+        self.optimizer.step(grad_scale=scale, grad_coef=1.0 if coef is None else coef, clipped={id(p) for p, c in zip(with_grads, clipped) if c})
 
     def master_weights(self) -> list[torch.Tensor]:
         return []
@@ -171,6 +172,8 @@ class PrecisionEngine:
         self.device = device
         self.clip = cfg.optim.clip_grad_norm
         params = [q for q in model.parameters() if q.requires_grad]
+        # What optim.clip_grad_norm covers: every weight, or those a model names (bigLSTM: its LSTM's)
+        self.clip_ids = {id(q) for q in (model.clipped_parameters() if hasattr(model, "clipped_parameters") else params)}
         update_cls = _TorchUpdate if cfg.precision.update_rule == Update.optimizer else _FP16Update
         self.update = update_cls(params, cfg, effective_lr(cfg))
         self.optimizer = self.update.optimizer
@@ -202,8 +205,9 @@ class PrecisionEngine:
         if overflow:
             self._zero_grad()
             return False
-        coef = self._clip_coef(grads, scale if self.update.carries_scale else 1.0) if self.clip else None
-        self.update.apply(grads, scale, coef)
+        clipped = [id(p) in self.clip_ids for p in self.update.params if p.grad is not None]  # aligned with grads
+        coef = self._clip_coef([g for g, c in zip(grads, clipped) if c], scale if self.update.carries_scale else 1.0) if self.clip else None
+        self.update.apply(grads, scale, coef, clipped)
         self.scheduler.step()  # a skipped step does not advance the schedule
         self._zero_grad()
         return True

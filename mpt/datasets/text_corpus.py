@@ -1,0 +1,224 @@
+"""Language-model data: tokenized sentences as continuous streams, and a Markov source of known entropy.
+
+Batches follow Jozefowicz et al.'s training: each epoch shuffles the training sentences, joins them
+(each ending with </s>) into one stream, cuts it into `batch_size` rows and walks the rows `bptt`
+tokens at a time; the model carries its state from one window to the next. Validation and test
+streams keep the file order. Ids are ranked by training frequency (</s> 0, <unk> 1, then words), as the
+log-uniform sampler of the sampled softmax assumes.
+"""
+
+from __future__ import annotations
+
+import glob
+import math
+from collections import Counter
+from pathlib import Path
+from typing import Iterator, Optional
+
+import numpy as np
+import torch
+from omegaconf import DictConfig
+
+from ..runner.config import ConfigError
+from .parallel_text import read_lines
+
+EOS_TOKEN, UNK_TOKEN = "</s>", "<unk>"
+EOS, UNK = 0, 1
+
+
+class Sentences:
+    """Sentences of ids, flat: `ids` holds them back to back, each ending with EOS; `starts` (n + 1)
+    the offsets."""
+
+    def __init__(self, sentences: list[np.ndarray]):
+        lengths = np.array([len(s) + 1 for s in sentences], dtype=np.int64)
+        self.starts = np.concatenate([[0], np.cumsum(lengths)])
+        self.ids = np.full(int(self.starts[-1]), EOS, dtype=np.int64)
+        for s, start in zip(sentences, self.starts[:-1]):
+            self.ids[start : start + len(s)] = s
+
+    def __len__(self) -> int:
+        return len(self.starts) - 1
+
+    @property
+    def tokens(self) -> int:
+        return len(self.ids)
+
+    def stream(self, order: Optional[np.ndarray] = None) -> np.ndarray:
+        """All sentences back to back, in `order` (file order if None)."""
+        if order is None:
+            return self.ids
+        lengths = np.diff(self.starts)[order]
+        new_starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        return self.ids[np.arange(self.tokens) - np.repeat(new_starts, lengths) + np.repeat(self.starts[:-1][order], lengths)]
+
+
+def rows_of(stream: np.ndarray, batch_size: int) -> np.ndarray:
+    """The stream cut into batch_size rows (the remainder is dropped)."""
+    width = len(stream) // batch_size
+    return stream[: width * batch_size].reshape(batch_size, width)
+
+
+class LMData:
+    """A DataSource of (inputs, targets) windows, each (batch_size, bptt), targets one token ahead."""
+
+    def __init__(self, train: Sentences, val: Sentences, test: Optional[Sentences], info: dict, batch_size: int, bptt: int, seed: int, device: torch.device):
+        self.train, self.val_sentences, self.test_sentences = train, val, test
+        self.batch_size, self.bptt, self.device = batch_size, bptt, device
+        self.steps_per_epoch = (train.tokens // batch_size - 1) // bptt
+        if self.steps_per_epoch < 1:
+            raise ConfigError(
+                f"schedule.batch_size={batch_size}: {train.tokens} training tokens make rows shorter than model.bptt={bptt} + 1; use a smaller batch or bptt"
+            )
+        if val.tokens // batch_size < 2:
+            raise ConfigError(f"schedule.batch_size={batch_size}: the {val.tokens} validation tokens do not fill one row per batch entry")
+        self.order = torch.Generator().manual_seed(20_000 + seed)
+        self.info = {**info, "train_sentences": len(train), "train_tokens": train.tokens, "val_tokens": val.tokens, "resident": False}
+        if test is not None:
+            self.info["test_tokens"] = test.tokens
+
+    def _windows(self, rows: np.ndarray, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for t in range(start * self.bptt, rows.shape[1] - 1, self.bptt):
+            span = torch.from_numpy(np.ascontiguousarray(rows[:, t : t + self.bptt + 1])).to(self.device, non_blocking=True)
+            yield span[:, :-1], span[:, 1:]
+
+    def epoch(self, epoch: int, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """One pass over the training sentences in a fresh order, from window `start` (a resumed run's position)."""
+        self.epoch_start_state = self.order.get_state()
+        order = torch.randperm(len(self.train), generator=self.order).numpy()
+        rows = rows_of(self.train.stream(order), self.batch_size)
+        windows = self._windows(rows, start)
+        for _ in range(start, self.steps_per_epoch):  # full windows only, so every step has batch_size x bptt targets
+            yield next(windows)
+
+    def state_dict(self) -> dict:
+        """The order generator as it was when the current epoch began."""
+        return {"order": self.epoch_start_state}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.order.set_state(state["order"])
+
+    def val(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return self._windows(rows_of(self.val_sentences.stream(), self.batch_size))
+
+    def test(self) -> Optional[Iterator[tuple[torch.Tensor, torch.Tensor]]]:
+        """The test split (data.test_split), or None without one."""
+        return None if self.test_sentences is None else self._windows(rows_of(self.test_sentences.stream(), self.batch_size))
+
+
+# --- text files
+
+
+def split_files(root: Path, pattern: str, key: str) -> list[Path]:
+    files = sorted(Path(p) for p in glob.glob(str(root / pattern)) if Path(p).is_file())
+    if not files:
+        raise ConfigError(f"data.{key}={pattern}: matches no file under {root}")
+    return files
+
+
+def read_sentences(files: list[Path]) -> list[list[str]]:
+    return [line.split() for f in files for line in read_lines(f) if line.strip()]
+
+
+def build_vocabulary(sentences: list[list[str]], min_count: int, max_vocab: Optional[int]) -> list[str]:
+    """</s>, <unk>, then the words seen at least min_count times, most frequent first (ties by spelling)."""
+    counts = Counter(w for s in sentences for w in s)
+    counts.pop(EOS_TOKEN, None)
+    counts.pop(UNK_TOKEN, None)  # PTB writes its own <unk>: it maps to ours
+    words = sorted((w for w, c in counts.items() if c >= min_count), key=lambda w: (-counts[w], w))
+    vocab = [EOS_TOKEN, UNK_TOKEN, *words]
+    return vocab[:max_vocab] if max_vocab else vocab
+
+
+def read_vocabulary(path: Path) -> list[str]:
+    if not path.is_file():
+        raise ConfigError(f"data.vocab_file={path}: no such file")
+    words = [line.split()[0] for line in read_lines(path) if line.strip()]
+    if len(set(words)) != len(words):
+        raise ConfigError(f"data.vocab_file={path}: a token is listed twice")
+    rest = [w for w in words if w not in (EOS_TOKEN, UNK_TOKEN)]
+    return [EOS_TOKEN, UNK_TOKEN, *rest]
+
+
+def to_ids(sentences: list[list[str]], index: dict[str, int]) -> Sentences:
+    return Sentences([np.array([index.get(w, UNK) for w in s], dtype=np.int64) for s in sentences])
+
+
+def text_corpus(cfg: DictConfig, device: torch.device) -> LMData:
+    d = cfg.data
+    root = Path(d.root).expanduser()
+    if not root.is_dir():
+        raise ConfigError(f"data.root={d.root}: no such folder")
+    train = read_sentences(split_files(root, d.train_split, "train_split"))
+    val = read_sentences(split_files(root, d.val_split, "val_split"))
+    test = read_sentences(split_files(root, d.test_split, "test_split")) if d.test_split is not None else None
+    vocab = read_vocabulary(Path(d.vocab_file).expanduser()) if d.vocab_file else build_vocabulary(train, d.min_count, d.max_vocab)
+    index = {w: i for i, w in enumerate(vocab)}
+    train_ids, val_ids = to_ids(train, index), to_ids(val, index)
+    info = {
+        "vocab_size": len(vocab),
+        "vocabulary": "from " + (str(d.vocab_file) if d.vocab_file else f"training counts (min_count {d.min_count}, max_vocab {d.max_vocab})"),
+        "val_oov_rate": float((val_ids.ids == UNK).mean()),
+    }
+    return LMData(train_ids, val_ids, to_ids(test, index) if test is not None else None, info, cfg.schedule.batch_size, cfg.model.bptt, cfg.seed, device)
+
+
+# --- a Markov source with a known entropy rate
+
+
+class MarkovSource:
+    """A first-order Markov chain over </s> and `words` words. After each word a sentence ends with
+    probability `end_prob`; otherwise the next word comes from the current word's row, a Dirichlet(0.1)
+    draw (peaked: a few likely successors). After </s> the first word comes from one more such row.
+    Ids are ranked by stationary probability, like a frequency-ranked vocabulary."""
+
+    def __init__(self, words: int, end_prob: float, seed: int):
+        g = torch.Generator().manual_seed(40_000 + seed)
+        rows = torch.distributions.Dirichlet(torch.full((words,), 0.1, dtype=torch.float64))
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(40_000 + seed)
+            successors = rows.sample((words + 1,))  # row 0: after </s>; row i: after word i
+        p = torch.zeros(words + 1, words + 1, dtype=torch.float64)
+        p[0, 1:] = successors[0]
+        p[1:, 0] = end_prob
+        p[1:, 1:] = (1 - end_prob) * successors[1:]
+        pi = stationary(p)
+        rank = torch.cat([torch.tensor([0]), 1 + torch.argsort(pi[1:], descending=True)])  # </s> stays 0
+        self.p = p[rank][:, rank]
+        self.pi = pi[rank]
+        self.g = g
+        # Id 1 is <unk> in every vocabulary; the source never emits it, so words are 2.. here.
+        self.entropy_rate = float(-(self.pi[:, None] * self.p * torch.log(self.p.clamp_min(1e-300))).sum())  # nats per token
+
+    def sentence(self) -> np.ndarray:
+        out, state = [], 0
+        while True:
+            state = int(torch.multinomial(self.p[state], 1, generator=self.g))
+            if state == 0:
+                return np.array(out, dtype=np.int64)
+            out.append(state + 1)  # past <unk>
+
+
+def stationary(p: torch.Tensor) -> torch.Tensor:
+    pi = torch.full((p.shape[0],), 1.0 / p.shape[0], dtype=torch.float64)
+    for _ in range(10_000):
+        nxt = pi @ p
+        if torch.allclose(nxt, pi, atol=1e-15, rtol=0):
+            break
+        pi = nxt
+    return nxt / nxt.sum()
+
+
+def synthetic_lm(cfg: DictConfig, device: torch.device) -> LMData:
+    d = cfg.data
+    source = MarkovSource(d.vocab_size, d.sentence_end_prob, cfg.seed)
+    train = Sentences([source.sentence() for _ in range(d.train_samples)])
+    val = Sentences([source.sentence() for _ in range(d.val_samples)])
+    info = {
+        "vocab_size": d.vocab_size + 2,
+        "vocabulary": "synthetic Markov source",
+        # The best any model can do: perplexity exp(entropy rate), with </s> counted as a token.
+        "entropy_rate_nats": source.entropy_rate,
+        "ppl_floor": math.exp(source.entropy_rate),
+    }
+    return LMData(train, val, None, info, cfg.schedule.batch_size, cfg.model.bptt, cfg.seed, device)

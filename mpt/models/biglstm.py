@@ -1,0 +1,143 @@
+"""bigLSTM language model (Jozefowicz et al. 2016): the paper's One Billion Word model.
+
+An embedding of the projection size, LSTM layers with output projections (nn.LSTM's proj_size),
+dropout, and a softmax layer over the vocabulary. Training uses a sampled softmax: the true word's
+logit against `num_sampled` negatives drawn log-uniformly over frequency-ranked ids, each logit
+corrected by the log of its expected count, accidental hits removed (TensorFlow's
+sampled_softmax_loss, as Jozefowicz et al. trained). Evaluation uses the full softmax.
+
+The LSTM state carries over from one batch to the next (truncated backpropagation through time,
+`model.bptt` steps), held in buffers so a checkpoint keeps it and a resumed run continues exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, ContextManager, Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig
+from torch import nn
+
+from . import LossTerm
+
+EVAL_LOGITS = 2**26  # full-softmax logits per evaluation chunk (256 MiB in FP32)
+
+
+def log_uniform_sample(n: int, vocab: int, device: torch.device) -> torch.Tensor:
+    """n ids, with replacement, P(k) = log((k + 2) / (k + 1)) / log(vocab + 1) (TF's LogUniformCandidateSampler)."""
+    u = torch.rand(n, device=device, dtype=torch.float64)
+    return (torch.exp(u * math.log(vocab + 1)).floor().long() - 1).clamp_(0, vocab - 1)
+
+
+def log_uniform_log_prob(ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    k = ids.double()
+    return (torch.log((k + 2) / (k + 1)) / math.log(vocab + 1)).log().float()
+
+
+def sampled_softmax_loss(true_logits, sampled_logits, targets, candidates, true_log_count, sampled_log_count) -> torch.Tensor:
+    """Per-token loss: cross-entropy of the true class among [true, candidates], every logit minus
+    the log of its expected count among the candidates; a candidate equal to the target is removed.
+    true_logits (N,), sampled_logits (N, S), targets (N,), candidates (S,), log counts (N,) and (S,)."""
+    logits = torch.cat([(true_logits.float() - true_log_count)[:, None], sampled_logits.float() - sampled_log_count[None, :]], dim=1)
+    hits = candidates[None, :] == targets[:, None]
+    logits[:, 1:] = logits[:, 1:].masked_fill(hits, -torch.inf)
+    return F.cross_entropy(logits, torch.zeros_like(targets), reduction="none")
+
+
+class BigLSTM(nn.Module):
+    """forward(stage, ...): "train" (true and sampled logits) or "nll" (full-softmax negative log-likelihood)."""
+
+    def __init__(self, m: DictConfig, vocab: int, batch_size: int):
+        super().__init__()
+        self.vocab = vocab
+        self.embedding = nn.Embedding(vocab, m.proj_size)
+        self.lstm = nn.LSTM(m.proj_size, m.hidden_size, num_layers=m.layers, proj_size=m.proj_size, batch_first=True, dropout=m.dropout)
+        self.drop = nn.Dropout(m.dropout)
+        self.softmax_w = nn.Parameter(torch.empty(vocab, m.proj_size))
+        self.softmax_b = nn.Parameter(torch.zeros(vocab))
+        with torch.no_grad():
+            bound = 1.0 / math.sqrt(m.proj_size)
+            self.embedding.weight.uniform_(-bound, bound)
+            self.softmax_w.uniform_(-bound, bound)
+        # The training state carried between batches (one row per stream of the batch).
+        self.register_buffer("carry_h", torch.zeros(m.layers, batch_size, m.proj_size))
+        self.register_buffer("carry_c", torch.zeros(m.layers, batch_size, m.hidden_size))
+        # f-lm's gradient weighting: embedding gradients times the batch size (its `emb_grads * batch_size`)
+        self.embedding.weight.register_hook(lambda g: g * batch_size)
+
+    def clipped_parameters(self) -> list[nn.Parameter]:
+        """What optim.clip_grad_norm covers: f-lm clips the LSTM's gradients only."""
+        return list(self.lstm.parameters())
+
+    def forward(self, stage: str, *args):
+        return getattr(self, f"_{stage}")(*args)
+
+    def _train(self, inputs, targets, candidates):
+        out, (h, c) = self.lstm(self.drop(self.embedding(inputs)), (self.carry_h, self.carry_c))
+        # Assigned, not copied in place: the LSTM's backward still needs the old state.
+        self.carry_h, self.carry_c = h.detach(), c.detach()
+        out = self.drop(out).reshape(-1, out.shape[-1])
+        flat = targets.reshape(-1)
+        true_logits = (out * self.softmax_w[flat]).sum(-1) + self.softmax_b[flat]
+        sampled_logits = out @ self.softmax_w[candidates].t() + self.softmax_b[candidates]
+        return true_logits, sampled_logits
+
+    def _nll(self, inputs, targets, state):
+        out, state = self.lstm(self.embedding(inputs), state)
+        out, flat = out.reshape(-1, out.shape[-1]), targets.reshape(-1)
+        total = torch.zeros((), dtype=torch.float32, device=out.device)
+        chunk = max(1, EVAL_LOGITS // self.vocab)  # the full logits of a One Billion Word batch would not fit at once
+        for i in range(0, len(flat), chunk):
+            logits = out[i : i + chunk] @ self.softmax_w.t() + self.softmax_b
+            total = total + F.cross_entropy(logits.float(), flat[i : i + chunk], reduction="sum")
+        return total, state
+
+
+class LanguageModel:
+    sample_unit = "words"  # target tokens: the words and each sentence's </s>
+    primary_metric = "ppl"
+    higher_is_better = False
+
+    def __init__(self, model_cfg: DictConfig, data_info: dict, batch_size: int):
+        self.cfg = model_cfg
+        self.vocab = data_info["vocab_size"]
+        self.num_sampled = model_cfg.num_sampled
+        self.net = BigLSTM(model_cfg, self.vocab, batch_size)
+
+    def networks(self) -> dict[str, nn.Module]:
+        return {"model": self.net}
+
+    def train_losses(self, batch) -> Iterator[LossTerm]:
+        inputs, targets = batch
+        candidates = log_uniform_sample(self.num_sampled, self.vocab, inputs.device)
+        true_logits, sampled_logits = self.net("train", inputs, targets, candidates)
+        log_s = math.log(self.num_sampled)
+        flat = targets.reshape(-1)
+        losses = sampled_softmax_loss(true_logits, sampled_logits, flat, candidates,
+                                      log_s + log_uniform_log_prob(flat, self.vocab), log_s + log_uniform_log_prob(candidates, self.vocab))  # fmt: skip
+        per_word = losses.mean()
+        # f-lm's objective: the mean over words times the BPTT length (a sum over time steps, a mean
+        # over the batch's streams); the gradients, and so what FP16 must hold, are that large.
+        yield LossTerm("model", per_word * self.cfg.bptt, {"loss_per_word": per_word.detach()})
+
+    def count_samples(self, batch) -> int:
+        return batch[1].numel()
+
+    @torch.no_grad()
+    def evaluate(self, batches: Iterable, forward_context: Callable[[], ContextManager]) -> dict[str, float]:
+        """Perplexity with the full softmax, the state carried across the stream's windows from zeros."""
+        self.net.eval()
+        total = torch.zeros((), dtype=torch.float64)
+        tokens, state = 0, None
+        for inputs, targets in batches:
+            with forward_context():
+                nll, state = self.net("nll", inputs, targets, state)
+            total += nll.double().cpu()
+            tokens += targets.numel()
+        self.net.train()
+        if tokens == 0:
+            raise ValueError("evaluation saw no tokens: the validation set is empty")
+        loss = float(total) / tokens
+        return {"ppl": math.exp(min(loss, 700.0)), "val_loss": loss, "val_tokens": tokens}
