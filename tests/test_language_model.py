@@ -1,0 +1,240 @@
+"""bigLSTM: the sampled softmax against the full softmax, the log-uniform sampler, the Markov source's
+entropy rate, text streams and the state carried between them, PTB, clipping the LSTM only, and
+every precision mode end to end on a tiny config."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mpt.datasets import build_data
+from mpt.datasets.text_corpus import EOS, UNK, MarkovSource, Sentences, rows_of
+from mpt.models import biglstm
+from mpt.models.biglstm import BigLSTM, log_uniform_log_prob, log_uniform_sample, sampled_softmax_loss
+from mpt.runner.config import ConfigError, validate
+from mpt.runner.precision import PrecisionEngine, prepare_model
+from mpt.runner.scaler import build_scaler
+
+from .conftest import CPU, compose_cfg, read_record, run_cli, shared_data
+
+TINY = ["model=biglstm_tiny", "model.hidden_size=32", "model.proj_size=8", "model.num_sampled=64", "model.bptt=5", "schedule=smoke"]
+
+
+def tiny_cfg(*extra: str):
+    cfg = compose_cfg(*TINY, *extra)
+    validate(cfg)
+    return cfg
+
+
+def test_sampled_softmax_with_every_class_sampled_is_the_full_cross_entropy():
+    g = torch.Generator().manual_seed(0)
+    n, vocab = 12, 30
+    logits = torch.randn(n, vocab, generator=g, dtype=torch.float64)
+    targets = torch.randint(0, vocab, (n,), generator=g)
+    candidates = torch.arange(vocab)
+    true = logits.gather(1, targets[:, None])[:, 0]
+    # Every class a candidate once, with the same expected count: the correction cancels, the
+    # target's own candidate column is an accidental hit, and what is left is the full softmax.
+    for log_count in (0.0, 2.5):
+        loss = sampled_softmax_loss(true, logits, targets, candidates, torch.full((n,), log_count), torch.full((vocab,), log_count))
+        assert torch.allclose(loss.double(), F.cross_entropy(logits, targets, reduction="none"), atol=1e-5)
+
+
+def test_sampled_softmax_corrects_by_expected_counts_and_removes_hits():
+    true, sampled = torch.tensor([1.0]), torch.tensor([[0.5, 2.0, -1.0]])
+    targets, candidates = torch.tensor([4]), torch.tensor([2, 4, 7])
+    true_lc, cand_lc = torch.tensor([-0.5]), torch.tensor([0.3, -0.5, 1.2])
+    loss = sampled_softmax_loss(true, sampled, targets, candidates, true_lc, cand_lc)
+    kept = torch.tensor([1.0 + 0.5, 0.5 - 0.3, -1.0 - 1.2])  # candidate 4 is the target: removed
+    assert torch.allclose(loss, -torch.log_softmax(kept, 0)[:1], atol=1e-6)
+
+
+def test_log_uniform_sampler_draws_its_distribution():
+    torch.manual_seed(0)
+    vocab, n = 1000, 400_000
+    counts = torch.bincount(log_uniform_sample(n, vocab, CPU), minlength=vocab).double()
+    probs = log_uniform_log_prob(torch.arange(vocab), vocab).double().exp()
+    assert math.isclose(float(probs.sum()), 1.0, rel_tol=1e-6)
+    expected = n * probs[:20]
+    assert (counts[:20] - expected).abs().max() < 5 * expected.sqrt().max()  # within 5 sigma for the likeliest ids
+    assert counts.sum() == n and counts[vocab - 1] >= 0
+
+
+def test_markov_source_entropy_rate_matches_a_long_sample():
+    source = MarkovSource(words=12, end_prob=0.2, seed=3)
+    tokens = np.concatenate([np.append(source.sentence(), EOS) for _ in range(4000)])
+    states = np.where(tokens == EOS, 0, tokens - 1)  # ids back to chain states (</s> 0, words 1..)
+    p = source.p.numpy()
+    prev = np.concatenate([[0], states[:-1]])
+    empirical = -np.log(p[prev, states]).mean()
+    assert abs(empirical - source.entropy_rate) < 0.03
+    freq = np.bincount(states, minlength=13)[1:]
+    assert (np.diff(source.pi.numpy()[1:]) <= 0).all() and freq[0] == freq.max()  # ids ranked by frequency
+    cfg = tiny_cfg()
+    info = build_data(cfg, CPU).info
+    assert math.isclose(info["ppl_floor"], math.exp(info["entropy_rate_nats"]))
+
+
+def test_streams_are_shifted_windows_of_shuffled_sentences_and_resume_exactly():
+    cfg = tiny_cfg("schedule.batch_size=4")
+    data = build_data(cfg, CPU)
+    windows = list(data.epoch(0))
+    assert len(windows) == data.steps_per_epoch
+    inputs = torch.cat([w[0] for w in windows], dim=1)
+    targets = torch.cat([w[1] for w in windows], dim=1)
+    assert torch.equal(inputs[:, 1:], targets[:, :-1]) and inputs.shape == (4, data.steps_per_epoch * 5)
+    # the rows hold every training sentence (bar the cut tail), each ending with </s>
+    assert int((inputs == EOS).sum()) >= len(data.train) - 4 and (inputs != UNK).all()
+    second = [w[0] for w in data.epoch(1)]
+    state = data.state_dict()
+    list(data.epoch(2))
+    data.load_state_dict(state)
+    resumed = [w[0] for w in data.epoch(1, start=3)]
+    assert len(resumed) == len(second) - 3 and all(torch.equal(a, b) for a, b in zip(resumed, second[3:]))
+    assert not torch.equal(second[0], windows[0][0])
+    s = Sentences([np.array([5, 6]), np.array([7])])
+    assert s.stream(np.array([1, 0])).tolist() == [7, EOS, 5, 6, EOS] and rows_of(np.arange(7), 2).tolist() == [[0, 1, 2], [3, 4, 5]]
+
+
+def test_the_state_carries_from_one_window_to_the_next():
+    cfg = tiny_cfg("model.dropout=0")
+    torch.manual_seed(0)
+    net = BigLSTM(cfg.model, vocab=20, batch_size=3).eval()
+    x = torch.randint(0, 20, (3, 10))
+    y = torch.randint(0, 20, (3, 10))
+    cand = torch.arange(20)
+    whole = net("train", x, y, cand)
+    net.carry_h.zero_(), net.carry_c.zero_()
+    first, second = net("train", x[:, :5], y[:, :5], cand), net("train", x[:, 5:], y[:, 5:], cand)
+    stitched = torch.cat([first[0].view(3, 5), second[0].view(3, 5)], dim=1).reshape(-1)
+    assert torch.allclose(stitched, whole[0], atol=1e-6)
+    # Evaluation: the full softmax, in chunks, is the cross-entropy of the full logits.
+    nll, _ = net("nll", x, y, None)
+    hidden = net.lstm(net.embedding(x))[0]
+    full = F.cross_entropy((hidden @ net.softmax_w.t() + net.softmax_b).reshape(-1, 20), y.reshape(-1), reduction="sum")
+    assert torch.allclose(nll, full, rtol=1e-5)
+    biglstm.EVAL_LOGITS, saved = 20 * 7, biglstm.EVAL_LOGITS  # 7 tokens per chunk
+    try:
+        assert torch.allclose(net("nll", x, y, None)[0], full, rtol=1e-5)
+    finally:
+        biglstm.EVAL_LOGITS = saved
+
+
+def test_paper_size_is_jozefowicz_big_lstm():
+    m = compose_cfg("model=biglstm").model
+    with torch.device("meta"):
+        net = BigLSTM(m, vocab=793_471, batch_size=128)
+    params = sum(p.numel() for p in net.parameters())
+    assert 1.75e9 < params < 1.85e9  # Jozefowicz et al., Table 1: "LSTM-8192-1024", 1.8B parameters
+    assert (m.hidden_size, m.proj_size, m.layers, m.num_sampled, m.static_scale) == (8192, 1024, 2, 8192, 128)
+    cfg = compose_cfg("model=biglstm", "schedule=paper")
+    assert (cfg.optim.name, cfg.optim.lr, cfg.optim.lr_batch, cfg.optim.initial_accumulator, cfg.optim.clip_grad_norm) == ("adagrad", 0.2, None, 1.0, 10.0)
+
+
+def test_gradients_embedding_weighting_and_lstm_only_clipping():
+    cfg = tiny_cfg("model.dropout=0", "optim.name=sgd", "optim.momentum=0", "optim.weight_decay=0", "optim.lr=1.0", "optim.lr_batch=null", "optim.clip_grad_norm=1e-3")
+    torch.manual_seed(0)
+    net = BigLSTM(cfg.model, vocab=20, batch_size=3)
+    x, y = torch.randint(0, 20, (3, 5)), torch.randint(0, 20, (3, 5))
+    net("train", x, y, torch.arange(20))[0].sum().backward()
+    emb = net.embedding.weight.grad.clone()
+    net.embedding.weight.grad = None
+    net.carry_h.zero_(), net.carry_c.zero_()
+    unhooked = net.embedding.weight.detach().clone().requires_grad_()  # the hook sits on the parameter, not on this copy
+    plain = torch.autograd.grad(torch.func.functional_call(net, {"embedding.weight": unhooked}, ("train", x, y, torch.arange(20)))[0].sum(), unhooked)[0]
+    assert torch.allclose(emb, 3 * plain) and emb.abs().max() > 0  # f-lm: embedding gradients times the batch size
+
+    before = {n: p.detach().clone() for n, p in net.named_parameters()}
+    engine = PrecisionEngine(prepare_model(net, cfg.precision, CPU, False), cfg, build_scaler(cfg), [], CPU)
+    net.carry_h.zero_(), net.carry_c.zero_()
+    engine.backward(net("train", x, y, torch.arange(20))[0].sum())
+    grads = {n: p.grad.clone() for n, p in net.named_parameters()}
+    engine.step()
+    lstm = [n for n in grads if n.startswith("lstm.")]
+    norm = torch.linalg.vector_norm(torch.stack([grads[n].norm() for n in lstm]))
+    for n, p in net.named_parameters():
+        factor = 1e-3 / (norm + 1e-6) if n.startswith("lstm.") else 1.0  # only the LSTM's gradients are clipped
+        assert torch.allclose(p.detach(), before[n] - factor * grads[n], atol=1e-6), n
+
+
+def ptb(*extra: str):
+    root = shared_data("ptb")
+    return tiny_cfg("data=text_corpus", f"data.root={root}", "data.train_split=ptb.train.txt*", "data.val_split=ptb.valid.txt*",
+                    "data.test_split=ptb.test.txt*", "data.min_count=1", "schedule.batch_size=32", *extra)  # fmt: skip
+
+
+def test_ptb_reads_its_standard_vocabulary():
+    data = build_data(ptb(), CPU)
+    info = data.info
+    assert info["vocab_size"] == 10_000 and info["train_sentences"] == 42_068
+    assert info["train_tokens"] == 887_521 + 42_068  # words plus one </s> per sentence
+    assert 0.04 < info["val_oov_rate"] < 0.06  # PTB's own <unk> share
+    capped = build_data(ptb("data.max_vocab=500"), CPU)
+    assert capped.info["vocab_size"] == 500 and capped.info["val_oov_rate"] > info["val_oov_rate"]
+
+
+@pytest.mark.parametrize(
+    "overrides,named",
+    [
+        (["data.root=/nonexistent/1b"], "data.root=/nonexistent/1b: no such folder"),
+        (["data.val_split=heldout-*"], "data.val_split=heldout-*: matches no file under"),
+        (["data.vocab_file=/nonexistent/vocab.txt"], "data.vocab_file=/nonexistent/vocab.txt: no such file"),
+        (["schedule.batch_size=100000"], "schedule.batch_size=100000"),
+    ],
+)
+def test_bad_text_corpus_is_one_line_naming_the_problem(overrides, named):
+    with pytest.raises(ConfigError) as e:
+        build_data(ptb(*overrides), CPU)
+    assert named in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "overrides,named",
+    [
+        (["model.proj_size=64"], "model.proj_size=64: must be smaller than model.hidden_size=32"),
+        (["precision=fp16"], "cannot run optim.name=adagrad; use optim.name=sgd, or precision=mixed"),
+        (["data=text_corpus"], "data.root is not set"),
+        (["data.sentence_end_prob=1.5"], "data.sentence_end_prob=1.5"),
+        (["data=parallel_text", "data.root=/x"], "data=parallel_text has no language_model data for model=biglstm_tiny"),
+    ],
+)
+def test_bad_language_model_config_is_rejected_naming_the_key(overrides, named):
+    with pytest.raises(ConfigError) as e:
+        validate(compose_cfg(*TINY, *overrides))
+    assert named in str(e.value) and "\n" not in str(e.value)
+
+
+def test_every_precision_mode_runs_the_language_model_end_to_end(tmp_path):
+    modes = ["fp32", "tf32", "fp16", "mixed", "fp16_modmom", "amp", "bf16"]
+    result = run_cli("-m", *TINY, "optim.name=sgd", "optim.lr=0.5", "scale=static", "checkpoint=false", f"precision={','.join(modes)}",
+                     f"hydra.sweep.dir={tmp_path}", cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    records = {r["choices"]["precision"]: r for r in (json.loads(p.read_text()) for p in tmp_path.glob("*/result.json"))}
+    assert sorted(records) == sorted(modes)
+    for mode, rec in records.items():
+        assert rec["status"] == "ok", (mode, rec["message"])
+        assert math.isfinite(rec["final_train_loss"]) and rec["metrics"]["ppl"] > 1 and rec["throughput"]["unit"] == "words/s"
+        assert rec["data"]["ppl_floor"] > 1
+    adagrad = tmp_path / "adagrad"  # bigLSTM's own optimizer in the modes paper_lm runs, with a dynamic scale
+    result = run_cli("-m", *TINY, "scale=dynamic", "checkpoint=false", "precision=mixed,amp", f"hydra.sweep.dir={adagrad}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    for rec in (json.loads(p.read_text()) for p in adagrad.glob("*/result.json")):
+        assert rec["status"] == "ok" and rec["optim"]["name"] == "adagrad" and math.isfinite(rec["last_finite_train_loss"])
+
+
+def test_perplexity_falls_toward_the_sources_floor(tmp_path):
+    args = ["model=biglstm_tiny", "schedule.batch_size=16", "schedule.steps=200", "schedule.eval_every=100", "schedule.eval_batches=null",
+            "data.train_samples=4096", "checkpoint=false"]  # fmt: skip
+    result = run_cli(*args, f"hydra.run.dir={tmp_path}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rec = read_record(tmp_path)
+    evals = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"eval"' in line]
+    floor = rec["data"]["ppl_floor"]
+    assert rec["status"] == "ok" and rec["optim"]["name"] == "adagrad"
+    assert evals[-1]["ppl"] < 0.8 * evals[0]["ppl"] and evals[-1]["ppl"] > 0.9 * floor  # learning, and no model beats the source
