@@ -7,6 +7,7 @@ express (ranges, combinations) live in `validate`, which runs before anything is
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 from enum import Enum
@@ -404,7 +405,8 @@ def static_scale_value(cfg: DictConfig) -> float:
 # Settings that change how a run is driven or logged, not what it computes: a checkpoint or record
 # made under other values of these still stands.
 NOT_COMPUTATIONAL = {("force",), ("resume",), ("checkpoint",), ("schedule", "checkpoint_every"), ("schedule", "log_every"),
-                     ("schedule", "throughput_warmup"), ("schedule", "throughput_window")}
+                     ("schedule", "throughput_warmup"), ("schedule", "throughput_window"),
+                     ("model", "static_scale_source"), ("model", "recipe", "source")}  # citations, not settings
 
 
 # Keys added after records were first written, with the value that reproduces how those runs
@@ -430,7 +432,7 @@ def same_computation(saved: dict, current: dict) -> bool:
 
 def computational(plain: dict) -> dict:
     """A plain config without the NOT_COMPUTATIONAL settings, for "is this the same run?"."""
-    out = {k: dict(v) if isinstance(v, dict) else v for k, v in plain.items()}
+    out = copy.deepcopy(plain)
     for path in NOT_COMPUTATIONAL:
         node = out
         for key in path[:-1]:
