@@ -63,7 +63,20 @@ def test_log_uniform_sampler_draws_its_distribution():
     assert math.isclose(float(probs.sum()), 1.0, rel_tol=1e-6)
     expected = n * probs[:20]
     assert (counts[:20] - expected).abs().max() < 5 * expected.sqrt().max()  # within 5 sigma for the likeliest ids
-    assert counts.sum() == n and counts[vocab - 1] >= 0
+    assert counts.sum() == n
+
+
+def test_the_correction_makes_sampled_sums_unbiased():
+    # With S draws k_j and each logit corrected by log(S p(k_j)), the sum of exp over the draws is an
+    # unbiased estimate of the full softmax's normalizer: the identity the sampled softmax rests on.
+    # It fails if the log S or the id's own probability were left out of the correction.
+    torch.manual_seed(1)
+    vocab, S, trials = 50, 20, 20_000
+    logits = torch.randn(vocab, dtype=torch.float64)
+    draws = log_uniform_sample(S * trials, vocab, CPU).view(trials, S)
+    correction = math.log(S) + log_uniform_log_prob(draws, vocab).double()
+    estimate = torch.exp(logits[draws] - correction).sum(1).mean()
+    assert abs(float(estimate) / float(logits.exp().sum()) - 1) < 0.02
 
 
 def test_markov_source_entropy_rate_matches_a_long_sample():
@@ -98,7 +111,7 @@ def test_streams_are_shifted_windows_of_shuffled_sentences_and_resume_exactly():
     resumed = [w[0] for w in data.epoch(1, start=3)]
     assert len(resumed) == len(second) - 3 and all(torch.equal(a, b) for a, b in zip(resumed, second[3:]))
     assert not torch.equal(second[0], windows[0][0])
-    s = Sentences([np.array([5, 6]), np.array([7])])
+    s = Sentences.of([np.array([5, 6]), np.array([7])])
     assert s.stream(np.array([1, 0])).tolist() == [7, EOS, 5, 6, EOS] and rows_of(np.arange(7), 2).tolist() == [[0, 1, 2], [3, 4, 5]]
 
 
@@ -163,6 +176,24 @@ def test_gradients_embedding_weighting_and_lstm_only_clipping():
         assert torch.allclose(p.detach(), before[n] - factor * grads[n], atol=1e-6), n
 
 
+def test_a_vocabulary_file_and_its_markers(tmp_path):
+    (tmp_path / "train.txt").write_text("the cat sat\nthe dog\u00a0barked\n" * 10)  # a no-break space stays inside its token
+    (tmp_path / "valid.txt").write_text("the cat barked\n" * 20)
+    (tmp_path / "vocab.txt").write_text("<S>\n</S>\n<UNK>\nthe 3\ncat\n")  # One Billion Word's spelling
+    base = ["data=text_corpus", f"data.root={tmp_path}", "data.train_split=train.txt", "data.val_split=valid.txt", "data.test_split=null", "schedule.batch_size=2"]
+    data = build_data(tiny_cfg(*base, f"data.vocab_file={tmp_path / 'vocab.txt'}"), CPU)
+    assert data.info["vocab_size"] == 4  # </s>, <unk>, the, cat
+    assert data.train.ids[:7].tolist() == [2, 3, 1, EOS, 2, 1, EOS]
+    counted = build_data(tiny_cfg(*base), CPU)
+    assert counted.info["vocab_size"] == 2 + 4  # the, cat, sat and "dog\u00a0barked" as one word
+    (tmp_path / "short.txt").write_text("the\n")  # 2 tokens with its </s>: too few for 2 rows of 2
+    with pytest.raises(ConfigError, match="data.test_split: its 2 tokens do not give each of schedule.batch_size=2 rows two tokens"):
+        build_data(tiny_cfg(*base, "data.test_split=short.txt"), CPU)
+    (tmp_path / "vocab.txt").write_text("the\ncat\nthe\n")
+    with pytest.raises(ConfigError, match="the token 'the' is listed twice"):
+        build_data(tiny_cfg(*base, f"data.vocab_file={tmp_path / 'vocab.txt'}"), CPU)
+
+
 def ptb(*extra: str):
     root = shared_data("ptb")
     return tiny_cfg("data=text_corpus", f"data.root={root}", "data.train_split=ptb.train.txt*", "data.val_split=ptb.valid.txt*",
@@ -186,11 +217,14 @@ def test_ptb_reads_its_standard_vocabulary():
         (["data.val_split=heldout-*"], "data.val_split=heldout-*: matches no file under"),
         (["data.vocab_file=/nonexistent/vocab.txt"], "data.vocab_file=/nonexistent/vocab.txt: no such file"),
         (["schedule.batch_size=100000"], "schedule.batch_size=100000"),
+        (["schedule.batch_size=50000"], "data.val_split: its 73760 tokens do not give each of schedule.batch_size=50000 rows two tokens"),
+        (["data.max_vocab=2"], "data.max_vocab=2: needs at least 3"),
     ],
 )
 def test_bad_text_corpus_is_one_line_naming_the_problem(overrides, named):
     with pytest.raises(ConfigError) as e:
-        build_data(ptb(*overrides), CPU)
+        cfg = ptb(*overrides)
+        build_data(cfg, CPU)
     assert named in str(e.value) and "\n" not in str(e.value)
 
 

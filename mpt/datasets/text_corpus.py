@@ -27,15 +27,22 @@ EOS, UNK = 0, 1
 
 
 class Sentences:
-    """Sentences of ids, flat: `ids` holds them back to back, each ending with EOS; `starts` (n + 1)
-    the offsets."""
+    """Sentences of ids, flat: `ids` (int32) holds them back to back, each ending with EOS; `starts`
+    (n + 1) the offsets. One Billion Word's 0.8B tokens take 3.2 GB this way."""
 
-    def __init__(self, sentences: list[np.ndarray]):
-        lengths = np.array([len(s) + 1 for s in sentences], dtype=np.int64)
-        self.starts = np.concatenate([[0], np.cumsum(lengths)])
-        self.ids = np.full(int(self.starts[-1]), EOS, dtype=np.int64)
-        for s, start in zip(sentences, self.starts[:-1]):
-            self.ids[start : start + len(s)] = s
+    def __init__(self, ids: np.ndarray, lengths: np.ndarray):
+        self.ids = ids.astype(np.int32, copy=False)
+        self.starts = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
+
+    @classmethod
+    def of(cls, sentences: list[np.ndarray]) -> "Sentences":
+        """From one array of ids per sentence (without its EOS)."""
+        ends = [np.append(s, EOS) for s in sentences]
+        return cls(np.concatenate(ends) if ends else np.zeros(0, np.int32), np.array([len(e) for e in ends], dtype=np.int64))
+
+    @classmethod
+    def join(cls, parts: list["Sentences"]) -> "Sentences":
+        return cls(np.concatenate([p.ids for p in parts]), np.concatenate([np.diff(p.starts) for p in parts]))
 
     def __len__(self) -> int:
         return len(self.starts) - 1
@@ -50,7 +57,12 @@ class Sentences:
             return self.ids
         lengths = np.diff(self.starts)[order]
         new_starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-        return self.ids[np.arange(self.tokens) - np.repeat(new_starts, lengths) + np.repeat(self.starts[:-1][order], lengths)]
+        # token i of the new stream is token i - new_start + old_start of the old one; int32 where
+        # it fits, to keep the temporaries of a One Billion Word epoch to a few GB
+        kind = np.int32 if self.tokens < 2**31 else np.int64
+        pos = np.arange(self.tokens, dtype=kind)
+        pos += np.repeat((self.starts[:-1][order] - new_starts).astype(kind), lengths)
+        return self.ids[pos]
 
 
 def rows_of(stream: np.ndarray, batch_size: int) -> np.ndarray:
@@ -70,8 +82,9 @@ class LMData:
             raise ConfigError(
                 f"schedule.batch_size={batch_size}: {train.tokens} training tokens make rows shorter than model.bptt={bptt} + 1; use a smaller batch or bptt"
             )
-        if val.tokens // batch_size < 2:
-            raise ConfigError(f"schedule.batch_size={batch_size}: the {val.tokens} validation tokens do not fill one row per batch entry")
+        for split, sentences in [("val_split", val), ("test_split", test)]:
+            if sentences is not None and sentences.tokens // batch_size < 2:
+                raise ConfigError(f"data.{split}: its {sentences.tokens} tokens do not give each of schedule.batch_size={batch_size} rows two tokens")
         self.order = torch.Generator().manual_seed(20_000 + seed)
         self.info = {**info, "train_sentences": len(train), "train_tokens": train.tokens, "val_tokens": val.tokens, "resident": False}
         if test is not None:
@@ -79,7 +92,7 @@ class LMData:
 
     def _windows(self, rows: np.ndarray, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for t in range(start * self.bptt, rows.shape[1] - 1, self.bptt):
-            span = torch.from_numpy(np.ascontiguousarray(rows[:, t : t + self.bptt + 1])).to(self.device, non_blocking=True)
+            span = torch.from_numpy(np.ascontiguousarray(rows[:, t : t + self.bptt + 1])).to(self.device, non_blocking=True).long()
             yield span[:, :-1], span[:, 1:]
 
     def epoch(self, epoch: int, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -116,13 +129,31 @@ def split_files(root: Path, pattern: str, key: str) -> list[Path]:
     return files
 
 
-def read_sentences(files: list[Path]) -> list[list[str]]:
-    return [line.split() for f in files for line in read_lines(f) if line.strip()]
+def words_of(line: str) -> list[str]:
+    """Tokens split at ASCII spaces and tabs only: str.split would also split at no-break and other
+    Unicode spaces, which tokenized corpora keep inside tokens."""
+    return [w for w in line.replace("\t", " ").split(" ") if w]
 
 
-def build_vocabulary(sentences: list[list[str]], min_count: int, max_vocab: Optional[int]) -> list[str]:
+def file_sentences(path: Path, index: dict[str, int]) -> Sentences:
+    """One file's sentences as ids: only one file's strings are held at a time."""
+    sentences = [w for w in map(words_of, read_lines(path)) if w]
+    lengths = np.fromiter((len(w) + 1 for w in sentences), dtype=np.int64, count=len(sentences))
+    ids = np.fromiter((index.get(t, UNK) for w in sentences for t in (*w, EOS_TOKEN)), dtype=np.int32, count=int(lengths.sum()))
+    return Sentences(ids, lengths)
+
+
+def count_words(files: list[Path]) -> Counter:
+    counts: Counter = Counter()
+    for f in files:
+        for line in read_lines(f):
+            counts.update(words_of(line))
+    return counts
+
+
+def build_vocabulary(counts: Counter, min_count: int, max_vocab: Optional[int]) -> list[str]:
     """</s>, <unk>, then the words seen at least min_count times, most frequent first (ties by spelling)."""
-    counts = Counter(w for s in sentences for w in s)
+    counts = Counter(counts)
     counts.pop(EOS_TOKEN, None)
     counts.pop(UNK_TOKEN, None)  # PTB writes its own <unk>: it maps to ours
     words = sorted((w for w, c in counts.items() if c >= min_count), key=lambda w: (-counts[w], w))
@@ -130,18 +161,20 @@ def build_vocabulary(sentences: list[list[str]], min_count: int, max_vocab: Opti
     return vocab[:max_vocab] if max_vocab else vocab
 
 
+# One Billion Word's own vocabulary file spells the markers so; <S> (sentence start) has no use here.
+MARKERS = {"</S>": EOS_TOKEN, "<UNK>": UNK_TOKEN, "<S>": None}
+
+
 def read_vocabulary(path: Path) -> list[str]:
     if not path.is_file():
         raise ConfigError(f"data.vocab_file={path}: no such file")
-    words = [line.split()[0] for line in read_lines(path) if line.strip()]
-    if len(set(words)) != len(words):
-        raise ConfigError(f"data.vocab_file={path}: a token is listed twice")
-    rest = [w for w in words if w not in (EOS_TOKEN, UNK_TOKEN)]
-    return [EOS_TOKEN, UNK_TOKEN, *rest]
-
-
-def to_ids(sentences: list[list[str]], index: dict[str, int]) -> Sentences:
-    return Sentences([np.array([index.get(w, UNK) for w in s], dtype=np.int64) for s in sentences])
+    words = [MARKERS.get(w, w) for w in (words_of(line)[0] for line in read_lines(path) if words_of(line))]
+    seen: set[str] = set()
+    for w in words:
+        if w in seen:
+            raise ConfigError(f"data.vocab_file={path}: the token {w!r} is listed twice")
+        seen.add(w)
+    return [EOS_TOKEN, UNK_TOKEN, *(w for w in words if w not in (EOS_TOKEN, UNK_TOKEN, None))]
 
 
 def text_corpus(cfg: DictConfig, device: torch.device) -> LMData:
@@ -149,18 +182,22 @@ def text_corpus(cfg: DictConfig, device: torch.device) -> LMData:
     root = Path(d.root).expanduser()
     if not root.is_dir():
         raise ConfigError(f"data.root={d.root}: no such folder")
-    train = read_sentences(split_files(root, d.train_split, "train_split"))
-    val = read_sentences(split_files(root, d.val_split, "val_split"))
-    test = read_sentences(split_files(root, d.test_split, "test_split")) if d.test_split is not None else None
-    vocab = read_vocabulary(Path(d.vocab_file).expanduser()) if d.vocab_file else build_vocabulary(train, d.min_count, d.max_vocab)
+    train_files = split_files(root, d.train_split, "train_split")
+    val_files = split_files(root, d.val_split, "val_split")
+    test_files = split_files(root, d.test_split, "test_split") if d.test_split is not None else None
+    vocab = read_vocabulary(Path(d.vocab_file).expanduser()) if d.vocab_file else build_vocabulary(count_words(train_files), d.min_count, d.max_vocab)
     index = {w: i for i, w in enumerate(vocab)}
-    train_ids, val_ids = to_ids(train, index), to_ids(val, index)
+
+    def ids(files: list[Path]) -> Sentences:
+        return Sentences.join([file_sentences(f, index) for f in files])
+
+    train_ids, val_ids = ids(train_files), ids(val_files)
     info = {
         "vocab_size": len(vocab),
         "vocabulary": "from " + (str(d.vocab_file) if d.vocab_file else f"training counts (min_count {d.min_count}, max_vocab {d.max_vocab})"),
         "val_oov_rate": float((val_ids.ids == UNK).mean()),
     }
-    return LMData(train_ids, val_ids, to_ids(test, index) if test is not None else None, info, cfg.schedule.batch_size, cfg.model.bptt, cfg.seed, device)
+    return LMData(train_ids, val_ids, ids(test_files) if test_files is not None else None, info, cfg.schedule.batch_size, cfg.model.bptt, cfg.seed, device)
 
 
 # --- a Markov source with a known entropy rate
@@ -212,8 +249,8 @@ def stationary(p: torch.Tensor) -> torch.Tensor:
 def synthetic_lm(cfg: DictConfig, device: torch.device) -> LMData:
     d = cfg.data
     source = MarkovSource(d.vocab_size, d.sentence_end_prob, cfg.seed)
-    train = Sentences([source.sentence() for _ in range(d.train_samples)])
-    val = Sentences([source.sentence() for _ in range(d.val_samples)])
+    train = Sentences.of([source.sentence() for _ in range(d.train_samples)])
+    val = Sentences.of([source.sentence() for _ in range(d.val_samples)])
     info = {
         "vocab_size": d.vocab_size + 2,
         "vocabulary": "synthetic Markov source",

@@ -61,6 +61,12 @@ class BigLSTM(nn.Module):
             bound = 1.0 / math.sqrt(m.proj_size)
             self.embedding.weight.uniform_(-bound, bound)
             self.softmax_w.uniform_(-bound, bound)
+            # TF's LSTMCell (f-lm's): no bias but a forget-gate bias of 1 (torch's gate order: i, f, g, o)
+            for name, p in self.lstm.named_parameters():
+                if name.startswith("bias_"):
+                    p.zero_()
+                    if name.startswith("bias_ih"):
+                        p[m.hidden_size : 2 * m.hidden_size] = 1.0
         # The training state carried between batches (one row per stream of the batch).
         self.register_buffer("carry_h", torch.zeros(m.layers, batch_size, m.proj_size))
         self.register_buffer("carry_c", torch.zeros(m.layers, batch_size, m.hidden_size))

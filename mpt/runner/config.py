@@ -266,7 +266,7 @@ def validate(cfg: DictConfig) -> None:
         _positive(cfg, key, allow_none=True)
     if len(cfg.optim.betas) != 2 or not all(0 <= b < 1 for b in cfg.optim.betas):
         raise ConfigError(f"optim.betas={list(cfg.optim.betas)}: expected two numbers in [0, 1)")
-    for key in ["optim.momentum", "optim.weight_decay", "schedule.throughput_warmup", "schedule.lr_warmup_steps"]:
+    for key in ["optim.momentum", "optim.weight_decay", "optim.initial_accumulator", "schedule.throughput_warmup", "schedule.lr_warmup_steps"]:
         if OmegaConf.select(cfg, key) < 0:
             raise ConfigError(f"{key}={OmegaConf.select(cfg, key)}: must be zero or positive")
     if (cfg.schedule.steps is None) == (cfg.schedule.epochs is None):
@@ -395,7 +395,8 @@ def _validate_language_model(cfg: DictConfig) -> None:
         if d.root is None:
             raise ConfigError("data.root is not set: data=text_corpus needs the folder its file patterns are under")
         _positive(cfg, "data.min_count")
-        _positive(cfg, "data.max_vocab", allow_none=True)
+        if d.max_vocab is not None and d.max_vocab < 3:
+            raise ConfigError(f"data.max_vocab={d.max_vocab}: needs at least 3 (</s>, <unk> and a word)")
 
 
 def static_scale_value(cfg: DictConfig) -> float:

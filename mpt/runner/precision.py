@@ -206,7 +206,8 @@ class PrecisionEngine:
             self._zero_grad()
             return False
         clipped = [id(p) in self.clip_ids for p in self.update.params if p.grad is not None]  # aligned with grads
-        coef = self._clip_coef([g for g, c in zip(grads, clipped) if c], scale if self.update.carries_scale else 1.0) if self.clip else None
+        to_clip = [g for g, c in zip(grads, clipped) if c]
+        coef = self._clip_coef(to_clip, scale if self.update.carries_scale else 1.0) if self.clip and to_clip else None
         self.update.apply(grads, scale, coef, clipped)
         self.scheduler.step()  # a skipped step does not advance the schedule
         self._zero_grad()
