@@ -74,8 +74,8 @@ class Run:
         torch.backends.cudnn.benchmark = cfg.cudnn_benchmark and not cfg.deterministic
         self.fp32_math = set_fp32_math(cfg.precision.tf32)
 
-        resuming = cfg.resume and not cfg.force and cfg.checkpoint and (run_dir / checkpoint.FILENAME).is_file()
-        self.data = build_data(cfg, self.device, workdir=run_dir, resuming=resuming)
+        may_resume = cfg.resume and not cfg.force and cfg.checkpoint
+        self.data = build_data(cfg, self.device, workdir=run_dir, resuming=may_resume and (run_dir / checkpoint.FILENAME).is_file())
         self.task = build_task(cfg, self.data.info)
         s = cfg.schedule
         per_epoch = self.data.steps_per_epoch
@@ -97,7 +97,7 @@ class Run:
         self.pending: list[dict[str, Any]] = []  # per-step rows whose tensors are not yet on the host
         self.checkpoint_every = s.checkpoint_every
         self.record = self._initial_record()
-        saved = checkpoint.load(run_dir) if cfg.resume and not cfg.force and cfg.checkpoint else None
+        saved = checkpoint.load(run_dir) if may_resume else None
         if saved is not None and not same_computation(saved["config"], self.record["config"]):
             print(f"mpt-run: {run_dir} holds a checkpoint of a different config; starting over", flush=True)
             saved = None
