@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from mpt.datasets import build_data
 from mpt.datasets.text_corpus import EOS, UNK, MarkovSource, Sentences, rows_of

@@ -16,7 +16,7 @@ are never targets and are barred from decoding. The loss is label-smoothed cross
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, ContextManager, Iterable, Iterator, Optional
+from typing import Callable, ContextManager, Iterable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
