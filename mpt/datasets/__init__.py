@@ -3,6 +3,7 @@
 `build_data` returns a DataSource: `epoch(e, start)` iterates one pass of training batches from
 batch `start`, `val()` the validation batches, `steps_per_epoch` and `info` (num_classes, ...) size
 the run and the model, and `state_dict()` holds the position a resumed run continues from.
+A source given a test split also offers `test()`, which the loop scores once, at the end.
 """
 
 from __future__ import annotations

@@ -45,23 +45,16 @@ class EpochBatches(Sampler):
             yield [(self.epoch, i) for i in perm[b * self.batch_size : (b + 1) * self.batch_size]]
 
 
-class LoaderData:
-    """A DataSource over two DataLoaders: `train_loader` batched by `batches` (EpochBatches drawing
-    from `order`) and `val_loader`; `to_device` moves one loaded batch to the run's device."""
+class EpochOrder:
+    """The resume state of a source whose epochs are shuffled by the generator `order`: its state
+    when the current epoch began (`begin_epoch` records it), from which `epoch(e, start)` redraws
+    the same order and skips to the resumed batch."""
 
-    train_loader: DataLoader
-    val_loader: DataLoader
-    batches: EpochBatches
     order: torch.Generator
 
-    def to_device(self, batch: Any) -> Any:
-        raise NotImplementedError
-
-    def epoch(self, epoch: int, start: int = 0) -> Iterator[Any]:
-        """One pass in a fresh random order, from batch `start` (a resumed run's position)."""
+    def begin_epoch(self) -> torch.Generator:
         self.epoch_start_state = self.order.get_state()
-        self.batches.set_epoch(epoch, start)
-        return map(self.to_device, self.train_loader)
+        return self.order
 
     def state_dict(self) -> dict:
         """The order generator as it was when the current epoch began."""
@@ -69,6 +62,24 @@ class LoaderData:
 
     def load_state_dict(self, state: dict) -> None:
         self.order.set_state(state["order"])
+
+
+class LoaderData(EpochOrder):
+    """A DataSource over two DataLoaders: `train_loader` batched by `batches` (EpochBatches drawing
+    from `order`) and `val_loader`; `to_device` moves one loaded batch to the run's device."""
+
+    train_loader: DataLoader
+    val_loader: DataLoader
+    batches: EpochBatches
+
+    def to_device(self, batch: Any) -> Any:
+        raise NotImplementedError
+
+    def epoch(self, epoch: int, start: int = 0) -> Iterator[Any]:
+        """One pass in a fresh random order, from batch `start` (a resumed run's position)."""
+        self.begin_epoch()
+        self.batches.set_epoch(epoch, start)
+        return map(self.to_device, self.train_loader)
 
     def val(self) -> Iterable[Any]:
         return map(self.to_device, self.val_loader)

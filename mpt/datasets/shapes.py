@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 from torchvision.ops import box_iou
 
 from ..runner.config import ConfigError
+from .sampling import EpochOrder
 
 SHAPES = ("rectangle", "ellipse", "triangle")
 
@@ -58,7 +59,7 @@ def make_image(size: int, colors: torch.Tensor, max_objects: int, noise: float, 
     return (image * 255).round().to(torch.uint8), torch.stack(boxes), torch.tensor(labels, dtype=torch.int64)
 
 
-class SyntheticShapes:
+class SyntheticShapes(EpochOrder):
     def __init__(self, data: DictConfig, schedule: DictConfig, seed: int, device: torch.device):
         self.batch_size = schedule.batch_size
         if data.train_samples < self.batch_size:
@@ -95,17 +96,9 @@ class SyntheticShapes:
 
     def epoch(self, epoch: int, start: int = 0) -> Iterator[tuple[torch.Tensor, list[dict]]]:
         """One pass in a fresh random order, from batch `start` (a resumed run's position)."""
-        self.epoch_start_state = self.order.get_state()
-        perm = torch.randperm(len(self.train_targets), generator=self.order).tolist()
+        perm = torch.randperm(len(self.train_targets), generator=self.begin_epoch()).tolist()
         for i in range(start, self.steps_per_epoch):
             yield self._batch(self.train_images, self.train_targets, perm[i * self.batch_size : (i + 1) * self.batch_size])
-
-    def state_dict(self) -> dict:
-        """The order generator as it was when the current epoch began."""
-        return {"order": self.epoch_start_state}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.order.set_state(state["order"])
 
     def val(self) -> Iterator[tuple[torch.Tensor, list[dict]]]:
         n = len(self.val_targets)

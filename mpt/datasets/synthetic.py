@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 
 from ..runner.config import ConfigError
+from .sampling import EpochOrder
 
 
 def make_images(n: int, num_classes: int, size: int, noise: float, generator: torch.Generator, templates: torch.Tensor):
@@ -23,7 +24,7 @@ def make_images(n: int, num_classes: int, size: int, noise: float, generator: to
     return images, labels
 
 
-class SyntheticImages:
+class SyntheticImages(EpochOrder):
     def __init__(self, data: DictConfig, schedule: DictConfig, seed: int, device: torch.device):
         self.batch_size = schedule.batch_size
         if data.train_samples < self.batch_size:
@@ -42,18 +43,10 @@ class SyntheticImages:
 
     def epoch(self, epoch: int, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """One pass in a fresh random order, from batch `start` (a resumed run's position)."""
-        self.epoch_start_state = self.order.get_state()
-        perm = torch.randperm(self.train_labels.shape[0], generator=self.order).to(self.train_labels.device)
+        perm = torch.randperm(self.train_labels.shape[0], generator=self.begin_epoch()).to(self.train_labels.device)
         for i in range(start, self.steps_per_epoch):
             idx = perm[i * self.batch_size : (i + 1) * self.batch_size]
             yield self.train_images[idx], self.train_labels[idx]
-
-    def state_dict(self) -> dict:
-        """The order generator as it was when the current epoch began."""
-        return {"order": self.epoch_start_state}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.order.set_state(state["order"])
 
     def val(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for i in range(0, self.val_labels.shape[0], self.batch_size):

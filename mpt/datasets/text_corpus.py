@@ -21,6 +21,7 @@ from omegaconf import DictConfig
 
 from ..runner.config import ConfigError
 from .parallel_text import read_lines
+from .sampling import EpochOrder
 
 EOS_TOKEN, UNK_TOKEN = "</s>", "<unk>"
 EOS, UNK = 0, 1
@@ -71,7 +72,7 @@ def rows_of(stream: np.ndarray, batch_size: int) -> np.ndarray:
     return stream[: width * batch_size].reshape(batch_size, width)
 
 
-class LMData:
+class LMData(EpochOrder):
     """A DataSource of (inputs, targets) windows, each (batch_size, bptt), targets one token ahead."""
 
     def __init__(self, train: Sentences, val: Sentences, test: Optional[Sentences], info: dict, batch_size: int, bptt: int, seed: int, device: torch.device):
@@ -97,19 +98,11 @@ class LMData:
 
     def epoch(self, epoch: int, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """One pass over the training sentences in a fresh order, from window `start` (a resumed run's position)."""
-        self.epoch_start_state = self.order.get_state()
-        order = torch.randperm(len(self.train), generator=self.order).numpy()
+        order = torch.randperm(len(self.train), generator=self.begin_epoch()).numpy()
         rows = rows_of(self.train.stream(order), self.batch_size)
         windows = self._windows(rows, start)
         for _ in range(start, self.steps_per_epoch):  # full windows only, so every step has batch_size x bptt targets
             yield next(windows)
-
-    def state_dict(self) -> dict:
-        """The order generator as it was when the current epoch began."""
-        return {"order": self.epoch_start_state}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.order.set_state(state["order"])
 
     def val(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         return self._windows(rows_of(self.val_sentences.stream(), self.batch_size))

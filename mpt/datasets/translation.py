@@ -15,6 +15,7 @@ import torch
 from omegaconf import DictConfig
 
 from ..runner.config import ConfigError
+from .sampling import EpochOrder
 
 PAD, UNK, BOS, EOS = 0, 1, 2, 3
 FIRST_WORD = 4
@@ -61,7 +62,7 @@ def collate(pairs: Sequence[tuple[np.ndarray, np.ndarray]], multiple: int, devic
     )
 
 
-class TranslationData:
+class TranslationData(EpochOrder):
     """A DataSource over tokenized pairs. Training batches come from length buckets (NVIDIA's GNMT
     BucketingSampler: a pair's bucket is its longer side's length over max_len / num_buckets), so
     a batch holds pairs of similar length and little padding; each epoch shuffles within the buckets,
@@ -115,20 +116,20 @@ class TranslationData:
 
     def epoch(self, epoch: int, start: int = 0) -> Iterator[TranslationBatch]:
         """One pass in a fresh random order, from batch `start` (a resumed run's position)."""
-        self.epoch_start_state = self.order.get_state()
+        self.begin_epoch()
         batches = self._epoch_batches()
         for idx in batches[start:]:
             yield collate([self.train[i] for i in idx.tolist()], self.multiple, self.device)
 
     def state_dict(self) -> dict:
-        """The order generator as it was when the current epoch began, and the vocabulary's identity."""
-        return {"order": self.epoch_start_state, "tokenizer_sha256": self.info.get("tokenizer_sha256")}
+        """The epoch order's state, and the vocabulary's identity."""
+        return {**super().state_dict(), "tokenizer_sha256": self.info.get("tokenizer_sha256")}
 
     def load_state_dict(self, state: dict) -> None:
         saved, now = state.get("tokenizer_sha256"), self.info.get("tokenizer_sha256")
         if saved != now:  # the same ids would mean other subwords: the checkpoint's model cannot go on
             raise ConfigError(f"the checkpoint was trained with tokenizer sha256 {saved}, this run's is {now} (the text or data.tokenizer_model changed); resume=false starts over")
-        self.order.set_state(state["order"])
+        super().load_state_dict(state)
 
     def val(self) -> Iterator[TranslationBatch]:
         return self._in_length_order(self.val_pairs, self.val_refs)
