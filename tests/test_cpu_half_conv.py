@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mpt.runner.cpu_half_conv import HalfConv2d, emulate_half_convs
+from mpt.runner.cpu_half_conv import HalfConv2d, HalfConvTranspose2d, emulate_half_convs
 
 F16 = torch.float16
 
@@ -79,3 +79,25 @@ def test_matches_torchs_own_cpu_fp16_kernel_within_an_ulp():
     exact = F.conv2d(x.double(), conv.weight.double(), conv.bias.double(), padding=1)
     assert within_one_ulp(ours, exact)[0] and within_one_ulp(theirs, exact)[0]
     assert (ours.double() - theirs.double()).abs().max() <= 2 * (exact.abs().max() * 2**-10)
+
+
+def test_transposed_fp16_forward_and_gradients_are_the_float64_results_rounded_once():
+    torch.manual_seed(0)
+    deconv = nn.ConvTranspose2d(32, 16, 4, stride=2, padding=1, bias=True)  # a DCGAN generator layer
+    assert emulate_half_convs(deconv) == 1 and isinstance(deconv, HalfConvTranspose2d)
+    deconv.half()
+    x = torch.randn(2, 32, 6, 6).half().requires_grad_()
+    y = deconv(x)
+    assert y.dtype == F16 and y.shape == (2, 16, 12, 12)
+    w, b = deconv.weight, deconv.bias
+    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, w, b))
+    exact = F.conv_transpose2d(x64, w64, b64, stride=2, padding=1)
+    ok, equal = within_one_ulp(y, exact.detach())
+    assert ok and equal > 0.99
+    gy = torch.randn_like(y)
+    y.backward(gy)
+    exact.backward(gy.double())
+    for mine, oracle in [(x.grad, x64.grad), (w.grad, w64.grad), (b.grad, b64.grad)]:
+        assert mine.dtype == F16 and mine.shape == oracle.shape
+        ok, equal = within_one_ulp(mine, oracle)
+        assert ok and equal > 0.99
