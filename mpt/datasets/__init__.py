@@ -4,6 +4,8 @@
 batch `start`, `val()` the validation batches, `steps_per_epoch` and `info` (num_classes, ...) size
 the run and the model, and `state_dict()` holds the position a resumed run continues from.
 A source given a test split also offers `test()`, which the loop scores once, at the end.
+A batch is what the task consumes, e.g. (images, labels) for classification; for a GAN it is one
+tensor of real images in [-1, 1] (image_dir, or synthetic discs).
 """
 
 from __future__ import annotations
@@ -51,6 +53,10 @@ def build_data(cfg: DictConfig, device: torch.device, workdir: Optional[Path] = 
         from .shapes import SyntheticShapes
 
         return SyntheticShapes(cfg.data, cfg.schedule, seed=cfg.seed, device=device)
+    if cfg.data.name == "synthetic" and cfg.model.task == "gan":
+        from .discs import SyntheticDiscs
+
+        return SyntheticDiscs(cfg.data, cfg.schedule, seed=cfg.seed, device=device)
     if cfg.data.name == "synthetic":
         from .synthetic import SyntheticImages
 
@@ -63,5 +69,9 @@ def build_data(cfg: DictConfig, device: torch.device, workdir: Optional[Path] = 
         from .voc import VOCData
 
         return VOCData(cfg.data, cfg.schedule, seed=cfg.seed, device=device)
-    raise ValueError(f"data.name={cfg.data.name}: expected synthetic, imagefolder, voc, parallel_text or text_corpus")
+    if cfg.data.name == "image_dir":
+        from .image_dir import ImageDirData
+
+        return ImageDirData(cfg.data, cfg.schedule, seed=cfg.seed, device=device)
+    raise ValueError(f"data.name={cfg.data.name}: expected synthetic, imagefolder, voc, image_dir, parallel_text or text_corpus")
 
