@@ -10,10 +10,10 @@ from mpt.runner.config import ConfigError, validate
 from .conftest import ROOT, compose_cfg, run_cli
 
 GROUPS = {
-    "model": ["alexnet", "resnet50", "vgg16", "googlenet", "inception_v3", "ssd", "gnmt", "gnmt_small", "gnmt_nmt_one", "gnmt8", "biglstm", "biglstm_small", "biglstm_tiny"],
+    "model": ["alexnet", "resnet50", "vgg16", "googlenet", "inception_v3", "ssd", "gnmt", "gnmt_small", "gnmt_nmt_one", "gnmt8", "biglstm", "biglstm_small", "biglstm_tiny", "dcgan", "dcgan64"],
     "precision": ["fp32", "fp16", "mixed", "fp16_modmom", "amp", "bf16", "tf32"],
     "scale": ["none", "static", "dynamic"],
-    "data": ["synthetic", "imagefolder", "voc", "parallel_text", "text_corpus"],
+    "data": ["synthetic", "imagefolder", "voc", "parallel_text", "text_corpus", "image_dir"],
     "schedule": ["smoke", "short", "paper", "bench"],
 }
 
@@ -28,7 +28,7 @@ def test_defaults_compose_to_the_main_job():
 
 @pytest.mark.parametrize("group,option", [(g, o) for g, opts in GROUPS.items() for o in opts])
 def test_every_option_composes_and_validates(group, option):
-    extra = {"imagefolder": ["data.root=/somewhere"], "voc": ["data.root=/somewhere", "model=ssd"], "parallel_text": ["data.root=/somewhere", "model=gnmt"], "text_corpus": ["data.root=/somewhere", "model=biglstm"]}.get(option, [])
+    extra = {"imagefolder": ["data.root=/somewhere"], "voc": ["data.root=/somewhere", "model=ssd"], "parallel_text": ["data.root=/somewhere", "model=gnmt"], "text_corpus": ["data.root=/somewhere", "model=biglstm"], "image_dir": ["data.root=/somewhere", "model=dcgan"]}.get(option, [])
     cfg = compose_cfg(f"{group}={option}", *extra)
     validate(cfg)
     assert cfg[group].name == option
@@ -75,7 +75,7 @@ def test_out_of_range_values_are_rejected_naming_the_key(overrides, named):
 @pytest.mark.parametrize(
     "args,line",
     [
-        (["model=lenet"], "model=lenet: no such option; choose one of alexnet, biglstm, biglstm_small, biglstm_tiny, gnmt, gnmt8, gnmt_nmt_one, gnmt_small, googlenet, inception_v3, resnet50, ssd, vgg16"),
+        (["model=lenet"], "model=lenet: no such option; choose one of alexnet, biglstm, biglstm_small, biglstm_tiny, dcgan, dcgan64, gnmt, gnmt8, gnmt_nmt_one, gnmt_small, googlenet, inception_v3, resnet50, ssd, vgg16"),
         (["precision=fp8"], "precision=fp8: no such option; choose one of amp, bf16, fp16, fp16_modmom, fp32, mixed, tf32"),
         (["scale=auto"], "scale=auto: no such option; choose one of dynamic, none, static"),
         (["schedule.batch_size=abc"], "schedule.batch_size=abc: Value 'abc' of type 'str' could not be converted to Integer"),

@@ -22,10 +22,15 @@ weights, loss scaler). How the paper's other models fit this seam:
 - Language models (`biglstm`): windows of continuous text streams, the LSTM state carried between
   batches in the network's buffers; a sampled-softmax LossTerm; samples are words; evaluation
   computes perplexity with the full softmax.
-- GAN (DCGAN): `networks()` returns {"discriminator": D, "generator": G}; `train_losses` yields
+- GAN (`dcgan`): `networks()` returns {"discriminator": D, "generator": G}; `train_losses` yields
   the discriminator's LossTerm first and the generator's second. Because it is a generator, D's
   update is applied before G's loss is computed, as DCGAN trains, and each network has its own
-  engine, so an overflow in D's backward skips only D's update.
+  engine, so an overflow in D's backward skips only D's update. Samples are real images; the
+  metric is FID (with local Inception weights).
+
+Two optional members: `save_samples(path, forward_context)`, pictures a task writes at each
+evaluation (DCGAN's fixed-noise grid; the record lists them), and `evaluation_info`, a dict the
+record keeps under "evaluation" (how the metric was computed, or why it was not).
 """
 
 from __future__ import annotations
@@ -76,4 +81,8 @@ def build_task(cfg: DictConfig, data_info: dict) -> Task:
         from .biglstm import LanguageModel
 
         return LanguageModel(cfg.model, data_info, batch_size=cfg.schedule.batch_size)
+    if cfg.model.task == "gan":
+        from .dcgan import GAN
+
+        return GAN(cfg.model, seed=cfg.seed, batch_size=cfg.schedule.batch_size)
     raise ValueError(f"model.task={cfg.model.task}: no such task")

@@ -1,5 +1,5 @@
 """The paper's figures from the records: training loss per mode (Figures 4 and 5), loss scale per
-step, and throughput bars with speedups. PNG through matplotlib's Agg backend: no display needed."""
+step, throughput bars with speedups, and a generative model's final samples side by side (Figure 6). PNG through matplotlib's Agg backend: no display needed."""
 
 from __future__ import annotations
 
@@ -104,4 +104,26 @@ def throughput_bars(table: pd.DataFrame, out: Path) -> list[Path]:
         ax.legend(fontsize=8)
         ax.grid(axis="y", alpha=0.3)
         written.append(_save(fig, out / f"throughput_{zlib.crc32(repr(keys).encode()):08x}.png"))
+    return written
+
+
+def sample_grids(runs: pd.DataFrame, out: Path) -> list[Path]:
+    """The final sample grid of each mode side by side, one figure per model (the paper's Figure 6:
+    FP32 and mixed-precision faces). With several seeds, the lowest seed's grid stands for the mode."""
+    written = []
+    if "final_sample_grid" not in runs or runs["final_sample_grid"].isna().all():
+        return written
+    shown = runs[runs["final_sample_grid"].notna()].fillna({"variant": ""})
+    for keys, df in shown.groupby(CELL_KEYS):
+        stem, title = _cell_name(keys)
+        modes = _modes_in_order(df)
+        fig, axes = plt.subplots(1, len(modes), figsize=(4 * len(modes), 4.6), squeeze=False)
+        for ax, mode in zip(axes[0], modes):
+            run = df[df["mode"] == mode].sort_values("seed").iloc[0]
+            ax.imshow(plt.imread(run["final_sample_grid"]))
+            status = "" if run["status"] == "ok" else f", {run['status']}"
+            ax.set_title(f"{mode}\nstep {run['final_sample_grid_step']:g}{status}", fontsize=9)
+            ax.axis("off")
+        fig.suptitle(f"final samples (fixed noise): {title}", fontsize=10)
+        written.append(_save(fig, out / f"samples_{stem}.png"))
     return written

@@ -68,6 +68,7 @@ def record_row(rec: dict, path: Path) -> dict:
     # A run that failed while being set up has only a minimal record: name its mode from its choices.
     precision = rec.get("precision") or {}
     label = precision.get("label") or precision.get("name") or choices["precision"]
+    grids = rec.get("sample_grids") or []
     row = {
         "run_dir": str(path.parent),
         "status": rec["status"],
@@ -104,6 +105,8 @@ def record_row(rec: dict, path: Path) -> dict:
         "git_commit": git.get("commit"),
         "git_dirty": git.get("dirty"),
         "started_at": rec.get("started_at"),
+        "final_sample_grid": str(path.parent / grids[-1]["path"]) if grids else None,
+        "final_sample_grid_step": grids[-1]["step"] if grids else None,
     }
     for key, value in metrics.items():
         if key != "step":

@@ -45,6 +45,7 @@ class PaperRecipe:
     lr: float = 0.1  # at a batch of lr_batch samples; scaled linearly with the batch size
     lr_batch: Optional[int] = 256  # null: lr is used as given at any batch size (Adam recipes)
     momentum: float = 0.9
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # adam
     weight_decay: float = 1e-4
     epochs: Optional[float] = 90  # the length in epochs, or
     steps: Optional[int] = None  # in iterations (SSD's recipe is counted in iterations)
@@ -59,7 +60,7 @@ class PaperRecipe:
 @dataclass
 class ModelConfig:
     name: str = MISSING
-    task: str = "classification"  # classification | detection | translation
+    task: str = "classification"  # classification | detection | translation | language_model | gan
     arch: str = MISSING  # torchvision builder name, or the architecture's own name
     input_size: Optional[int] = 224  # the paper's resolution (schedule=paper and bench); null: the model takes no images
     small_input_size: Optional[int] = 32  # smallest size the architecture accepts (schedule=short and smoke)
@@ -100,6 +101,21 @@ class LanguageModelConfig(ModelConfig):
     dropout: float = 0.1
     num_sampled: int = 8192  # negatives per step, log-uniform over frequency-ranked ids
     bptt: int = 20  # time steps per batch; the state carries over from one batch to the next
+
+
+@dataclass
+class GANModelConfig(ModelConfig):
+    """DCGAN (models/dcgan.py): a generator and a discriminator. Defaults: the paper's 128x128 network."""
+
+    nz: int = 100  # latent size
+    ngf: int = 64  # generator width: its layers have ngf times 16, 8, 4, 2, 1 (and 1) channels
+    ndf: int = 64  # discriminator width: ndf times 1, 2, 4, 8, 16 (and 16) channels
+    d_fc_size: int = 1024  # dcgan128: the discriminator's hidden fully connected layer
+    leaky_slope: float = 0.2
+    init_std: float = 0.02  # Radford et al.: every weight from N(0, 0.02), batch-norm scales from N(1, 0.02)
+    sample_grid: int = 64  # fixed-noise samples in each evaluation's grid (a square number looks best)
+    fid_weights: Optional[str] = None  # a local Inception weights file; null: FID is not computed (nothing is downloaded)
+    fid_samples: int = 10000  # generated images per FID (against at most this many real ones)
 
 
 @dataclass
@@ -169,6 +185,9 @@ class DataConfig:
     max_vocab: Optional[int] = None  # text_corpus: keep at most this many ids (the most frequent)
     vocab_file: Optional[str] = None  # text_corpus: one token per line, most frequent first (instead of counting)
     sentence_end_prob: float = 0.1  # synthetic: the chance a sentence ends after each word
+    # image_dir (GANs): every image under root, any depth; a center crop of `crop` pixels (null: the
+    # shorter side) resized to the model's size
+    crop: Optional[int] = None
 
 
 @dataclass
@@ -230,6 +249,7 @@ def register_configs() -> None:
         ("model", ModelConfig),
         ("model_translation", TranslationModelConfig),
         ("model_language", LanguageModelConfig),
+        ("model_gan", GANModelConfig),
         ("precision", PrecisionConfig),
         ("scale", ScaleConfig),
         ("data", DataConfig),
@@ -241,11 +261,11 @@ def register_configs() -> None:
 
 GROUPS = ("model", "precision", "scale", "data", "schedule")  # the config groups that make a run's choices
 SCALE_NAMES = ("none", "static", "dynamic")
-TASKS = ("classification", "detection", "translation", "language_model")
-IMAGE_TASKS = ("classification", "detection")
+TASKS = ("classification", "detection", "translation", "language_model", "gan")
+IMAGE_TASKS = ("classification", "detection", "gan")
 DETECTION_INPUT_SIZE = 300  # SSD300
 INPUT_CONVENTIONS = ("unit_variance", "caffe")
-DATA_TASKS = {"synthetic": TASKS, "imagefolder": ("classification",), "voc": ("detection",), "parallel_text": ("translation",), "text_corpus": ("language_model",)}  # the batches each source can make
+DATA_TASKS = {"synthetic": TASKS, "imagefolder": ("classification",), "voc": ("detection",), "parallel_text": ("translation",), "text_corpus": ("language_model",), "image_dir": ("gan",)}  # the batches each source can make
 OPTIMIZERS = ("sgd", "adam", "adagrad")
 LOSS_REDUCTIONS = ("mean", "sum")
 
@@ -282,6 +302,8 @@ def validate(cfg: DictConfig) -> None:
     if cfg.model.task not in DATA_TASKS[cfg.data.name]:
         fits = [d for d, tasks in DATA_TASKS.items() if cfg.model.task in tasks]
         raise ConfigError(f"data={cfg.data.name} has no {cfg.model.task} data for model={cfg.model.name}; use data={' or data='.join(fits)}")
+    if cfg.model.task == "gan":  # first: its one size says more than "at least"
+        _validate_gan(cfg)
     if cfg.model.task in IMAGE_TASKS:
         _positive(cfg, "schedule.image_size")
         if cfg.schedule.image_size < cfg.model.small_input_size:
@@ -397,6 +419,29 @@ def _validate_language_model(cfg: DictConfig) -> None:
         _positive(cfg, "data.min_count")
         if d.max_vocab is not None and d.max_vocab < 3:
             raise ConfigError(f"data.max_vocab={d.max_vocab}: needs at least 3 (</s>, <unk> and a word)")
+
+
+GAN_ARCHS = ("dcgan128", "dcgan64")
+
+
+def _validate_gan(cfg: DictConfig) -> None:
+    m, d = cfg.model, cfg.data
+    if m.arch not in GAN_ARCHS:
+        raise ConfigError(f"model.arch={m.arch}: expected one of {', '.join(GAN_ARCHS)}")
+    if cfg.schedule.image_size != m.input_size:
+        # Its strides are laid out for one size: 4x4 doubled to the output.
+        raise ConfigError(f"schedule.image_size={cfg.schedule.image_size}: {m.name} ({m.arch}) makes {m.input_size}x{m.input_size} images only")
+    for key in ["model.nz", "model.ngf", "model.ndf", "model.d_fc_size", "model.init_std", "model.sample_grid", "model.fid_samples"]:
+        _positive(cfg, key)
+    if m.leaky_slope < 0:
+        raise ConfigError(f"model.leaky_slope={m.leaky_slope}: must be zero or positive")
+    if d.name == "image_dir":
+        if d.root is None:
+            raise ConfigError("data.root is not set: data=image_dir needs the folder of images (e.g. CelebA's img_align_celeba)")
+        _positive(cfg, "data.crop", allow_none=True)
+    if d.name == "synthetic":
+        for key in ["data.train_samples", "data.val_samples"]:
+            _positive(cfg, key)
 
 
 def static_scale_value(cfg: DictConfig) -> float:

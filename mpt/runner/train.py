@@ -117,6 +117,7 @@ class Run:
             "last_loss": self.last_loss,
             "last_finite_loss": self.last_finite_loss,
             "metrics": self.record["metrics"],
+            "sample_grids": self.record.get("sample_grids"),
             "data": self.data.state_dict(),
             "engines": {name: {"model": e.model.state_dict(), **e.state_dict()} for name, e in self.engines.items()},
             "rng": checkpoint.rng_state(),
@@ -135,6 +136,8 @@ class Run:
         self.epoch, self.batch_in_epoch = saved["epoch"], saved["batch_in_epoch"]
         self.last_loss, self.last_finite_loss = saved["last_loss"], saved["last_finite_loss"]
         self.record["metrics"] = saved["metrics"]
+        if "sample_grids" in self.record:
+            self.record["sample_grids"] = saved["sample_grids"]
         self.record["resumed_from_step"] = saved["step"]
         self.record["started_at"], self.record["resumed_at"] = saved["started_at"], now_iso()
         if saved["git"] != self.record["git"]:
@@ -152,6 +155,8 @@ class Run:
     def _initial_record(self) -> dict:
         cfg = self.cfg
         plain = as_plain(cfg)
+        # Pictures a task draws at each evaluation (DCGAN's fixed-noise grid): their paths, by step.
+        task_fields = {"sample_grids": []} if hasattr(self.task, "save_samples") else {}
         return {
             "schema": 1,
             "status": "running",
@@ -186,6 +191,8 @@ class Run:
             "primary_metric": self.task.primary_metric,
             "higher_is_better": self.task.higher_is_better,
             "metrics": {},
+            "evaluation": getattr(self.task, "evaluation_info", None),  # how the metric is computed, or why it is not
+            **task_fields,
             "final_train_loss": None,
             "last_finite_train_loss": None,
             "throughput": None,
@@ -319,4 +326,8 @@ class Run:
             metrics.update({f"test_{k.removeprefix('val_')}": v for k, v in self.task.evaluate(test, self.forward_context).items()})
         self.record["metrics"] = {**metrics, "step": step}
         self.metrics.write([{"kind": "eval", "step": step, **metrics}])
+        if "sample_grids" in self.record:
+            path = self.task.save_samples(self.run_dir / "samples" / f"step_{step:06d}.png", self.forward_context)
+            self.record["sample_grids"] = [*(g for g in self.record["sample_grids"] if g["step"] != step),
+                                           {"step": step, "path": path.relative_to(self.run_dir).as_posix()}]
         log.info("step %d/%d eval %s", step, self.total_steps, {k: round(v, 4) for k, v in metrics.items()})

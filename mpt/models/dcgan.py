@@ -1,0 +1,227 @@
+"""DCGAN: a generator and a discriminator, two optimizers, one precision engine each.
+
+Two architectures (`model.arch`):
+- `dcgan128`, the paper's 128x128 face generator. The paper gives its layer counts: a generator of
+  7 fractionally-strided convolutions with batch-norm and leaky ReLU, the last with tanh; a
+  discriminator of 6 convolutions and 2 fully connected layers. It gives no widths, kernels or
+  strides; those here follow Radford et al.'s rules: 4x4 kernels of stride 2 doubling (halving) the
+  size, widths halving toward the image, no batch-norm on the discriminator's input layer or either
+  network's output layer. The generator projects z to 4x4, doubles five times to 128x128, and its
+  seventh layer is a stride-1 3x3 transposed convolution to RGB. The discriminator halves 128 to
+  2x2 in six convolutions, then a hidden fully connected layer (batch-norm, leaky ReLU) and the logit.
+- `dcgan64`, Radford et al.'s 64x64 network (the PyTorch example's): ReLU in the generator, leaky
+  ReLU in the discriminator, whose last layer is a 4x4 convolution to the logit.
+
+Training is DCGAN's alternation per batch: the discriminator's loss on real images and on detached
+generated ones, its update, then the generator's non-saturating loss through the updated
+discriminator. BCEWithLogitsLoss keeps the sigmoid inside the loss, where autocast runs it in FP32.
+
+Loss scaling is per network, one scaler per loss (each network's engine owns its own), as apex's
+DCGAN example does with a scaler per loss. The two losses differ in size and overflow on their own:
+with a shared scale, an overflow in the discriminator's backward would halve the generator's scale
+too. Apart, an overflow skips only the network whose gradients overflowed; the generator's update
+never sees the discriminator's gradients at all (the discriminator is frozen while the generator's
+loss is formed, so that backward writes no discriminator gradients).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Callable, ContextManager, Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig
+from torch import nn
+
+from . import LossTerm
+from .fid import GaussianStats, frechet_distance, load_inception
+
+FIXED_NOISE_SEED = 7_000  # plus the run's seed: every mode of a sweep draws the same grid
+FID_NOISE_SEED = 8_000
+
+
+def _act(leaky_slope: float | None) -> nn.Module:
+    return nn.ReLU(inplace=True) if leaky_slope is None else nn.LeakyReLU(leaky_slope, inplace=True)
+
+
+def _up(cin: int, cout: int, slope: float | None, first: bool = False) -> list[nn.Module]:
+    """A fractionally-strided convolution doubling the size (or 1x1 to 4x4 first), batch-norm, activation."""
+    conv = nn.ConvTranspose2d(cin, cout, 4, 1, 0, bias=False) if first else nn.ConvTranspose2d(cin, cout, 4, 2, 1, bias=False)
+    return [conv, nn.BatchNorm2d(cout), _act(slope)]
+
+
+def _down(cin: int, cout: int, slope: float, norm: bool = True) -> list[nn.Module]:
+    """A stride-2 convolution halving the size, batch-norm (not on the input layer), leaky ReLU."""
+    return [nn.Conv2d(cin, cout, 4, 2, 1, bias=not norm), *([nn.BatchNorm2d(cout)] if norm else []), _act(slope)]
+
+
+class Generator(nn.Module):
+    """z (N, nz) -> images (N, 3, S, S) in [-1, 1]."""
+
+    def __init__(self, m: DictConfig):
+        super().__init__()
+        self.nz = m.nz
+        if m.arch == "dcgan128":
+            widths = [m.ngf * k for k in (16, 8, 4, 2, 1, 1)]  # 4, 8, 16, 32, 64, 128 pixels
+            slope = m.leaky_slope
+            head = [nn.ConvTranspose2d(widths[-1], 3, 3, 1, 1), nn.Tanh()]  # the seventh: stride 1 to RGB
+        else:  # dcgan64: 4, 8, 16, 32 pixels, then 64 in the output layer
+            widths = [m.ngf * k for k in (8, 4, 2, 1)]
+            slope = None
+            head = [nn.ConvTranspose2d(widths[-1], 3, 4, 2, 1), nn.Tanh()]
+        layers = _up(m.nz, widths[0], slope, first=True)
+        for cin, cout in zip(widths, widths[1:]):
+            layers += _up(cin, cout, slope)
+        self.net = nn.Sequential(*layers, *head)
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self.net(z[:, :, None, None])
+
+
+class Discriminator(nn.Module):
+    """images (N, 3, S, S) -> logits (N,)."""
+
+    def __init__(self, m: DictConfig):
+        super().__init__()
+        slope = m.leaky_slope
+        if m.arch == "dcgan128":
+            widths = [m.ndf * k for k in (1, 2, 4, 8, 16, 16)]  # 64, 32, 16, 8, 4, 2 pixels
+            head = [nn.Flatten(), nn.Linear(widths[-1] * 2 * 2, m.d_fc_size, bias=False), nn.BatchNorm1d(m.d_fc_size), _act(slope),
+                    nn.Linear(m.d_fc_size, 1)]
+        else:  # dcgan64: 32, 16, 8, 4 pixels, then a 4x4 convolution to the logit
+            widths = [m.ndf * k for k in (1, 2, 4, 8)]
+            head = [nn.Conv2d(widths[-1], 1, 4, 1, 0), nn.Flatten()]
+        layers = _down(3, widths[0], slope, norm=False)
+        for cin, cout in zip(widths, widths[1:]):
+            layers += _down(cin, cout, slope)
+        self.net = nn.Sequential(*layers, *head)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.net(images).flatten()
+
+
+def init_weights(module: nn.Module, std: float) -> None:
+    """Radford et al.: weights from N(0, std), batch-norm scales from N(1, std), biases zero."""
+    for m in module.modules():
+        if isinstance(m, (nn.Conv2d, nn.ConvTranspose2d, nn.Linear)):
+            nn.init.normal_(m.weight, 0.0, std)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.modules.batchnorm._BatchNorm):
+            nn.init.normal_(m.weight, 1.0, std)
+            nn.init.zeros_(m.bias)
+
+
+def _bce(logits: torch.Tensor, target: float) -> torch.Tensor:
+    return F.binary_cross_entropy_with_logits(logits.float(), torch.full_like(logits, target, dtype=torch.float32))
+
+
+class GAN:
+    sample_unit = "images"  # real images consumed
+    primary_metric = "fid"
+    higher_is_better = False
+
+    def __init__(self, model_cfg: DictConfig, seed: int, batch_size: int):
+        self.cfg = model_cfg
+        self.batch_size = batch_size
+        self.generator, self.discriminator = Generator(model_cfg), Discriminator(model_cfg)
+        init_weights(self.generator, model_cfg.init_std)
+        init_weights(self.discriminator, model_cfg.init_std)
+        self.fixed_noise = torch.randn(model_cfg.sample_grid, model_cfg.nz, generator=torch.Generator().manual_seed(FIXED_NOISE_SEED + seed))
+        self.fid_seed = FID_NOISE_SEED + seed
+        self.fid_extractor, self.real_stats = None, None
+        if model_cfg.fid_weights is None:
+            fid = {"computed": False, "reason": "model.fid_weights is not set: FID needs a local Inception weights file "
+                   "(pytorch-fid's pt_inception-2015-12-05-6726825d.pth); mpt downloads nothing"}
+        else:
+            self.fid_extractor, info = load_inception(os.path.expanduser(model_cfg.fid_weights), torch.device("cpu"))
+            fid = {"computed": True, **info, "generated_images": model_cfg.fid_samples}
+        self.evaluation_info = {"fid": fid}  # goes into the record
+
+    def networks(self) -> dict[str, nn.Module]:
+        return {"discriminator": self.discriminator, "generator": self.generator}
+
+    def train_losses(self, real: torch.Tensor) -> Iterator[LossTerm]:
+        G, D = self.generator, self.discriminator
+        fake = G(torch.randn(real.shape[0], self.cfg.nz, device=real.device))
+        d_real, d_fake = D(real), D(fake.detach())
+        loss_real, loss_fake = _bce(d_real, 1.0), _bce(d_fake, 0.0)
+        yield LossTerm("discriminator", loss_real + loss_fake, {
+            "loss_real": loss_real.detach(), "loss_fake": loss_fake.detach(),
+            "d_x": torch.sigmoid(d_real.detach().float()).mean(), "d_g_z": torch.sigmoid(d_fake.detach().float()).mean(),
+        })
+        # The loop has applied D's update (or skipped it); G's loss goes through the updated D.
+        D.requires_grad_(False)
+        try:
+            d_fake = D(fake)
+            yield LossTerm("generator", _bce(d_fake, 1.0), {"d_g_z": torch.sigmoid(d_fake.detach().float()).mean()})
+        finally:
+            D.requires_grad_(True)
+
+    def count_samples(self, real: torch.Tensor) -> int:
+        return int(real.shape[0])
+
+    @torch.no_grad()
+    def _generate(self, z: torch.Tensor, forward_context: Callable[[], ContextManager]) -> torch.Tensor:
+        with forward_context():
+            return self.generator(z).float().clamp_(-1, 1)
+
+    @torch.no_grad()
+    def evaluate(self, batches: Iterable[torch.Tensor], forward_context: Callable[[], ContextManager]) -> dict[str, float]:
+        """D(x) on the reference images, D(G(z)) on the fixed noise, and FID when there are weights.
+
+        Both networks run in eval mode: batch-norm uses its running statistics, and evaluation
+        leaves the training state (running statistics included) untouched."""
+        G, D = self.generator, self.discriminator
+        G.eval(), D.eval()
+        try:
+            device = next(G.parameters()).device
+            # The reference images never change: their FID statistics are gathered once per run.
+            real_stats = GaussianStats() if self.fid_extractor is not None and self.real_stats is None else None
+            d_x, seen = 0.0, 0
+            for real in batches:
+                with forward_context():
+                    d_x += float(torch.sigmoid(D(real).float()).sum())
+                seen += real.shape[0]
+                if real_stats is not None:
+                    real_stats.update(self.fid_extractor.to(device)(real))
+            if seen == 0:
+                raise ValueError("evaluation saw no images: the reference set is empty")
+            fake = self._generate(self.fixed_noise.to(device), forward_context)
+            with forward_context():
+                d_g_z = float(torch.sigmoid(D(fake).float()).mean())
+            metrics = {"val_d_x": d_x / seen, "val_d_g_z": d_g_z, "val_samples": seen}
+            if real_stats is not None:
+                self.real_stats = real_stats
+            if self.fid_extractor is not None:
+                metrics["fid"] = self._fid(device, forward_context)
+            return metrics
+        finally:
+            G.train(), D.train()
+
+    def _fid(self, device: torch.device, forward_context: Callable[[], ContextManager]) -> float:
+        fake_stats = GaussianStats()
+        g = torch.Generator().manual_seed(self.fid_seed)  # the same latents at every evaluation
+        for start in range(0, self.cfg.fid_samples, self.batch_size):
+            z = torch.randn(min(self.batch_size, self.cfg.fid_samples - start), self.cfg.nz, generator=g)
+            fake_stats.update(self.fid_extractor.to(device)(self._generate(z.to(device), forward_context)))
+        return frechet_distance(self.real_stats, fake_stats)
+
+    def save_samples(self, path: Path, forward_context: Callable[[], ContextManager]) -> Path:
+        """The fixed-noise grid as a PNG, written atomically (generator in eval mode)."""
+        from torchvision.utils import save_image
+
+        G = self.generator
+        G.eval()
+        try:
+            fake = self._generate(self.fixed_noise.to(next(G.parameters()).device), forward_context)
+        finally:
+            G.train()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.stem + ".tmp.png")
+        save_image(fake.cpu() * 0.5 + 0.5, tmp, nrow=max(1, math.isqrt(fake.shape[0])), padding=2)
+        os.replace(tmp, path)
+        return path
