@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hydra import compose, initialize_config_module
 from PIL import Image
 from torch import nn
 
@@ -56,6 +57,13 @@ def test_the_64px_preset_is_radfords_network():
 def test_the_recipe_is_adam_2e4_beta1_half_for_both_networks():
     cfg = compose_cfg("model=dcgan")
     assert (cfg.optim.name, cfg.optim.lr, cfg.optim.lr_batch, list(cfg.optim.betas), cfg.optim.weight_decay) == ("adam", 2e-4, None, [0.5, 0.999], 0.0)
+
+
+def test_the_paper_preset_sweeps_fp32_and_mixed_without_scaling_on_an_image_folder():
+    with initialize_config_module(config_module="mpt.configs", version_base="1.3"):
+        preset = compose(config_name="config", overrides=["experiment=paper_dcgan", "data.root=/celeba", "schedule=paper"], return_hydra_config=True)
+    assert (preset.model.name, preset.data.name, preset.schedule.image_size, preset.schedule.batch_size, preset.schedule.steps) == ("dcgan", "image_dir", 128, 128, 100_000)
+    assert dict(preset.hydra.sweeper.params) == {"precision": "fp32,mixed", "scale": "none"}
 
 
 @pytest.mark.parametrize("override,message", [
