@@ -1,5 +1,6 @@
 """The paper's figures from the records: training loss per mode (Figures 4 and 5), loss scale per
-step, throughput bars with speedups, and a generative model's final samples side by side (Figure 6). PNG through matplotlib's Agg backend: no display needed."""
+step, throughput bars with speedups, and a generative model's final samples side by side. PNG
+through matplotlib's Agg backend: no display needed."""
 
 from __future__ import annotations
 
@@ -108,7 +109,7 @@ def throughput_bars(table: pd.DataFrame, out: Path) -> list[Path]:
 
 
 def sample_grids(runs: pd.DataFrame, out: Path) -> list[Path]:
-    """The final sample grid of each mode side by side, one figure per model (the paper's Figure 6:
+    """The final sample grid of each mode side by side, one figure per model (as the paper shows its
     FP32 and mixed-precision faces). With several seeds, the lowest seed's grid stands for the mode."""
     written = []
     if "final_sample_grid" not in runs or runs["final_sample_grid"].isna().all():
