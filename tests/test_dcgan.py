@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 import tarfile
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 from hydra import compose, initialize_config_module
@@ -16,6 +18,7 @@ from torch import nn
 
 from mpt.models.dcgan import GAN, Discriminator, Generator
 from mpt.report.cli import build_report
+from mpt.report.figures import _lines
 from mpt.runner.config import ConfigError, validate
 from mpt.runner.train import Run
 
@@ -70,10 +73,11 @@ def test_the_paper_preset_sweeps_fp32_and_mixed_without_scaling_on_an_image_fold
     ("schedule.image_size=64", "schedule.image_size=64: dcgan (dcgan128) makes 128x128 images only"),
     ("model.arch=dcgan256", "model.arch=dcgan256: expected one of dcgan128, dcgan64"),
     ("precision=fp16", "use optim.name=sgd, or precision=mixed"),
+    ("model.fid_samples=1", "model.fid_samples=1: FID (model.fid_weights is set) needs at least 2 images"),
 ])  # fmt: skip
 def test_bad_gan_settings_are_one_line_errors(override, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        validate(compose_cfg("model=dcgan", "schedule=smoke", override))
+        validate(compose_cfg("model=dcgan", "schedule=smoke", "model.fid_weights=/w.pth", override))
 
 
 def build_run(tmp_path: Path, *overrides: str) -> Run:
@@ -117,17 +121,24 @@ def test_one_step_is_dcgans_update_with_torch_adam(tmp_path):
     assert all(p.grad is None for p in D.parameters())  # G's backward wrote no D gradients
 
 
-def test_an_overflow_in_the_discriminators_backward_skips_only_its_update(tmp_path):
-    """Mixed + static scaling: D's gradients overflow on the first step. D's update is skipped and
-    counted; G's update is exactly the one it gets when D's step changes nothing, and it is applied."""
+@pytest.mark.parametrize("mode", [
+    ["precision=mixed", "scale=static", "scale.value=128"],
+    ["precision=mixed", "scale=dynamic", "scale.init=128"],
+    ["precision=amp", "scale=dynamic", "scale.init=128"],
+    ["precision=fp16", "scale=dynamic", "scale.init=128", "optim.name=sgd", "optim.lr=0.01"],  # the FP16 update path
+])  # fmt: skip
+def test_an_overflow_in_the_discriminators_backward_skips_only_its_update(tmp_path, mode):
+    """D's gradients overflow on the first step. D's update is skipped and counted (a dynamic scale
+    halves for D alone); G's update is exactly the one it gets when D's step changes nothing, and
+    it is applied."""
 
     def first_step(run_dir: Path, poison: bool) -> tuple[Run, dict]:
-        run = build_run(run_dir, "precision=mixed", "scale=static", "scale.value=128")
+        run = build_run(run_dir, *mode)
         D = run.task.discriminator
         before = {"G": copy.deepcopy(run.task.generator.state_dict()), "D": copy.deepcopy(D.state_dict())}
         if poison:  # an inf in one D gradient, whenever a backward reaches D's weights
             list(D.parameters())[-1].register_hook(lambda g: torch.full_like(g, float("inf")))
-        else:  # D's loss times zero: Adam's first step with zero gradients changes no weight
+        else:  # D's loss times zero: a first Adam or momentum-SGD step with zero gradients changes no weight
             train_losses = run.task.train_losses
 
             def zero_d_loss(batch):
@@ -154,7 +165,8 @@ def test_an_overflow_in_the_discriminators_backward_skips_only_its_update(tmp_pa
         assert torch.equal(w, dict(control.task.generator.named_parameters())[name]), name
         changed += not torch.equal(w, before["G"][name])
     assert changed > 0  # G's update was applied, not skipped with D's
-    assert engines["generator"].scaler.scale == engines["discriminator"].scaler.scale == 128  # static: one scale each
+    assert engines["generator"].scaler.scale == 128  # G's scale is its own
+    assert engines["discriminator"].scaler.scale == (64 if "scale=dynamic" in mode else 128)
 
 
 def run_tiny(tmp_path: Path, *args: str) -> Path:
@@ -198,6 +210,19 @@ def test_every_precision_mode_trains_end_to_end_and_the_report_shows_their_grids
     with Image.open(grids[0]) as fig:
         assert fig.format == "PNG" and fig.size[0] > 4 * fig.size[1]  # the modes side by side
     assert "n/a" in (tmp_path / "report" / "tables" / "accuracy.md").read_text()  # no FID without weights
+
+    # A record copied without its pictures still makes a report.
+    shutil.rmtree(next(d for d in sweep.iterdir() if (d / "samples").is_dir()) / "samples")
+    assert len([p for p in build_report([sweep], tmp_path / "report2", None) if p.name.startswith("samples_")]) == 2
+
+
+def test_a_gans_loss_curves_are_drawn_per_network_never_averaged():
+    curves = pd.DataFrame({"mode": ["Mixed"] * 4, "precision_order": 3, "scale_order": 0, "step": [0, 0, 1, 1],
+                           "group": ["discriminator", "generator"] * 2, "loss": [1.5, 0.6, 1.4, 0.7]})
+    lines = {label: rows["loss"].tolist() for label, rows in _lines(curves)}
+    assert lines == {"Mixed [discriminator]": [1.5, 1.4], "Mixed [generator]": [0.6, 0.7]}
+    one = curves[curves["group"] == "generator"]
+    assert [label for label, _ in _lines(one)] == ["Mixed"]  # a one-network model keeps the mode as its label
 
 
 def test_the_papers_128px_network_trains_on_real_faces(tmp_path):

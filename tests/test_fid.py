@@ -257,7 +257,7 @@ def test_fid_kind_extracts_fp32_pool3_features_from_resized_unnormalized_input(f
     assert (leaked.float() - features[:1]).abs().max() > 1e-4
 
 
-def test_torchvision_kind_loads_with_imagenet_normalization(tmp_path: Path) -> None:
+def test_torchvision_kind_sees_what_torchvisions_own_pretrained_pipeline_feeds_it(tmp_path: Path) -> None:
     torch.manual_seed(10)
     net = torchvision.models.inception_v3(weights=None, aux_logits=True, init_weights=False)
     state = net.state_dict()
@@ -278,11 +278,18 @@ def test_torchvision_kind_loads_with_imagenet_normalization(tmp_path: Path) -> N
         for h in hooks:
             h.remove()
     assert features.shape == (1, 2048) and features.dtype == torch.float32 and torch.isfinite(features).all()
+    torch.testing.assert_close(features, seen["pool"].flatten(1), rtol=0, atol=0)
+    # The oracle: torchvision's pretrained pipeline, ImageNet-normalized input through
+    # transform_input=True (which its weights= builder forces: the weights are TF's, fed [-1, 1]).
+    theirs = torchvision.models.inception_v3(weights=None, aux_logits=True, init_weights=False, transform_input=True)
+    theirs.load_state_dict(state)
+    theirs.fc = torch.nn.Identity()
     resized = F.interpolate(x, size=(299, 299), mode="bilinear", align_corners=False)
     mean = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
     std = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
-    torch.testing.assert_close(seen["input"], ((resized + 1) / 2 - mean) / std, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(features, seen["pool"].flatten(1), rtol=0, atol=0)
+    with torch.no_grad():
+        expected = theirs.eval()(((resized + 1) / 2 - mean) / std)
+    torch.testing.assert_close(features, expected, rtol=1e-4, atol=1e-5)
 
     # The aux head never feeds the features, so a copy saved without it is accepted too.
     no_aux = tmp_path / "no_aux.pth"
@@ -320,3 +327,24 @@ def test_bad_weights_files_are_config_errors(tmp_path: Path, fid_weights: Path) 
     truncated = tmp_path / "missing_key.pth"
     torch.save(state, truncated)
     _config_error(truncated, "missing keys Mixed_6c.branch_pool.conv.weight")
+
+
+def _matmul_fp32_math() -> str:
+    m = torch.backends.cuda.matmul
+    return m.fp32_precision if hasattr(m, "fp32_precision") else ("tf32" if m.allow_tf32 else "ieee")
+
+
+def test_the_extractor_runs_in_ieee_fp32_even_when_the_run_allows_tf32(fid_weights: Path) -> None:
+    from mpt.runner.precision import set_fp32_math
+
+    extractor, _ = load_inception(str(fid_weights), CPU)
+    seen = []
+    hook = extractor.net.Conv2d_1a_3x3.register_forward_hook(lambda *_: seen.append(_matmul_fp32_math()))
+    try:
+        set_fp32_math(True)  # what precision=tf32 sets for the whole run
+        extractor(torch.zeros(1, 3, 75, 75))
+        after = _matmul_fp32_math()
+    finally:
+        hook.remove()
+        set_fp32_math(False)
+    assert seen == ["ieee"] and after == "tf32"  # IEEE inside, the run's setting back afterwards

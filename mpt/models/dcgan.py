@@ -177,8 +177,10 @@ class GAN:
         leaves the training state (running statistics included) untouched."""
         G, D = self.generator, self.discriminator
         G.eval(), D.eval()
+        device = next(G.parameters()).device
+        if self.fid_extractor is not None:
+            self.fid_extractor.to(device)
         try:
-            device = next(G.parameters()).device
             # The reference images never change: their FID statistics are gathered once per run.
             real_stats = GaussianStats() if self.fid_extractor is not None and self.real_stats is None else None
             d_x, seen = 0.0, 0
@@ -187,7 +189,7 @@ class GAN:
                     d_x += float(torch.sigmoid(D(real).float()).sum())
                 seen += real.shape[0]
                 if real_stats is not None:
-                    real_stats.update(self.fid_extractor.to(device)(real))
+                    real_stats.update(self.fid_extractor(real))
             if seen == 0:
                 raise ValueError("evaluation saw no images: the reference set is empty")
             fake = self._generate(self.fixed_noise.to(device), forward_context)
@@ -201,13 +203,17 @@ class GAN:
             return metrics
         finally:
             G.train(), D.train()
+            if self.fid_extractor is not None:  # off the device: its weights are no part of the model's memory
+                self.fid_extractor.to("cpu")
 
     def _fid(self, device: torch.device, forward_context: Callable[[], ContextManager]) -> float:
         fake_stats = GaussianStats()
         g = torch.Generator().manual_seed(self.fid_seed)  # the same latents at every evaluation
         for start in range(0, self.cfg.fid_samples, self.batch_size):
             z = torch.randn(min(self.batch_size, self.cfg.fid_samples - start), self.cfg.nz, generator=g)
-            fake_stats.update(self.fid_extractor.to(device)(self._generate(z.to(device), forward_context)))
+            fake = self._generate(z.to(device), forward_context)
+            # Rounded to 8-bit levels, as the real images were stored and as saved samples would be.
+            fake_stats.update(self.fid_extractor(torch.round((fake + 1) * 127.5) / 127.5 - 1))
         return frechet_distance(self.real_stats, fake_stats)
 
     def save_samples(self, path: Path, forward_context: Callable[[], ContextManager]) -> Path:

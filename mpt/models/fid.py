@@ -13,11 +13,12 @@ record). Two files are accepted, told apart by their state dict:
   pt_inception-2015-12-05-6726825d.pth): run as the FID-Inception architecture below, on the [-1, 1]
   images as they are. Only these FIDs are comparable with published ones.
 - torchvision's ImageNet `inception_v3_google-0cc3c7bd.pth` (https://download.pytorch.org/models/
-  inception_v3_google-0cc3c7bd.pth): plain torchvision Inception v3 on ImageNet-normalized images.
+  inception_v3_google-0cc3c7bd.pth): plain torchvision Inception v3, also on the [-1, 1] images
+  (its weights come from TF's Inception, which torchvision's `transform_input` feeds [-1, 1] too).
   Good for comparing our own runs with each other, not with the literature.
 
-The extractor always runs in FP32, outside any autocast region: FID is the measurement, not part of
-the precision mode under test. The Gaussian statistics and the distance are computed in float64.
+The extractor always runs in IEEE FP32, outside any autocast region and with TF32 off: FID is the
+measurement, not part of the precision mode under test. The Gaussian statistics and the distance are computed in float64.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from torch import nn
 from torchvision.models import inception as tv_inception
 
 from mpt.runner.config import ConfigError
+from mpt.runner.precision import ieee_fp32
 
 FID_FILE = "pt_inception-2015-12-05-6726825d.pth"
 TORCHVISION_FILE = "inception_v3_google-0cc3c7bd.pth"
@@ -45,8 +47,6 @@ FID_NETWORK = "FID Inception (pytorch-fid pt_inception-2015-12-05)"
 TORCHVISION_NETWORK = "torchvision Inception v3 (ImageNet weights): FIDs not comparable with published ones"
 INPUT_SIZE = 299
 FEATURES = 2048
-_IMAGENET_MEAN = (0.485, 0.456, 0.406)
-_IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 # The TF graph's average pools ignore the zero padding (TF's SAME padding divides by the number of
@@ -125,15 +125,12 @@ def fid_inception_v3() -> tv_inception.Inception3:
 class InceptionFeatures(nn.Module):
     """images [N, 3, H, W] in [-1, 1] -> [N, 2048] float32 pool3 features; always FP32, eval, no grad."""
 
-    def __init__(self, net: tv_inception.Inception3, imagenet_normalize: bool) -> None:
+    def __init__(self, net: tv_inception.Inception3) -> None:
         super().__init__()
         # Load the file first, then drop the classifier: the features are what goes into fc.
         net.fc = nn.Identity()
         net.AuxLogits = None
         self.net = net
-        self.imagenet_normalize = imagenet_normalize
-        self.register_buffer("mean", torch.tensor(_IMAGENET_MEAN).view(1, 3, 1, 1), persistent=False)
-        self.register_buffer("std", torch.tensor(_IMAGENET_STD).view(1, 3, 1, 1), persistent=False)
         self.requires_grad_(False)
         self.eval()
 
@@ -146,16 +143,14 @@ class InceptionFeatures(nn.Module):
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         if images.dim() != 4 or images.shape[1] not in (1, 3):
             raise ValueError(f"expected images [N, 3, H, W] (or [N, 1, H, W]), got {list(images.shape)}")
-        device = self.mean.device
-        with torch.autocast(device_type=device.type, enabled=False):
+        device = next(self.net.parameters()).device
+        with torch.autocast(device_type=device.type, enabled=False), ieee_fp32():
             x = images.to(device=device, dtype=torch.float32)
             if x.shape[1] == 1:
                 # Grayscale data sets (MNIST) are measured as gray RGB images, the usual convention.
                 x = x.expand(-1, 3, -1, -1)
             if x.shape[-2:] != (INPUT_SIZE, INPUT_SIZE):
                 x = F.interpolate(x, size=(INPUT_SIZE, INPUT_SIZE), mode="bilinear", align_corners=False)
-            if self.imagenet_normalize:
-                x = ((x + 1) / 2 - self.mean) / self.std
             return self.net(x).float()
 
 
@@ -223,11 +218,11 @@ def load_inception(path: str, device: torch.device) -> tuple[InceptionFeatures, 
     fc_shape = list(fc.shape) if isinstance(fc, torch.Tensor) else None
     has_aux = any(k.startswith("AuxLogits.") for k in state)
     if fc_shape == [1008, FEATURES] and not has_aux:
-        net, imagenet_normalize, network, comparable = fid_inception_v3(), False, FID_NETWORK, True
+        net, network, comparable = fid_inception_v3(), FID_NETWORK, True
     elif fc_shape == [1000, FEATURES]:
         # The AuxLogits head never contributes to the features; a copy saved without it is the same network.
         net = tv_inception.Inception3(num_classes=1000, aux_logits=has_aux, transform_input=False, init_weights=False)
-        imagenet_normalize, network, comparable = True, TORCHVISION_NETWORK, False
+        network, comparable = TORCHVISION_NETWORK, False
     else:
         raise ConfigError(
             f"{where}: not an Inception v3 state dict: expected torchvision Inception3 key names with "
@@ -243,7 +238,7 @@ def load_inception(path: str, device: torch.device) -> tuple[InceptionFeatures, 
     except RuntimeError as e:
         raise ConfigError(f"{where}: does not load into the {network.split(':')[0]} architecture: {_first_line(e)}") from None
 
-    extractor = InceptionFeatures(net, imagenet_normalize).to(device=device, dtype=torch.float32)
+    extractor = InceptionFeatures(net).to(device=device, dtype=torch.float32)
     info = {"weights": path, "sha256": _sha256(local), "network": network, "comparable": comparable}
     return extractor, info
 

@@ -37,17 +37,30 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
+def _lines(df: pd.DataFrame):
+    """(label, rows) per mode, and per network where a model trains several (a GAN's D and G have
+    their own loss and loss scale: averaging them would plot a number no network had)."""
+    groups = sorted(df["group"].dropna().unique()) if "group" in df else []
+    for mode in _modes_in_order(df):
+        rows = df[df["mode"] == mode]
+        if len(groups) < 2:
+            yield mode, rows
+            continue
+        for group in groups:
+            yield f"{mode} [{group}]", rows[rows["group"] == group]
+
+
 def loss_curves(curves: pd.DataFrame, out: Path) -> list[Path]:
-    """Training loss against step for each model, one line per mode (mean over seeds)."""
+    """Training loss against step for each model, one line per mode and network (mean over seeds)."""
     written = []
     if curves.empty:
         return written
     for keys, df in curves.groupby(CELL_KEYS):
         stem, title = _cell_name(keys)
         fig, ax = plt.subplots(figsize=(7, 4))
-        for mode in _modes_in_order(df):
-            per_step = df[df["mode"] == mode].groupby("step")["loss"].mean()
-            ax.plot(per_step.index, per_step.values, label=mode, lw=1.2)
+        for label, rows in _lines(df):
+            per_step = rows.groupby("step")["loss"].mean()
+            ax.plot(per_step.index, per_step.values, label=label, lw=1.2)
         ax.set(xlabel="step", ylabel="training loss (mean over seeds)", title=f"training loss: {title}")
         finite = df["loss"][df["loss"].map(math.isfinite)]
         if len(finite) and (finite > 0).all() and finite.max() > 10 * finite.min():
@@ -59,7 +72,7 @@ def loss_curves(curves: pd.DataFrame, out: Path) -> list[Path]:
 
 
 def loss_scale_curves(curves: pd.DataFrame, out: Path) -> list[Path]:
-    """The loss scale each step ran with, for each model, one line per mode with a scaler."""
+    """The loss scale each step ran with, for each model, one line per mode with a scaler (and network)."""
     written = []
     if curves.empty:
         return written
@@ -67,9 +80,9 @@ def loss_scale_curves(curves: pd.DataFrame, out: Path) -> list[Path]:
     for keys, df in scaled.groupby(CELL_KEYS):
         stem, title = _cell_name(keys)
         fig, ax = plt.subplots(figsize=(7, 4))
-        for mode in _modes_in_order(df):
-            per_step = df[df["mode"] == mode].groupby("step")["scale"].median()
-            ax.step(per_step.index, per_step.values, where="post", label=mode, lw=1.2)
+        for label, rows in _lines(df):
+            per_step = rows.groupby("step")["scale"].median()
+            ax.step(per_step.index, per_step.values, where="post", label=label, lw=1.2)
         ax.set(xlabel="step", ylabel="loss scale (median over seeds)", title=f"loss scale: {title}")
         ax.set_yscale("log", base=2)
         ax.legend(fontsize=8)
@@ -110,7 +123,7 @@ def throughput_bars(table: pd.DataFrame, out: Path) -> list[Path]:
 
 def sample_grids(runs: pd.DataFrame, out: Path) -> list[Path]:
     """The final sample grid of each mode side by side, one figure per model (as the paper shows its
-    FP32 and mixed-precision faces). With several seeds, the lowest seed's grid stands for the mode."""
+    FP32 and mixed-precision faces). With several seeds, the lowest seed that finished stands for the mode."""
     written = []
     if "final_sample_grid" not in runs or runs["final_sample_grid"].isna().all():
         return written
@@ -120,11 +133,15 @@ def sample_grids(runs: pd.DataFrame, out: Path) -> list[Path]:
         modes = _modes_in_order(df)
         fig, axes = plt.subplots(1, len(modes), figsize=(4 * len(modes), 4.6), squeeze=False)
         for ax, mode in zip(axes[0], modes):
-            run = df[df["mode"] == mode].sort_values("seed").iloc[0]
-            ax.imshow(plt.imread(run["final_sample_grid"]))
+            # A finished run's grid before a failed one's, then the lowest seed.
+            run = df[df["mode"] == mode].assign(failed=lambda d: d["status"] != "ok").sort_values(["failed", "seed"]).iloc[0]
             status = "" if run["status"] == "ok" else f", {run['status']}"
             ax.set_title(f"{mode}\nstep {run['final_sample_grid_step']:g}{status}", fontsize=9)
             ax.axis("off")
+            if Path(run["final_sample_grid"]).is_file():
+                ax.imshow(plt.imread(run["final_sample_grid"]))
+            else:  # records copied without their samples/ folder
+                ax.text(0.5, 0.5, f"grid missing:\n{Path(run['final_sample_grid']).name}", ha="center", va="center", fontsize=8)
         fig.suptitle(f"final samples (fixed noise): {title}", fontsize=10)
         written.append(_save(fig, out / f"samples_{stem}.png"))
     return written

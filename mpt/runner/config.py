@@ -435,6 +435,10 @@ def _validate_gan(cfg: DictConfig) -> None:
         _positive(cfg, key)
     if m.leaky_slope < 0:
         raise ConfigError(f"model.leaky_slope={m.leaky_slope}: must be zero or positive")
+    if m.fid_weights is not None:  # a covariance needs two samples on each side
+        for key in ["model.fid_samples", "data.val_samples"]:
+            if OmegaConf.select(cfg, key) < 2:
+                raise ConfigError(f"{key}={OmegaConf.select(cfg, key)}: FID (model.fid_weights is set) needs at least 2 images")
     if d.name == "image_dir":
         if d.root is None:
             raise ConfigError("data.root is not set: data=image_dir needs the folder of images (e.g. CelebA's img_align_celeba)")

@@ -55,6 +55,22 @@ def set_fp32_math(tf32: bool) -> dict:
     return {"matmul": mode, "cudnn_conv": mode, "cudnn_rnn": mode}
 
 
+@contextlib.contextmanager
+def ieee_fp32() -> Iterator[None]:
+    """IEEE FP32 matmuls and convolutions inside, whatever the run set outside: a measurement
+    (FID's Inception) must not run in TF32 because the mode under test does."""
+    new_api = hasattr(torch.backends.cuda.matmul, "fp32_precision")
+    flags = [(torch.backends.cuda.matmul, "fp32_precision"), (torch.backends.cudnn.conv, "fp32_precision"), (torch.backends.cudnn.rnn, "fp32_precision")] \
+        if new_api else [(torch.backends.cuda.matmul, "allow_tf32"), (torch.backends.cudnn, "allow_tf32")]
+    saved = [getattr(obj, name) for obj, name in flags]
+    set_fp32_math(False)
+    try:
+        yield
+    finally:
+        for (obj, name), value in zip(flags, saved):
+            setattr(obj, name, value)
+
+
 def check_device_support(p: DictConfig, device: torch.device) -> None:
     """A mode the device cannot run fails here, naming the mode and the device."""
     wants_bf16 = DType.bfloat16 in (p.param_dtype, p.autocast)
