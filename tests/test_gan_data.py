@@ -258,3 +258,16 @@ def test_build_data_routes_gan_sources(faces):
 
     assert isinstance(build_data(cfg(data_cfg("synthetic", train_samples=8, val_samples=4)), CPU), SyntheticDiscs)
     assert isinstance(build_data(cfg(data_cfg("image_dir", root=str(faces), num_workers=0)), CPU), ImageDirData)
+
+
+def test_a_16_bit_grayscale_png_keeps_its_tones(tmp_path):
+    """PIL's convert("RGB") clips 16-bit values to 255: a mid-grey 16-bit image would come out white."""
+    import numpy as np
+    from PIL import Image
+
+    Image.fromarray(np.full((8, 8), 128 * 257, dtype=np.uint16)).save(tmp_path / "a.png")  # mid-grey, 16 bits
+    for i in range(3):
+        save(tmp_path / f"{i}.jpg")
+    data = image_dir(tmp_path, size=8, batch_size=4)
+    (index,) = [i for i, p in enumerate(data.train_loader.dataset.dataset.paths) if p.endswith("a.png")]
+    assert (data.train_loader.dataset.dataset[index] == 128).all()

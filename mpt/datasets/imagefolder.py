@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
 import torch
 from omegaconf import DictConfig
 from PIL import Image
@@ -30,6 +31,9 @@ class CorruptImage(RuntimeError):
 def load_image(path: str) -> Image.Image:
     try:
         with open(path, "rb") as f, Image.open(f) as img:
+            if img.mode.startswith("I;16"):
+                # 16-bit grayscale: PIL's convert clips to 255 (nearly all white); keep the top 8 bits.
+                img = Image.fromarray((np.asarray(img, dtype=np.uint16) >> 8).astype(np.uint8), "L")
             return img.convert("RGB")  # grayscale, palette and CMYK images become RGB
     except (OSError, SyntaxError, ValueError) as e:
         raise CorruptImage(f"corrupt image {path}: {type(e).__name__}: {e}") from None
