@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -85,7 +86,12 @@ class MetricsLog:
         self._file.close()
 
 
+@functools.lru_cache(maxsize=None)
 def git_commit(start: Path) -> dict:
+    """The checkout's commit and whether tracked files differ from it, read once per process: the
+    code a sweep runs is what its process imported, so a commit made while the sweep goes on must
+    not be named by its later records."""
+
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=start, capture_output=True, text=True, timeout=10, check=True).stdout.strip()
 
