@@ -5,6 +5,7 @@ through matplotlib's Agg backend: no display needed."""
 from __future__ import annotations
 
 import math
+import textwrap
 import zlib
 from pathlib import Path
 
@@ -25,7 +26,8 @@ CELL_KEYS = ["model", "data", "schedule", "variant"]
 def _cell_name(keys: tuple) -> tuple[str, str]:
     """A file stem and a title for one cell (model, data, schedule, variant)."""
     model, data, schedule, variant = keys
-    title = f"{model}, {data}, {schedule}" + (f", {variant}" if variant else "")
+    # Wrapped: a long variant would otherwise stretch the figure to its width and shrink the plot.
+    title = textwrap.fill(f"{model}, {data}, {schedule}" + (f", {variant}" if variant else ""), width=70)
     stem = f"{model}_{data}_{schedule}" + (f"_{zlib.crc32(variant.encode()):08x}" if variant else "")
     return stem, title
 
@@ -142,6 +144,6 @@ def sample_grids(runs: pd.DataFrame, out: Path) -> list[Path]:
                 ax.imshow(plt.imread(run["final_sample_grid"]))
             else:  # records copied without their samples/ folder
                 ax.text(0.5, 0.5, f"grid missing:\n{Path(run['final_sample_grid']).name}", ha="center", va="center", fontsize=8)
-        fig.suptitle(f"final samples (fixed noise): {title}", fontsize=10)
+        fig.suptitle(f"final samples (fixed noise):\n{title}", fontsize=9)
         written.append(_save(fig, out / f"samples_{stem}.png"))
     return written
