@@ -15,8 +15,7 @@ from typing import Iterator
 import torch
 from omegaconf import DictConfig
 
-from ..runner.config import ConfigError
-from .sampling import EpochOrder
+from .sampling import EpochOrder, require_one_batch
 
 CHUNK = 256  # images generated at once: bounds the float working memory at 128x128
 
@@ -54,8 +53,7 @@ def to_unit_range(images: torch.Tensor) -> torch.Tensor:
 class SyntheticDiscs(EpochOrder):
     def __init__(self, data: DictConfig, schedule: DictConfig, seed: int, device: torch.device):
         self.batch_size = schedule.batch_size
-        if data.train_samples < self.batch_size:
-            raise ConfigError(f"data.train_samples={data.train_samples}: fewer than one batch of schedule.batch_size={self.batch_size}")
+        require_one_batch(data.train_samples, self.batch_size)
         size = schedule.image_size
         g = torch.Generator().manual_seed(10_000 + seed)
         self.train_images = make_discs(data.train_samples, size, data.pixel_noise, g).to(device)

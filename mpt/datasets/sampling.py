@@ -8,6 +8,14 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from ..runner.config import ConfigError
+
+
+def require_one_batch(train_samples: int, batch_size: int) -> None:
+    """A synthetic source made of fewer samples than a batch could never yield one."""
+    if train_samples < batch_size:
+        raise ConfigError(f"data.train_samples={train_samples}: fewer than one batch of schedule.batch_size={batch_size}")
+
 
 class SeededSamples(Dataset):
     """Samples keyed by (epoch, index), each augmented from its own seed: the same crops whatever

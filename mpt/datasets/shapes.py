@@ -16,8 +16,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from torchvision.ops import box_iou
 
-from ..runner.config import ConfigError
-from .sampling import EpochOrder
+from .sampling import EpochOrder, require_one_batch
 
 SHAPES = ("rectangle", "ellipse", "triangle")
 
@@ -62,8 +61,7 @@ def make_image(size: int, colors: torch.Tensor, max_objects: int, noise: float, 
 class SyntheticShapes(EpochOrder):
     def __init__(self, data: DictConfig, schedule: DictConfig, seed: int, device: torch.device):
         self.batch_size = schedule.batch_size
-        if data.train_samples < self.batch_size:
-            raise ConfigError(f"data.train_samples={data.train_samples}: fewer than one batch of schedule.batch_size={self.batch_size}")
+        require_one_batch(data.train_samples, self.batch_size)
         size = schedule.image_size
         g = torch.Generator().manual_seed(10_000 + seed)
         colors = torch.rand(data.num_classes, 3, generator=g)

@@ -14,8 +14,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
 
-from ..runner.config import ConfigError
-from .sampling import EpochOrder
+from .sampling import EpochOrder, require_one_batch
 
 
 def make_images(n: int, num_classes: int, size: int, noise: float, generator: torch.Generator, templates: torch.Tensor):
@@ -27,8 +26,7 @@ def make_images(n: int, num_classes: int, size: int, noise: float, generator: to
 class SyntheticImages(EpochOrder):
     def __init__(self, data: DictConfig, schedule: DictConfig, seed: int, device: torch.device):
         self.batch_size = schedule.batch_size
-        if data.train_samples < self.batch_size:
-            raise ConfigError(f"data.train_samples={data.train_samples}: fewer than one batch of schedule.batch_size={self.batch_size}")
+        require_one_batch(data.train_samples, self.batch_size)
         size = schedule.image_size
         g = torch.Generator().manual_seed(10_000 + seed)
         coarse = torch.randn(data.num_classes, 3, 4, 4, generator=g)

@@ -16,7 +16,6 @@ rounded to FP16, as autocast's casts would.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 
