@@ -12,7 +12,7 @@ from .conftest import ROOT, compose_cfg, run_cli
 GROUPS = {
     "model": ["alexnet", "resnet50", "vgg16", "googlenet", "inception_v3", "ssd", "gnmt", "gnmt_small", "gnmt_nmt_one", "gnmt8", "biglstm", "biglstm_small", "biglstm_tiny", "dcgan", "dcgan64"],
     "precision": ["fp32", "fp16", "mixed", "fp16_modmom", "amp", "bf16", "tf32"],
-    "scale": ["none", "static", "dynamic"],
+    "scale": ["none", "static", "dynamic", "auto"],
     "data": ["synthetic", "imagefolder", "voc", "parallel_text", "text_corpus", "image_dir"],
     "schedule": ["smoke", "short", "paper", "bench"],
 }
@@ -61,6 +61,11 @@ def test_static_scale_defaults_to_the_models_value():
         (["scale=static", "scale.value=0.5"], "scale.value=0.5"),
         (["scale=dynamic", "scale.init=0.5"], "scale.min"),
         (["scale=dynamic", "scale.backoff=2"], "scale.backoff=2"),
+        (["scale=auto", "scale.min=0"], "scale.min"),
+        (["scale=auto", "scale.beta2=1"], "scale.beta2=1"),
+        (["scale=auto", "scale.std_devs=-1"], "scale.std_devs=-1"),
+        (["stats.grad_hist=true", "stats.every=0"], "stats.every=0"),
+        (["stats.grad_hist=true", "stats.keep=1.5"], "stats.keep=1.5"),
         (["optim.weight_decay=-1"], "optim.weight_decay=-1"),
         (["schedule.steps=null"], "schedule.steps"),
         (["model=alexnet", "schedule.image_size=32"], "schedule.image_size=32"),
@@ -77,7 +82,7 @@ def test_out_of_range_values_are_rejected_naming_the_key(overrides, named):
     [
         (["model=lenet"], "model=lenet: no such option; choose one of alexnet, biglstm, biglstm_small, biglstm_tiny, dcgan, dcgan64, gnmt, gnmt8, gnmt_nmt_one, gnmt_small, googlenet, inception_v3, resnet50, ssd, vgg16"),
         (["precision=fp8"], "precision=fp8: no such option; choose one of amp, bf16, fp16, fp16_modmom, fp32, mixed, tf32"),
-        (["scale=auto"], "scale=auto: no such option; choose one of dynamic, none, static"),
+        (["scale=logmax"], "scale=logmax: no such option; choose one of auto, dynamic, none, static"),
         (["schedule.batch_size=abc"], "schedule.batch_size=abc: Value 'abc' of type 'str' could not be converted to Integer"),
         (["precision.param_dtype=float8"], "precision.param_dtype=float8: Invalid value 'float8', expected one of [float32, float16, bfloat16]"),
         (["bogus=1"], "bogus: no such config key (Key 'bogus' not in 'Config')"),

@@ -44,6 +44,7 @@ def build_report(paths: list[Path], out: Path, published_path: Path | None) -> l
     tp = tables.throughput(runs)
     mem = tables.memory(runs)
     ls = tables.loss_scaling(runs)
+    gs = tables.gradient_stats(runs)
     sections = [
         ("Accuracy", "accuracy", acc, tables.render_accuracy(acc)),
         ("Throughput (median samples/s; speedup over fp32 on the same device, batch and resolution)", "throughput", tp,
@@ -51,6 +52,8 @@ def build_report(paths: list[Path], out: Path, published_path: Path | None) -> l
         ("Peak memory (MiB; ratio to fp32 on the same device, batch and resolution)", "memory", mem,
          tables.render_relative(mem, "peak_memory_bytes", "ratio_to_fp32", lambda v: f"{v / 2**20:.0f}", "memory_kind")),
         ("Loss scaling", "loss_scaling", ls, tables.render_loss_scaling(ls)),
+        ("Gradients against FP16's range (shares of non-zero values; % zero of all; unscaled; sampled steps' cost against a plain step)",
+         "gradient_stats", gs, tables.render_gradient_stats(gs)),
     ]
     if published_path is not None and published_path.exists():
         paper = tables.paper_comparison(runs, pd.read_csv(published_path))
@@ -62,7 +65,7 @@ def build_report(paths: list[Path], out: Path, published_path: Path | None) -> l
 
     curves = load_curves(runs)
     figs = figures.loss_curves(curves, out / "figures") + figures.loss_scale_curves(curves, out / "figures") + figures.throughput_bars(tp, out / "figures")
-    figs += figures.sample_grids(runs, out / "figures")
+    figs += figures.sample_grids(runs, out / "figures") + figures.gradient_histograms(runs, out / "figures")
     written += figs
     text.append("## Figures\n\n" + "\n".join(f"![{p.stem}](figures/{p.name})" for p in figs) + "\n")
     (out / "report.md").write_text("\n".join(text))

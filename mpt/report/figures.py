@@ -4,6 +4,7 @@ through matplotlib's Agg backend: no display needed."""
 
 from __future__ import annotations
 
+import json
 import math
 import textwrap
 import zlib
@@ -146,4 +147,78 @@ def sample_grids(runs: pd.DataFrame, out: Path) -> list[Path]:
                 ax.text(0.5, 0.5, f"grid missing:\n{Path(run['final_sample_grid']).name}", ha="center", va="center", fontsize=8)
         fig.suptitle(f"final samples (fixed noise):\n{title}", fontsize=9)
         written.append(_save(fig, out / f"samples_{stem}.png"))
+    return written
+
+
+FP16_LOST_EXP, FP16_NORMAL_EXP, FP16_MAX_LOG2 = -24, -14, math.log2(65504)
+FIGURE_OF_KIND = {"activation": "the paper's Figure 3", "weight": "the paper's Figure 2b"}
+
+
+def _histogram_panel(ax, bins: dict[int, int], zeros: int, shift: int, span: tuple[int, int]) -> None:
+    """One histogram of floor(log2|g|) against FP16's range, every value multiplied by 2^shift."""
+    total = sum(bins.values()) + zeros
+    lo, hi = span
+    exps = sorted(bins)
+    ax.bar([e + shift for e in exps], [bins[e] / total * 100 for e in exps], width=1.0, align="edge", color="C0", label="values in [2^k, 2^(k+1))")
+    zero_x = lo - 3  # the zero bucket, apart at the left
+    zero_share = zeros / total * 100
+    ax.bar([zero_x], [zero_share], width=1.0, align="edge", color="0.35", label="zero")
+    # The zeros (often most values: ReLU) would flatten the rest: the axis fits the non-zero
+    # bins and the zero bar carries its number.
+    top = max([bins[e] / total * 100 for e in exps] or [zero_share]) * 1.25
+    ax.set_ylim(0, max(top, 1e-9) if zero_share > top else max(top, zero_share * 1.05))
+    ax.annotate(f"{zero_share:.1f}%", (zero_x + 0.5, min(zero_share, ax.get_ylim()[1])), ha="center", va="bottom" if zero_share <= top else "top", fontsize=7,
+                xytext=(0, 2 if zero_share <= top else -2), textcoords="offset points", color="k" if zero_share <= top else "w", rotation=90)
+    ax.axvspan(lo - 1, FP16_LOST_EXP, color="tab:red", alpha=0.1, label="becomes 0 in FP16")
+    ax.axvspan(FP16_LOST_EXP, FP16_NORMAL_EXP, color="tab:orange", alpha=0.15, label="FP16 subnormal")
+    ax.axvspan(FP16_NORMAL_EXP, FP16_MAX_LOG2, color="tab:green", alpha=0.08, label="FP16 normal")
+    ax.axvspan(FP16_MAX_LOG2, hi + 1, color="tab:purple", alpha=0.12, label="overflows FP16")
+    ax.axvline(lo - 1, color="k", lw=0.6)
+    step = 8 if hi - lo > 40 else 4
+    ticks = [t for t in range(lo - lo % step, hi + 2) if t % step == 0 and t >= lo]
+    ax.set_xticks([zero_x + 0.5, *ticks], ["0", *(f"$2^{{{t}}}$" for t in ticks)])
+    ax.set_xlim(zero_x - 1, hi + 1)
+    ax.set(xlabel="|gradient| (log scale; zero apart)", ylabel="% of values")
+    ax.grid(axis="y", alpha=0.3)
+
+
+def _kept(bins: dict[int, int], shift: int) -> float:
+    nonzero = sum(bins.values())
+    return sum(c for e, c in bins.items() if e + shift >= FP16_LOST_EXP) / nonzero if nonzero else 1.0
+
+
+def gradient_histograms(runs: pd.DataFrame, out: Path) -> list[Path]:
+    """For each run with gradient statistics, each network and each kind: the histogram of
+    log2|g| against FP16's range (activation gradients: the paper's Figure 3; weight gradients:
+    Figure 2b) and beside it the same values multiplied by the recommended power-of-two scale
+    (the largest safe one when none keeps the stated share)."""
+    written = []
+    if "grad_sampled_steps" not in runs:
+        return written
+    for _, run in runs[runs["grad_sampled_steps"].notna()].fillna({"variant": ""}).iterrows():
+        stats = json.loads((Path(run["run_dir"]) / "result.json").read_text()).get("grad_stats") or {}
+        stem, title = _cell_name(tuple(run[k] for k in CELL_KEYS))
+        for net, kinds in (stats.get("networks") or {}).items():
+            for kind, hist in kinds.items():
+                t = hist["total"]
+                bins = {int(e): c for e, c in t["log2_bins"].items()}
+                if not bins and not t["zeros"]:
+                    continue
+                scale = t["recommended_scale"] or t["max_safe_scale"] or 1.0
+                shift = int(round(math.log2(scale)))
+                exps = [*bins, FP16_LOST_EXP - 6]
+                span = (min(exps) + min(0, shift), max([*exps, 17]) + max(0, shift))
+                fig, axes = plt.subplots(1, 2, figsize=(13, 4.6), sharey=True, constrained_layout=True)
+                _histogram_panel(axes[0], bins, t["zeros"], 0, span)
+                axes[0].set_title(f"as computed (unscaled): {_kept(bins, 0) * 100:.2f}% of non-zero values survive FP16", fontsize=9)
+                _histogram_panel(axes[1], bins, t["zeros"], shift, span)
+                why = f"recommended: keeps {t['keep'] * 100:g}%" if t["recommended_scale"] else "largest safe scale: none keeps the share"
+                axes[1].set_title(f"times {scale:g} ({why}): {_kept(bins, shift) * 100:.2f}% survive", fontsize=9)
+                axes[1].legend(fontsize=7, loc="upper right")
+                where = f"{net}, " if len(kinds) and len(stats["networks"]) > 1 else ""
+                fig.suptitle(
+                    f"{kind} gradients ({FIGURE_OF_KIND[kind]}), {where}{run['mode']}, seed {run['seed']}, {len(stats['sampled_steps'])} sampled steps;"
+                    f" {t['share_zero'] * 100:.1f}% zeros\n{title}", fontsize=9)
+                tag = f"{zlib.crc32(run['run_dir'].encode()):08x}"
+                written.append(_save(fig, out / f"grads_{kind}_{stem}_{net}_{tag}.png"))
     return written

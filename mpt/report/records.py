@@ -13,7 +13,9 @@ import pandas as pd
 
 # The order modes appear in tables and legends.
 PRECISION_ORDER = ["fp32", "tf32", "fp16", "mixed", "fp16_modmom", "amp", "bf16"]
-SCALE_ORDER = ["none", "static", "dynamic"]
+SCALE_ORDER = ["none", "static", "dynamic", "auto"]
+# Gradient statistics (record "grad_stats") that become columns grad.<network>.<kind>.<field>.
+GRAD_FIELDS = ["values", "share_zero", "share_lost_fp16", "share_subnormal_fp16", "share_overflow_fp16", "max_abs", "recommended_scale", "max_safe_scale", "keep"]
 
 
 def mode_label(precision_label: str, scale: str, scale_value: float | None) -> str:
@@ -114,6 +116,14 @@ def record_row(rec: dict, path: Path) -> dict:
     for group, summary in (rec.get("loss_scale") or {}).items():
         for key, value in summary.items():
             row[f"loss_scale.{group}.{key}"] = _number(value)
+    stats = rec.get("grad_stats") or {}
+    if stats:
+        row["grad_sampled_steps"] = len(stats.get("sampled_steps", []))
+        row["grad_cost_ratio"] = _number((stats.get("cost") or {}).get("ratio"))
+    for net, kinds in (stats.get("networks") or {}).items():
+        for kind, hist in kinds.items():
+            for key in GRAD_FIELDS:
+                row[f"grad.{net}.{kind}.{key}"] = _number(hist["total"].get(key))
     _flatten("config", rec.get("config") or {}, row)
     return row
 

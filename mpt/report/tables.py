@@ -132,6 +132,23 @@ def loss_scaling(runs: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def gradient_stats(runs: pd.DataFrame) -> pd.DataFrame:
+    """Per run, network and kind (activation, weight): where its sampled gradients lie against
+    FP16's range and the scale the histogram recommends (the paper's Figures 2b and 3 as numbers)."""
+    cols = [c for c in runs.columns if c.startswith("grad.") and c.endswith(".values")]
+    rows = []
+    for col in cols:
+        _, net, kind, _ = col.split(".")
+        for _, run in runs[runs[col].notna()].iterrows():
+            rows.append({
+                **{k: run[k] for k in [*CELL_KEYS, *MODE_KEYS, "seed", "status"]},
+                "network": net, "kind": kind, "sampled_steps": run["grad_sampled_steps"],
+                **{k: run[f"grad.{net}.{kind}.{k}"] for k in ["values", "share_zero", "share_lost_fp16", "share_subnormal_fp16", "share_overflow_fp16", "max_abs", "recommended_scale", "max_safe_scale", "keep"]},
+                "cost_ratio": run["grad_cost_ratio"],
+            })
+    return pd.DataFrame(rows)
+
+
 def paper_comparison(runs: pd.DataFrame, published: pd.DataFrame) -> pd.DataFrame:
     """Each published cell next to ours for the same model, precision, scale and metric."""
     ours = metric_summary(runs)
@@ -193,6 +210,25 @@ def render_loss_scaling(table: pd.DataFrame) -> str:
         out[col] = out[col].map(lambda v: f"{v:g}")
     out["skipped_steps"] = [f"{s:g} of {n:g}" for s, n in zip(out.skipped_steps, out.steps)]
     return _md(out.drop(columns="steps"))
+
+
+def render_gradient_stats(table: pd.DataFrame) -> str:
+    if table.empty:
+        return "_no runs with stats.grad_hist=true_"
+    pct = lambda v: f"{v * 100:.2f}"  # noqa: E731
+    scale = lambda v: "none fits" if pd.isna(v) else f"{v:g}"  # noqa: E731
+    out = pd.DataFrame({
+        **{k: table[k] for k in [*CELL_KEYS, "mode", "seed", "network", "kind", "sampled_steps"]},
+        "% zero": table.share_zero.map(pct),
+        "% lost in FP16": table.share_lost_fp16.map(pct),
+        "% FP16 subnormal": table.share_subnormal_fp16.map(pct),
+        "% overflow": table.share_overflow_fp16.map(pct),
+        "max abs": table.max_abs.map(lambda v: f"{v:.3g}"),
+        "recommended scale": [f"{scale(r)} (keeps {k * 100:g}%)" for r, k in zip(table.recommended_scale, table.keep)],
+        "largest safe scale": table.max_safe_scale.map(scale),
+        "sampled step cost": table.cost_ratio.map(lambda v: "" if pd.isna(v) else f"{v:.2f}x"),
+    })
+    return _md(out)
 
 
 def render_paper(table: pd.DataFrame) -> str:

@@ -134,16 +134,21 @@ class PrecisionConfig:
 
 @dataclass
 class ScaleConfig:
-    """Loss scaling. `none`: S = 1 and no overflow check. `static`: fixed S. `dynamic`: GradScaler's rule."""
+    """Loss scaling. `none`: S = 1 and no overflow check. `static`: fixed S. `dynamic`: GradScaler's
+    rule. `auto`: S from running statistics of log2 max|g| (scaler.AutoScaler)."""
 
     name: str = MISSING
     value: Optional[float] = None  # static: S (null: the model's static_scale)
-    init: float = 2.0**16  # dynamic: starting scale
+    init: float = 2.0**16  # dynamic, auto: starting scale
     interval: int = 2000  # dynamic: clean steps before growing
     growth: float = 2.0
     backoff: float = 0.5
-    min: float = 1.0  # dynamic: an overflow at this scale ends the run as diverged
+    min: float = 1.0  # dynamic, auto: an overflow at this scale ends the run as diverged
     max: float = 2.0**24
+    beta1: float = 0.99  # auto: decay of the running mean of log2 max|g|
+    beta2: float = 0.999  # auto: decay of the slower mean and second moment that give its spread
+    std_devs: float = 3.09  # auto: standard deviations of headroom (OpenSeq2Seq's; 99.9% of a normal)
+    margin_bits: float = 1.0  # auto: powers of two of headroom on top
 
 
 @dataclass
@@ -222,6 +227,16 @@ class OptimConfig:
 
 
 @dataclass
+class StatsConfig:
+    """Gradient statistics (runner/grad_hooks.py): histograms of log2|g| of activation gradients
+    (each parameterized layer's output) and weight gradients, per layer and in total."""
+
+    grad_hist: bool = False  # on: sample every `every`-th step; off: no hook is ever installed
+    every: int = 100  # the every-th, 2*every-th, ... step is sampled (1: every step)
+    keep: float = 0.999  # the share of non-zero gradients the recommended scale keeps from FP16's zero
+
+
+@dataclass
 class Config:
     model: ModelConfig = MISSING
     precision: PrecisionConfig = MISSING
@@ -229,6 +244,7 @@ class Config:
     data: DataConfig = MISSING
     schedule: ScheduleConfig = MISSING
     optim: OptimConfig = field(default_factory=OptimConfig)
+    stats: StatsConfig = field(default_factory=StatsConfig)
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     channels_last: Optional[bool] = None  # null: on for convolutional models on CUDA, and for FP16 weights on CPU
@@ -260,7 +276,7 @@ def register_configs() -> None:
 
 
 GROUPS = ("model", "precision", "scale", "data", "schedule")  # the config groups that make a run's choices
-SCALE_NAMES = ("none", "static", "dynamic")
+SCALE_NAMES = ("none", "static", "dynamic", "auto")
 TASKS = ("classification", "detection", "translation", "language_model", "gan")
 IMAGE_TASKS = ("classification", "detection", "gan")
 DETECTION_INPUT_SIZE = 300  # SSD300
@@ -339,6 +355,17 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"scale.backoff={scale.backoff}: must be between 0 and 1")
         if scale.interval < 1:
             raise ConfigError(f"scale.interval={scale.interval}: must be a positive integer")
+    if scale.name == "auto":
+        if not (0 < scale.min <= scale.init <= scale.max and math.isfinite(scale.max)):
+            raise ConfigError(
+                f"scale: need 0 < scale.min <= scale.init <= scale.max (got min={scale.min}, init={scale.init}, max={scale.max})"
+            )
+        for key in ("beta1", "beta2"):
+            if not 0 < scale[key] < 1:
+                raise ConfigError(f"scale.{key}={scale[key]}: must be between 0 and 1")
+        for key in ("std_devs", "margin_bits"):
+            if not (scale[key] >= 0 and math.isfinite(scale[key])):
+                raise ConfigError(f"scale.{key}={scale[key]}: must be a finite number >= 0")
 
     p = cfg.precision
     if p.master_weights and p.param_dtype == DType.float32:
@@ -368,6 +395,10 @@ def validate(cfg: DictConfig) -> None:
                 raise ConfigError(f"{key} is empty: data=voc needs it (see configs/data/voc.yaml)")
         if len(set(d.class_names)) != len(d.class_names):
             raise ConfigError(f"data.class_names={list(d.class_names)}: a class is listed twice")
+    if cfg.stats.every < 1:
+        raise ConfigError(f"stats.every={cfg.stats.every}: must be a positive number of steps")
+    if not 0 < cfg.stats.keep <= 1:
+        raise ConfigError(f"stats.keep={cfg.stats.keep}: must be a share in (0, 1]")
     if d.num_workers < -1:
         raise ConfigError(f"data.num_workers={d.num_workers}: must be -1 (auto) or >= 0")
 

@@ -39,15 +39,34 @@ class GradHistogram:
         self.counts = torch.zeros(3, dtype=torch.int64, device=device)
         self.max_abs = torch.zeros((), dtype=torch.float32, device=device)
 
-    def add(self, values: torch.Tensor) -> None:
+    def add(self, values: torch.Tensor, scale: float = 1.0) -> None:
+        """Count `values / scale` (gradients of a loss multiplied by `scale`, counted unscaled)."""
         v = values.detach().float().flatten().abs()
+        if scale != 1.0:
+            v = v / scale
         finite = torch.isfinite(v)
         nonzero = finite & (v != 0)
-        e = exponents(v[nonzero])
-        self.bins += torch.bincount(e - FP32_MIN_EXP, minlength=NBINS)
+        # Zeros and non-finite values go to one extra bin that is dropped: a boolean index would
+        # make the host wait for the device on every call.
+        index = torch.where(nonzero, exponents(v) - FP32_MIN_EXP, NBINS)
+        self.bins += torch.bincount(index, minlength=NBINS + 1)[:NBINS]
         self.counts += torch.stack([(v == 0).sum(), (~finite).sum(), (finite & (v > FP16_MAX)).sum()])
         if v.numel():
             self.max_abs = torch.maximum(self.max_abs, torch.where(finite, v, 0).max())
+
+    def merge(self, other: "GradHistogram") -> "GradHistogram":
+        """Add another histogram's counts to this one (a network's total from its layers)."""
+        self.bins += other.bins.to(self.bins.device)
+        self.counts += other.counts.to(self.counts.device)
+        self.max_abs = torch.maximum(self.max_abs, other.max_abs.to(self.max_abs.device))
+        return self
+
+    def state_dict(self) -> dict:
+        return {"bins": self.bins.cpu(), "counts": self.counts.cpu(), "max_abs": self.max_abs.cpu()}
+
+    def load_state_dict(self, state: dict) -> None:
+        device = self.bins.device
+        self.bins, self.counts, self.max_abs = (state[k].to(device) for k in ("bins", "counts", "max_abs"))
 
     def summary(self, keep: float = 0.999) -> dict:
         """The counts and what they mean for FP16: shares of the non-zero finite values that FP16

@@ -212,12 +212,12 @@ class PrecisionEngine:
         grads = self.update.grads()
         scale = self.scaler.scale
         unscale = 1.0 if self.update.carries_scale else 1.0 / scale
-        overflow = False
+        overflow, grad_max = False, None
         if self.scaler.checks_overflow:
-            overflow = self._check_and_unscale(grads, unscale)
+            overflow, grad_max = self._check_and_unscale(grads, unscale, scale * unscale if self.scaler.observes_grad_max else None)
         elif unscale != 1.0:
             torch._foreach_mul_(grads, unscale)
-        self.scaler.update(overflow)  # the scale for the next step; raises Diverged when it gives up
+        self.scaler.update(overflow, grad_max)  # the scale for the next step; raises Diverged when it gives up
         if overflow:
             self._zero_grad()
             return False
@@ -229,12 +229,19 @@ class PrecisionEngine:
         self._zero_grad()
         return True
 
-    def _check_and_unscale(self, grads: list[torch.Tensor], unscale: float) -> bool:
+    def _check_and_unscale(self, grads: list[torch.Tensor], unscale: float, left_scale: float | None) -> tuple[bool, float | None]:
+        """Whether any gradient is non-finite, after unscaling them by `unscale`. With `left_scale`
+        (the scale the gradients still carry afterwards), also the largest |gradient| unscaled,
+        brought to the host in the same sync."""
         found_inf = torch.zeros(1, device=self.device)
         inv_scale = torch.full((1,), unscale, dtype=torch.float32, device=self.device)
         for same_dtype in _by_dtype(grads):
             torch._amp_foreach_non_finite_check_and_unscale_(same_dtype, found_inf, inv_scale)
-        return bool(found_inf.item())
+        if left_scale is None or not grads:
+            return bool(found_inf.item()), None
+        largest = torch.stack(torch._foreach_norm(grads, float("inf"), dtype=torch.float32)).max() / left_scale
+        found, grad_max = torch.cat([found_inf, largest.reshape(1)]).tolist()
+        return bool(found), grad_max
 
     def _clip_coef(self, grads: list[torch.Tensor], scale: float) -> torch.Tensor:
         """torch.nn.utils.clip_grad_norm_'s factor, on the norm of the unscaled gradients."""

@@ -1,4 +1,4 @@
-"""Loss scalers: none, static and dynamic behind one interface.
+"""Loss scalers: none, static, dynamic and auto behind one interface.
 
 The scale is a host float: the overflow decision has to reach the host anyway (to skip the update
 and to leave the LR schedule alone), so keeping S on the device would buy nothing.
@@ -6,11 +6,13 @@ and to leave the LR schedule alone), so keeping S on the device would buy nothin
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from omegaconf import DictConfig
 
 from .config import static_scale_value
+from .grad_stats import FP16_MAX
 
 
 class Diverged(RuntimeError):
@@ -41,13 +43,15 @@ class LossScaler:
     by `full_state_dict`, so a resumed run's record counts the steps before the checkpoint."""
 
     checks_overflow = False
+    observes_grad_max = False  # whether update() needs the step's largest unscaled gradient
 
     def __init__(self, scale: float = 1.0):
         self.scale = float(scale)
         self.history = ScaleHistory()
 
-    def update(self, overflow: bool) -> None:
-        """Called once per step after the overflow check, before the next backward."""
+    def update(self, overflow: bool, grad_max: float | None = None) -> None:
+        """Called once per step after the overflow check, before the next backward. `grad_max`:
+        the largest finite |gradient| of the step, unscaled (only for a scaler that observes it)."""
         self.history.scales.append(self.scale)
         self.history.overflows.append(overflow)
 
@@ -87,7 +91,7 @@ class DynamicScaler(LossScaler):
         self.min, self.max = float(min), float(max)
         self.clean_steps = 0
 
-    def update(self, overflow: bool) -> None:
+    def update(self, overflow: bool, grad_max: float | None = None) -> None:
         super().update(overflow)
         if overflow:
             if self.scale <= self.min:
@@ -108,6 +112,73 @@ class DynamicScaler(LossScaler):
         self.clean_steps = int(state["clean_steps"])
 
 
+class AutoScaler(LossScaler):
+    """A scale read off the gradients' running statistics, in the spirit of OpenSeq2Seq's LogMax
+    scaler: x = log2 max|g| of each step's unscaled gradients; a fast bias-corrected mean of x
+    (beta1) and a slow mean and second moment (beta2) give its spread sigma; the next scale is
+
+        S = 2^floor(log2 65504 - margin_bits - (mean + std_devs * sigma)),
+
+    clamped to [min, max]: the expected largest gradient times S stays below FP16's maximum by
+    `std_devs` standard deviations and `margin_bits` more. Powers of two, so scaling is exact.
+
+    A step is skipped only when its gradients did overflow. That step's x is unknown but at least
+    log2(65504 / S); one bit above that enters the estimates, and the next scale is at most half
+    the last, so a run whose loss is itself non-finite reaches `min` and is declared diverged, as
+    with `dynamic`. Unlike `dynamic`, nothing probes upwards: the scale follows the gradients.
+
+    OpenSeq2Seq (automatic_loss_scaler.py) differs in the details: it targets 2^16 with no margin,
+    does not round to a power of two, and treats an overflow as an observation of 2^16 bits.
+    """
+
+    checks_overflow = True
+    observes_grad_max = True
+
+    def __init__(self, init: float, min: float, max: float, beta1: float, beta2: float, std_devs: float, margin_bits: float):
+        super().__init__(init)
+        self.min, self.max = float(min), float(max)
+        self.beta1, self.beta2, self.std_devs, self.margin_bits = float(beta1), float(beta2), float(std_devs), float(margin_bits)
+        self.fast_mean = self.slow_mean = self.slow_square = 0.0  # uncorrected exponential averages of x
+        self.observations = 0
+
+    def estimates(self) -> tuple[float, float]:
+        """The bias-corrected mean and standard deviation of log2 max|g|."""
+        n = self.observations
+        mean = self.fast_mean / (1 - self.beta1**n)
+        slow_mean = self.slow_mean / (1 - self.beta2**n)
+        square = self.slow_square / (1 - self.beta2**n)
+        return mean, math.sqrt(max(square - slow_mean**2, 0.0))
+
+    def update(self, overflow: bool, grad_max: float | None = None) -> None:
+        super().update(overflow)
+        if overflow:
+            if self.scale <= self.min:
+                raise Diverged(f"gradients overflow at the minimum loss scale {self.min:g}")
+            x = math.log2(FP16_MAX / self.scale) + 1
+        elif grad_max is None or not grad_max > 0:
+            return  # no non-zero gradient: nothing to learn from
+        else:
+            x = math.log2(grad_max)
+        self.observations += 1
+        self.fast_mean = self.beta1 * self.fast_mean + (1 - self.beta1) * x
+        self.slow_mean = self.beta2 * self.slow_mean + (1 - self.beta2) * x
+        self.slow_square = self.beta2 * self.slow_square + (1 - self.beta2) * x * x
+        mean, sigma = self.estimates()
+        proposed = 2.0 ** math.floor(math.log2(FP16_MAX) - self.margin_bits - (mean + self.std_devs * sigma))
+        if overflow:
+            proposed = min(proposed, self.scale / 2)
+        self.scale = min(max(proposed, self.min), self.max)
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "fast_mean": self.fast_mean, "slow_mean": self.slow_mean,
+                "slow_square": self.slow_square, "observations": self.observations}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale = float(state["scale"])
+        self.fast_mean, self.slow_mean, self.slow_square = (float(state[k]) for k in ("fast_mean", "slow_mean", "slow_square"))
+        self.observations = int(state["observations"])
+
+
 def build_scaler(cfg: DictConfig) -> LossScaler:
     """cfg: the whole run config (a static scale defaults to the model's value)."""
     s = cfg.scale
@@ -115,4 +186,6 @@ def build_scaler(cfg: DictConfig) -> LossScaler:
         return LossScaler(1.0)
     if s.name == "static":
         return StaticScaler(static_scale_value(cfg))
+    if s.name == "auto":
+        return AutoScaler(s.init, s.min, s.max, s.beta1, s.beta2, s.std_devs, s.margin_bits)
     return DynamicScaler(s.init, s.interval, s.growth, s.backoff, s.min, s.max)

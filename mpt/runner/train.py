@@ -20,6 +20,7 @@ from .config import GROUPS, as_plain, same_computation, static_scale_value
 from .optim import effective_lr
 from .precision import PrecisionEngine, autocast, check_device_support, default_channels_last, prepare_model, set_fp32_math, uses_cpu_fp16_convs
 from . import checkpoint
+from .grad_hooks import GradStatsCollector
 from .record import MetricsLog, environment, git_commit, now_iso, write_json_atomic
 from .scaler import Diverged, build_scaler
 from .throughput import ThroughputMeter, peak_memory, reset_peak_memory
@@ -90,6 +91,7 @@ class Run:
             for name, net in self.task.networks().items()
         }
         self.forward_context = lambda: autocast(cfg.precision, self.device)
+        self.grad_stats = GradStatsCollector(cfg.stats, {name: e.model for name, e in self.engines.items()}, self.device)
         self.meter = ThroughputMeter(self.device, s.throughput_warmup, s.throughput_window, self.task.sample_unit)
         self.step, self.samples, self.last_loss, self.last_finite_loss = 0, 0, None, None
         self.epoch, self.batch_in_epoch = 0, 0  # the data position
@@ -125,6 +127,7 @@ class Run:
             "git": self.record["git"],
             "throughput": self.meter.state_dict(),
             "peak_memory_bytes": peak_memory(self.device)["peak_bytes"],
+            "grad_stats": self.grad_stats.state_dict(),
         }
 
     def _restore(self, saved: dict) -> None:
@@ -144,6 +147,8 @@ class Run:
             print(f"mpt-run: warning: the checkpoint was written by commit {saved['git'].get('commit')}, this is {self.record['git'].get('commit')}", flush=True)
         self.meter.load_state_dict(saved["throughput"])
         self.peak_before_resume = saved["peak_memory_bytes"]
+        if saved.get("grad_stats"):  # checkpoints before gradient statistics have none
+            self.grad_stats.load_state_dict(saved["grad_stats"])
         checkpoint.set_rng_state(saved["rng"])  # last: building the run drew from the generators
         log.info("resuming %s from its checkpoint at step %d of %d", self.run_dir, self.step, self.total_steps)
         print(f"mpt-run: resuming from the checkpoint at step {self.step} of {self.total_steps} (resume=false starts over)", flush=True)
@@ -198,6 +203,7 @@ class Run:
             "throughput": None,
             "memory": None,
             "loss_scale": None,
+            "grad_stats": None,  # stats.grad_hist: gradient histograms against FP16's range (grad_hooks.py)
             "environment": environment(self.device),
             "git": git_commit(Path(__file__).resolve().parent),
             "started_at": now_iso(),
@@ -230,6 +236,7 @@ class Run:
             rec["memory"] = peak_memory(self.device)
             rec["memory"]["peak_bytes"] = max(rec["memory"]["peak_bytes"], self.peak_before_resume)
             rec["loss_scale"] = {name: e.scaler.summary() for name, e in self.engines.items()}
+            rec["grad_stats"] = self.grad_stats.summary()
             rec["finished_at"] = now_iso()
             rec["duration_s"] = time.perf_counter() - t_start
             self.metrics.close()
@@ -259,7 +266,10 @@ class Run:
                 continue
             self.batch_in_epoch += 1
             wait = time.perf_counter() - t0
-            self.pending.extend(self._train_step(self.step, batch))
+            with self.grad_stats.step(self.step):
+                self.pending.extend(self._train_step(self.step, batch))
+            if self.grad_stats.sampling(self.step):
+                self.meter.interrupt()  # its hooks' time is not training's
             self.step += 1
             n = self.task.count_samples(batch)
             self.samples += n
@@ -284,7 +294,8 @@ class Run:
                 return rows
             engine = self.engines[term.group]
             row = {"kind": "train", "step": step, "group": term.group, "lr": engine.lr, "scale": engine.scaler.scale}
-            engine.backward(term.loss)
+            with self.grad_stats.backward(term.group, engine.scaler.scale):
+                engine.backward(term.loss)
             applied = engine.step()
             row["overflow"] = (not applied) if engine.scaler.checks_overflow else None
             row["loss"] = term.loss.detach()

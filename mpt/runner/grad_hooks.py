@@ -1,0 +1,171 @@
+"""Gradient statistics sampled during training: where activation and weight gradients lie
+against FP16's range (the paper's Figures 3 and 2b), per layer and in total.
+
+On a sampled step, a forward hook on every module that owns parameters puts a tensor hook on
+each of its outputs; in backward that hook sees the gradient of the loss with respect to the
+layer's output (the activation gradient). After the backward, before the update, each layer's
+weight gradients are counted. Every value is counted unscaled: divided by the loss scale the
+backward ran with, so runs in any precision and with any scale are comparable with FP32's. On
+other steps no hook is installed at all, so they cost nothing; a sampled step's cost is timed
+against the step before it, and sampled steps are left out of throughput.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import statistics
+import time
+from typing import Iterator
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from .grad_stats import GradHistogram
+from .throughput import synchronize
+
+KINDS = ("activation", "weight")
+
+
+def parameterized_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules that own parameters directly, by qualified name (the root as "(root)")."""
+    return [(name or "(root)", m) for name, m in model.named_modules() if next(m.parameters(recurse=False), None) is not None]
+
+
+class GradStatsCollector:
+    """One per run, over every network of the task. Disabled (stats.grad_hist=false), every
+    method returns at once and `summary()` is None."""
+
+    def __init__(self, stats: DictConfig, networks: dict[str, nn.Module], device: torch.device):
+        self.enabled, self.every, self.keep = bool(stats.grad_hist), int(stats.every), float(stats.keep)
+        self.device = device
+        self.layers = {net: parameterized_layers(model) for net, model in networks.items()}
+        self.hists: dict[str, dict[str, dict[str, GradHistogram]]] = {net: {k: {} for k in KINDS} for net in networks}
+        self.sampled_steps: list[int] = []
+        self.loss_scales: dict[str, list[float]] = {net: [] for net in networks}
+        self.step_seconds: dict[str, list[float]] = {"sampled": [], "plain": []}
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._backward_of: tuple[str, float] | None = None  # the network whose loss is in backward, and its scale
+
+    def sampling(self, step: int) -> bool:
+        return self.enabled and (step + 1) % self.every == 0
+
+    @contextlib.contextmanager
+    def step(self, step: int) -> Iterator[None]:
+        """Around one training step: hooks on for a sampled step; a sampled step and the one
+        before it are timed with the device synchronized."""
+        sampled = self.sampling(step)
+        if not (sampled or self.sampling(step + 1)):
+            yield
+            return
+        synchronize(self.device)
+        t0 = time.perf_counter()
+        if sampled:
+            self._install()
+        try:
+            yield
+        finally:
+            self._remove()
+        synchronize(self.device)
+        self.step_seconds["sampled" if sampled else "plain"].append(time.perf_counter() - t0)
+        if sampled:
+            self.sampled_steps.append(step)
+
+    @contextlib.contextmanager
+    def backward(self, network: str, scale: float) -> Iterator[None]:
+        """Around one network's backward: its activation gradients are counted as they pass, its
+        weight gradients once they are complete."""
+        if not self._handles:
+            yield
+            return
+        self._backward_of = (network, scale)
+        try:
+            yield
+        finally:
+            self._backward_of = None
+        self.loss_scales[network].append(scale)
+        for name, module in self.layers[network]:
+            for p in module.parameters(recurse=False):
+                if p.grad is not None:
+                    self._hist(network, "weight", name).add(p.grad, scale)
+
+    def _install(self) -> None:
+        for net, layers in self.layers.items():
+            for name, module in layers:
+                self._handles.append(module.register_forward_hook(functools.partial(self._on_forward, net, name)))
+
+    def _remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _on_forward(self, net: str, name: str, _module: nn.Module, _args, output) -> None:
+        for t in tree_leaves(output):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(functools.partial(self._on_activation_grad, net, name))
+
+    def _on_activation_grad(self, net: str, name: str, grad: torch.Tensor) -> None:
+        # A network's layers also pass gradients of another network's loss (a GAN's generator
+        # loss flows through the frozen discriminator): each network counts its own loss only.
+        if self._backward_of is not None and self._backward_of[0] == net:
+            self._hist(net, "activation", name).add(grad, self._backward_of[1])
+
+    def _hist(self, net: str, kind: str, layer: str) -> GradHistogram:
+        layers = self.hists[net][kind]
+        if layer not in layers:
+            layers[layer] = GradHistogram(self.device)
+        return layers[layer]
+
+    def summary(self) -> dict | None:
+        if not self.enabled:
+            return None
+        networks = {}
+        for net, kinds in self.hists.items():
+            networks[net] = {}
+            for kind, layers in kinds.items():
+                total = GradHistogram(self.device)
+                for h in layers.values():
+                    total.merge(h)
+                networks[net][kind] = {"total": total.summary(self.keep), "layers": {name: h.summary(self.keep) for name, h in layers.items()}}
+        return {
+            "every": self.every,
+            "keep": self.keep,
+            "sampled_steps": list(self.sampled_steps),
+            "loss_scales": {net: list(v) for net, v in self.loss_scales.items()},
+            "values": "unscaled: divided by the loss scale of their step's backward; values a scaled FP16 backward had already flushed count as zeros",
+            "activation": "gradient of the loss with respect to the output of each module that owns parameters",
+            "cost": self._cost(),
+            "networks": networks,
+        }
+
+    def _cost(self) -> dict:
+        sampled, plain = self.step_seconds["sampled"], self.step_seconds["plain"]
+        med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
+        out = {
+            "sampled_step_s": med(sampled),
+            "plain_step_s": med(plain),
+            "ratio": med(sampled) / med(plain) if sampled and plain else None,
+            "sampled_steps_timed": len(sampled),
+            "plain_steps_timed": len(plain),
+            "method": "median wall time of the sampled steps and of the steps just before them, device synchronized around each; sampled steps are left out of throughput",
+        }
+        return out
+
+    def state_dict(self) -> dict:
+        return {
+            "hists": {net: {kind: {name: h.state_dict() for name, h in layers.items()} for kind, layers in kinds.items()} for net, kinds in self.hists.items()},
+            "sampled_steps": list(self.sampled_steps),
+            "loss_scales": {net: list(v) for net, v in self.loss_scales.items()},
+            "step_seconds": {k: list(v) for k, v in self.step_seconds.items()},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        for net, kinds in state["hists"].items():
+            for kind, layers in kinds.items():
+                for name, saved in layers.items():
+                    self._hist(net, kind, name).load_state_dict(saved)
+        self.sampled_steps = list(state["sampled_steps"])
+        self.loss_scales = {net: list(v) for net, v in state["loss_scales"].items()}
+        self.step_seconds = {k: list(v) for k, v in state["step_seconds"].items()}
