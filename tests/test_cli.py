@@ -83,3 +83,13 @@ def test_imagefolder_trains_on_cifar10_mini(tmp_path):
     assert (rec["data"]["train_samples"], rec["data"]["val_samples"]) == (1000, 200)
     assert rec["metrics"]["val_samples"] == 200  # the whole test split was evaluated
     assert rec["samples"] == 150
+
+
+def test_a_long_variant_names_a_folder_the_file_system_accepts():
+    from mpt.runner.cli import MAX_NAME, folder_name
+
+    a, b = ("stats.every=2,stats.grad_hist=True," + "x" * 300), ("stats.every=3,stats.grad_hist=True," + "x" * 300)
+    name_a, name_b = folder_name("resnet50_fp32_none_synthetic_smoke_cpu_seed0", a), folder_name("resnet50_fp32_none_synthetic_smoke_cpu_seed0", b)
+    assert len(name_a.encode()) <= MAX_NAME and name_a != name_b  # distinct configs, distinct folders
+    assert name_a == folder_name("resnet50_fp32_none_synthetic_smoke_cpu_seed0", a)  # and the same one again for a relaunch
+    assert folder_name("m_p_s_d_sc_cpu_seed0", "optim.lr=0.2") == "m_p_s_d_sc_cpu_seed0__optim.lr=0.2"

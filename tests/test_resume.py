@@ -67,6 +67,8 @@ def kill_after_checkpoint(args: list[str], run_dir: Path, after_rows: int) -> in
 # from the random stream; GNMT draws length-bucketed batches.
 SMALL_LM = ["model.hidden_size=32", "model.proj_size=8", "model.num_sampled=64", "model.bptt=5", "data.train_samples=12"]
 SMALL_NMT = ["model.hidden_size=16", "model.encoder_layers=2", "model.decoder_layers=2", "data.train_samples=40", "model.beam_size=2"]
+# Gradient histograms sampled before and after the kill accumulate into the same counts.
+GRAD_STATS = ["stats.grad_hist=true", "stats.every=3"]
 # The GAN has two engines and draws its latents from the random stream.
 SMALL_GAN = ["model.ngf=4", "model.ndf=4", "model.sample_grid=4", "data.train_samples=12", "data.val_samples=4"]
 
@@ -74,8 +76,8 @@ SMALL_GAN = ["model.ngf=4", "model.ndf=4", "model.sample_grid=4", "data.train_sa
 @pytest.mark.parametrize(
     "model,precision,scale,extra",
     [("alexnet", "fp32", "none", ["data.train_samples=12"]), ("resnet50", "mixed", "dynamic", ["data.train_samples=12"]),
-     ("resnet50", "fp16_modmom", "static", ["data.train_samples=12"]), ("biglstm_tiny", "mixed", "dynamic", SMALL_LM),
-     ("gnmt", "mixed", "dynamic", SMALL_NMT), ("dcgan64", "mixed", "dynamic", SMALL_GAN)],
+     ("resnet50", "fp16_modmom", "static", ["data.train_samples=12"]), ("biglstm_tiny", "mixed", "auto", SMALL_LM),
+     ("gnmt", "mixed", "dynamic", SMALL_NMT), ("dcgan64", "mixed", "dynamic", [*SMALL_GAN, *GRAD_STATS])],
 )  # fmt: skip
 def test_killed_and_resumed_run_matches_an_uninterrupted_one(tmp_path, model, precision, scale, extra):
     args = [f"model={model}", f"precision={precision}", f"scale={scale}", "scale.interval=2", *extra,
@@ -95,6 +97,10 @@ def test_killed_and_resumed_run_matches_an_uninterrupted_one(tmp_path, model, pr
     assert res["resumed_from_step"] in (4, 6)  # (images: mid-epoch, or at an epoch boundary, 3 batches an epoch)
     for field in DETERMINISTIC_FIELDS:
         assert res[field] == ref[field], field
+    if ref["grad_stats"]:
+        assert ref["grad_stats"]["sampled_steps"] == [2, 5]
+        for key in ("sampled_steps", "loss_scales", "networks"):
+            assert res["grad_stats"][key] == ref["grad_stats"][key], key
     assert log_rows(killed) == log_rows(reference)  # every step's loss, lr, scale and overflow, every evaluation
     assert res.get("sample_grids") == ref.get("sample_grids")  # a generative task's pictures, by step
     for grid in ref.get("sample_grids") or []:

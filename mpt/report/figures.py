@@ -150,7 +150,9 @@ def sample_grids(runs: pd.DataFrame, out: Path) -> list[Path]:
     return written
 
 
-FP16_LOST_EXP, FP16_NORMAL_EXP, FP16_MAX_LOG2 = -24, -14, math.log2(65504)
+# Below 2^-25 a value becomes zero in FP16 (from 2^-25 it rounds up to the smallest subnormal,
+# 2^-24); from 2^-14 it is normal; from 65520 it is inf (runner/grad_stats.py).
+FP16_LOST_EXP, FP16_NORMAL_EXP, FP16_MAX_LOG2 = -25, -14, math.log2(65520)
 FIGURE_OF_KIND = {"activation": "the paper's Figure 3", "weight": "the paper's Figure 2b"}
 
 
@@ -169,10 +171,10 @@ def _histogram_panel(ax, bins: dict[int, int], zeros: int, shift: int, span: tup
     ax.set_ylim(0, max(top, 1e-9) if zero_share > top else max(top, zero_share * 1.05))
     ax.annotate(f"{zero_share:.1f}%", (zero_x + 0.5, min(zero_share, ax.get_ylim()[1])), ha="center", va="bottom" if zero_share <= top else "top", fontsize=7,
                 xytext=(0, 2 if zero_share <= top else -2), textcoords="offset points", color="k" if zero_share <= top else "w", rotation=90)
-    ax.axvspan(lo - 1, FP16_LOST_EXP, color="tab:red", alpha=0.1, label="becomes 0 in FP16")
+    ax.axvspan(lo - 1, FP16_LOST_EXP, color="tab:red", alpha=0.1, label="becomes 0 in FP16 (below $2^{-25}$)")
     ax.axvspan(FP16_LOST_EXP, FP16_NORMAL_EXP, color="tab:orange", alpha=0.15, label="FP16 subnormal")
     ax.axvspan(FP16_NORMAL_EXP, FP16_MAX_LOG2, color="tab:green", alpha=0.08, label="FP16 normal")
-    ax.axvspan(FP16_MAX_LOG2, hi + 1, color="tab:purple", alpha=0.12, label="overflows FP16")
+    ax.axvspan(FP16_MAX_LOG2, hi + 1, color="tab:purple", alpha=0.12, label="overflows FP16 (from 65520)")
     ax.axvline(lo - 1, color="k", lw=0.6)
     step = 8 if hi - lo > 40 else 4
     ticks = [t for t in range(lo - lo % step, hi + 2) if t % step == 0 and t >= lo]

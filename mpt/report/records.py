@@ -15,7 +15,7 @@ import pandas as pd
 PRECISION_ORDER = ["fp32", "tf32", "fp16", "mixed", "fp16_modmom", "amp", "bf16"]
 SCALE_ORDER = ["none", "static", "dynamic", "auto"]
 # Gradient statistics (record "grad_stats") that become columns grad.<network>.<kind>.<field>.
-GRAD_FIELDS = ["values", "share_zero", "share_lost_fp16", "share_subnormal_fp16", "share_overflow_fp16", "max_abs", "recommended_scale", "max_safe_scale", "keep"]
+GRAD_FIELDS = ["values", "share_zero", "share_lost_fp16", "share_subnormal_fp16", "share_normal_fp16", "share_overflow_fp16", "max_abs", "recommended_scale", "max_safe_scale", "keep"]
 
 
 def mode_label(precision_label: str, scale: str, scale_value: float | None) -> str:

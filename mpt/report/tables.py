@@ -10,6 +10,8 @@ import math
 
 import pandas as pd
 
+from .records import GRAD_FIELDS
+
 # Metrics that records keep as fractions and papers print as percentages.
 PERCENT_METRICS = {"top1", "top5", "map", "map_11pt", "map_all"}
 MODE_KEYS = ["mode", "precision", "scale", "scale_value"]
@@ -139,11 +141,11 @@ def gradient_stats(runs: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for col in cols:
         _, net, kind, _ = col.split(".")
-        for _, run in runs[runs[col].notna()].iterrows():
+        for _, run in runs[runs[col] > 0].iterrows():  # a network no sampled step reached has nothing to show
             rows.append({
                 **{k: run[k] for k in [*CELL_KEYS, *MODE_KEYS, "seed", "status"]},
                 "network": net, "kind": kind, "sampled_steps": run["grad_sampled_steps"],
-                **{k: run[f"grad.{net}.{kind}.{k}"] for k in ["values", "share_zero", "share_lost_fp16", "share_subnormal_fp16", "share_overflow_fp16", "max_abs", "recommended_scale", "max_safe_scale", "keep"]},
+                **{k: run[f"grad.{net}.{kind}.{k}"] for k in GRAD_FIELDS},
                 "cost_ratio": run["grad_cost_ratio"],
             })
     return pd.DataFrame(rows)
@@ -213,15 +215,21 @@ def render_loss_scaling(table: pd.DataFrame) -> str:
 
 
 def render_gradient_stats(table: pd.DataFrame) -> str:
+    """One table per model (the paper's Figures 2b and 3 as numbers)."""
     if table.empty:
         return "_no runs with stats.grad_hist=true_"
+    return "\n\n".join(f"### {model}\n\n" + _gradient_stats_md(rows) for model, rows in table.groupby("model", sort=False))
+
+
+def _gradient_stats_md(table: pd.DataFrame) -> str:
     pct = lambda v: f"{v * 100:.2f}"  # noqa: E731
     scale = lambda v: "none fits" if pd.isna(v) else f"{v:g}"  # noqa: E731
     out = pd.DataFrame({
-        **{k: table[k] for k in [*CELL_KEYS, "mode", "seed", "network", "kind", "sampled_steps"]},
+        **{k: table[k] for k in [*CELL_KEYS[1:], "mode", "seed", "network", "kind", "sampled_steps"]},
         "% zero": table.share_zero.map(pct),
         "% lost in FP16": table.share_lost_fp16.map(pct),
         "% FP16 subnormal": table.share_subnormal_fp16.map(pct),
+        "% FP16 normal": table.share_normal_fp16.map(pct),
         "% overflow": table.share_overflow_fp16.map(pct),
         "max abs": table.max_abs.map(lambda v: f"{v:.3g}"),
         "recommended scale": [f"{scale(r)} (keeps {k * 100:g}%)" for r, k in zip(table.recommended_scale, table.keep)],

@@ -64,7 +64,19 @@ def run_name(seed: int, device: str) -> str:
     choices = HydraConfig.get().runtime.choices
     name = "_".join([*(choices[g] for g in GROUPS), device_type(device), f"seed{seed}"])
     extra = variant()
-    return name + ("__" + ",".join(_safe(p) for p in extra.split(",")) if extra else "")
+    return folder_name(name, ",".join(_safe(p) for p in extra.split(",")) if extra else "")
+
+
+MAX_NAME = 200  # file systems allow 255 bytes per name
+
+
+def folder_name(choices: str, variant: str) -> str:
+    """choices__variant, and a variant too long for a file name cut, with a hash of all of it."""
+    name = f"{choices}__{variant}" if variant else choices
+    if len(name.encode()) <= MAX_NAME:
+        return name
+    tag = f"~h{zlib.crc32(variant.encode()):08x}"
+    return name.encode()[: MAX_NAME - len(tag)].decode(errors="ignore") + tag
 
 
 OmegaConf.register_new_resolver("mpt_run_name", run_name, use_cache=False)

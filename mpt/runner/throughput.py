@@ -6,7 +6,9 @@ over windows. Two figures are kept:
 - `pipeline`: samples / window wall time, data loading included;
 - `compute`: samples / (window wall time - time the loop spent waiting for its next batch).
 A window that an evaluation interrupts is discarded, and the step after it reopens the window
-without being counted (so is the last warm-up step: at least one step is always excluded).
+without being counted (so is the last warm-up step: at least one step is always excluded). A step
+that did extra work (a sampled step of gradient statistics) is left out of its window: its
+synchronized wall time is subtracted and its samples are not counted.
 """
 
 from __future__ import annotations
@@ -39,23 +41,29 @@ class ThroughputMeter:
         self._t0 = time.perf_counter()
         self._samples = 0
         self._wait = 0.0
+        self._excluded = 0.0
         self._steps = 0
         self._open = True
 
-    def step(self, samples: int, wait_s: float) -> None:
-        """Call after each training step with its sample count and the time spent waiting for its batch."""
+    def step(self, samples: int, wait_s: float, excluded_s: float | None = None) -> None:
+        """Call after each training step with its sample count and the time spent waiting for its
+        batch; `excluded_s`: the step's own synchronized wall time, batch wait included, when it is
+        to be left out of throughput."""
         self.steps_seen += 1
         if self.steps_seen < self.warmup:
             return
         if not self._open:
             self._start()  # the window opens at the end of the last warm-up step
             return
+        if excluded_s is not None:
+            self._excluded += excluded_s
+            return
         self._samples += samples
         self._wait += wait_s
         self._steps += 1
         if self._steps == self.window:
             synchronize(self.device)
-            elapsed = time.perf_counter() - self._t0
+            elapsed = time.perf_counter() - self._t0 - self._excluded
             self.pipeline.append(self._samples / elapsed)
             self.compute.append(self._samples / max(elapsed - self._wait, 1e-12))
             self._start()

@@ -91,7 +91,7 @@ class Run:
             for name, net in self.task.networks().items()
         }
         self.forward_context = lambda: autocast(cfg.precision, self.device)
-        self.grad_stats = GradStatsCollector(cfg.stats, {name: e.model for name, e in self.engines.items()}, self.device)
+        self.grad_stats = GradStatsCollector(cfg.stats, {name: e.model for name, e in self.engines.items()}, self.device, s.throughput_warmup)
         self.meter = ThroughputMeter(self.device, s.throughput_warmup, s.throughput_window, self.task.sample_unit)
         self.step, self.samples, self.last_loss, self.last_finite_loss = 0, 0, None, None
         self.epoch, self.batch_in_epoch = 0, 0  # the data position
@@ -235,6 +235,8 @@ class Run:
             rec["throughput"] = self.meter.summary()
             rec["memory"] = peak_memory(self.device)
             rec["memory"]["peak_bytes"] = max(rec["memory"]["peak_bytes"], self.peak_before_resume)
+            if self.grad_stats.sampled_steps:
+                rec["memory"]["note"] = self.grad_stats.MEMORY_NOTE
             rec["loss_scale"] = {name: e.scaler.summary() for name, e in self.engines.items()}
             rec["grad_stats"] = self.grad_stats.summary()
             rec["finished_at"] = now_iso()
@@ -266,14 +268,15 @@ class Run:
                 continue
             self.batch_in_epoch += 1
             wait = time.perf_counter() - t0
-            with self.grad_stats.step(self.step):
+            with self.grad_stats.step(self.step) as stats_step:
                 self.pending.extend(self._train_step(self.step, batch))
-            if self.grad_stats.sampling(self.step):
-                self.meter.interrupt()  # its hooks' time is not training's
+            if stats_step["sampled"] and stats_step["seconds"] is None:
+                self.meter.interrupt()  # a sampled step that was not timed: its window cannot be corrected
             self.step += 1
             n = self.task.count_samples(batch)
             self.samples += n
-            self.meter.step(n, wait)
+            # A sampled step's hooks are not training's work: the step is left out of throughput.
+            self.meter.step(n, wait, excluded_s=None if stats_step["seconds"] is None else stats_step["seconds"] + wait)
             if self.step % self.cfg.schedule.log_every == 0 or self.step == self.total_steps:
                 self._flush()
             if self.step % self.eval_every == 0 or self.step == self.total_steps:

@@ -1,0 +1,155 @@
+"""Gradient statistics collected during training, against gradients computed independently with
+torch.autograd.grad, and through the real command line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torch import nn
+
+from mpt.report.cli import build_report
+from mpt.runner.grad_hooks import GradStatsCollector
+from mpt.runner.grad_stats import GradHistogram
+
+from .conftest import CPU, ROOT, read_record, run_cli
+
+
+def stats_cfg(every: int = 1):
+    return OmegaConf.create({"grad_hist": True, "every": every, "keep": 0.999})
+
+
+def net() -> nn.Module:
+    torch.manual_seed(0)
+    # An in-place ReLU after batch-norm: the hook on BN's output must still see the gradient with
+    # respect to that output, not to the ReLU's.
+    return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(inplace=True), nn.Linear(16, 3))
+
+
+def hist_of(*tensors: torch.Tensor) -> dict:
+    h = GradHistogram()
+    for t in tensors:
+        h.add(t)
+    return h.summary()
+
+
+def test_counts_are_the_unscaled_activation_and_weight_gradients_autograd_computes():
+    x, G = torch.randn(8, 6), torch.randn(8, 3)
+    model, oracle = net(), net()
+    # The oracle: the same network unrolled by hand with an out-of-place ReLU, unscaled loss.
+    h0 = oracle[0](x)
+    h1 = oracle[1](h0)
+    a = torch.relu(h1)
+    y = oracle[3](a)
+    loss = (y * G).sum()
+    grads = torch.autograd.grad(loss, [h0, h1, a, y, *oracle.parameters()])
+    g_h0, g_h1, g_a, g_y, (gw0, gb0, gw1, gb1, gw3, gb3) = *grads[:4], grads[4:]
+
+    S = 1024.0  # a power of two: scaling commutes exactly with FP32 arithmetic
+    c = GradStatsCollector(stats_cfg(), {"model": model}, CPU)
+    with c.step(0):
+        with c.backward("model", S):
+            ((model(x) * G).sum() * S).backward()
+    acts = {name: h.summary() for name, h in c.hists["model"]["activation"].items()}
+    weights = {name: h.summary() for name, h in c.hists["model"]["weight"].items()}
+    assert acts == {"0": hist_of(g_h0), "1": hist_of(g_h1), "3": hist_of(g_y)}
+    assert weights == {"0": hist_of(gw0, gb0), "1": hist_of(gw1, gb1), "3": hist_of(gw3, gb3)}
+    assert acts["1"]["zeros"] > 0 and hist_of(g_a)["zeros"] == 0  # BN's output (ReLU's mask applied), not the ReLU's
+    total = c.summary()["networks"]["model"]["activation"]["total"]
+    assert total["nonzero"] == sum(a["nonzero"] for a in acts.values()) and total["zeros"] == sum(a["zeros"] for a in acts.values())
+    assert c.summary()["loss_scales"] == {"model": [S]} and c.summary()["sampled_steps"] == [0]
+
+
+def test_only_sampled_steps_install_hooks_and_none_outlive_their_step():
+    model = net()
+    c = GradStatsCollector(stats_cfg(every=2), {"model": model}, CPU)
+    hooked = lambda: sum(len(m._forward_hooks) for m in model.modules())  # noqa: E731
+    x = torch.randn(4, 6)
+    with c.step(0):  # not sampled: no hook at all
+        assert hooked() == 0
+        with c.backward("model", 1.0):
+            model(x).sum().backward()
+    assert c.hists["model"] == {"activation": {}, "weight": {}} and c.sampled_steps == []
+    with pytest.raises(RuntimeError, match="boom"):
+        with c.step(1):  # sampled, and failing: its hooks still go
+            assert hooked() == 3
+            raise RuntimeError("boom")
+    assert hooked() == 0
+    with c.step(3):
+        with c.backward("model", 1.0):
+            model(x).sum().backward()
+    assert hooked() == 0 and c.sampled_steps == [1, 3]  # the failed step too: whatever it counted stays counted
+    with torch.no_grad():
+        model(x)  # an evaluation between steps counts nothing
+    assert c.summary()["networks"]["model"]["activation"]["total"]["values"] == 3 * 4 * 16 + 4 * 3 - 4 * 16
+
+
+def test_each_network_counts_the_gradients_of_its_own_loss_only():
+    torch.manual_seed(0)
+    gen, disc = nn.Linear(4, 4), nn.Linear(4, 1)
+    disc.requires_grad_(False)  # as a GAN's discriminator is while the generator's loss is formed
+    c = GradStatsCollector(stats_cfg(), {"generator": gen, "discriminator": disc}, CPU)
+    with c.step(0):
+        with c.backward("generator", 2.0):
+            (disc(gen(torch.randn(3, 4))).sum() * 2.0).backward()
+    assert set(c.hists["generator"]["activation"]) == {"(root)"} and set(c.hists["generator"]["weight"]) == {"(root)"}
+    assert c.hists["discriminator"] == {"activation": {}, "weight": {}}
+
+
+def test_the_state_round_trips():
+    model = net()
+    c = GradStatsCollector(stats_cfg(), {"model": model}, CPU)
+    with c.step(0):
+        with c.backward("model", 4.0):
+            (model(torch.randn(4, 6)).sum() * 4.0).backward()
+    again = GradStatsCollector(stats_cfg(), {"model": model}, CPU)
+    again.load_state_dict(c.state_dict())
+    assert again.summary() == c.summary()
+
+
+def test_runs_count_unscaled_gradients_in_any_precision_and_the_report_draws_them(tmp_path):
+    """FP32 with a loss scale of 8 computes exactly 8x FP32's gradients: counted unscaled, its
+    histograms equal the unscaled run's bit for bit. Mixed runs record theirs too."""
+    sweep = tmp_path / "runs"
+    # DCGAN: two networks, each with its own loss and scaler; batch-norm and in-place activations.
+    r = run_cli("-m", "model=dcgan64", "model.ngf=4", "model.ndf=4", "model.sample_grid=4", "data.train_samples=12", "data.val_samples=4",
+                "schedule=smoke", "schedule.steps=4", "checkpoint=false",
+                "stats.grad_hist=true", "stats.every=2", "schedule.throughput_warmup=1", "schedule.throughput_window=1",
+                "precision=fp32,mixed", "scale=none,static", "scale.value=8", f"hydra.sweep.dir={sweep}", cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    recs = {(rec["choices"]["precision"], rec["choices"]["scale"]): rec for rec in map(read_record, (p.parent for p in sweep.rglob("result.json")))}
+    assert len(recs) == 4
+    for rec in recs.values():
+        g = rec["grad_stats"]
+        assert rec["status"] == "ok" and g["sampled_steps"] == [1, 3] and g["keep"] == 0.999
+        assert g["cost"]["sampled_steps_timed"] == 2 and g["cost"]["ratio"] > 0
+        # Sampled steps, and the steps that reopen a timing window after them, are not in throughput.
+        assert rec["throughput"]["windows"] == 1
+        for net, count in [("generator", 9), ("discriminator", 8)]:  # G: 5 transposed convolutions, 4 batch-norms; D: 5 and 3
+            for kind in ("activation", "weight"):
+                assert len(g["networks"][net][kind]["layers"]) == count, (net, kind)
+    plain, scaled = recs[("fp32", "none")]["grad_stats"], recs[("fp32", "static")]["grad_stats"]
+    assert scaled["loss_scales"] == {"discriminator": [8.0, 8.0], "generator": [8.0, 8.0]}
+    assert scaled["networks"] == plain["networks"]
+
+    out = tmp_path / "report"
+    build_report([sweep], out, None)
+    table = (out / "tables" / "gradient_stats.md").read_text()
+    assert table.count("| activation |") == 8 and table.count("| weight |") == 8
+    figs = sorted(p.name for p in (out / "figures").glob("grads_*.png"))
+    assert len(figs) == 16 and all((out / "figures" / f).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for f in figs)
+    csv = (out / "tables" / "gradient_stats.csv").read_text().splitlines()
+    assert len(csv) == 17 and "share_lost_fp16" in csv[0]
+
+
+def test_a_sampled_step_is_left_out_of_its_throughput_window(monkeypatch):
+    from mpt.runner import throughput
+
+    clock = [0.0]
+    monkeypatch.setattr(throughput.time, "perf_counter", lambda: clock[0])
+    meter = throughput.ThroughputMeter(CPU, warmup=1, window=2, unit="images")
+    # Plain steps take 1 s for 10 images; the sampled one (third) takes 5 s.
+    for seconds, sampled in [(1, False), (1, False), (5, True), (1, False), (1, False), (1, False)]:
+        clock[0] += seconds
+        meter.step(10, 0.0, excluded_s=seconds if sampled else None)
+    assert meter.pipeline == [10.0, 10.0]  # without the exclusion the first window would read 20 images in 7 s
