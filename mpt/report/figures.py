@@ -161,10 +161,10 @@ def _histogram_panel(ax, bins: dict[int, int], zeros: int, shift: int, span: tup
     total = sum(bins.values()) + zeros
     lo, hi = span
     exps = sorted(bins)
-    ax.bar([e + shift for e in exps], [bins[e] / total * 100 for e in exps], width=1.0, align="edge", color="C0", label="values in [2^k, 2^(k+1))")
+    ax.bar([e + shift for e in exps], [bins[e] / total * 100 for e in exps], width=1.0, align="edge", color="C0", label="values in [2^k, 2^(k+1))", zorder=3)
     zero_x = lo - 3  # the zero bucket, apart at the left
     zero_share = zeros / total * 100
-    ax.bar([zero_x], [zero_share], width=1.0, align="edge", color="0.35", label="zero")
+    ax.bar([zero_x], [zero_share], width=1.0, align="edge", color="0.35", label="zero", zorder=3)
     # The zeros (often most values: ReLU) would flatten the rest: the axis fits the non-zero
     # bins and the zero bar carries its number.
     top = max([bins[e] / total * 100 for e in exps] or [zero_share]) * 1.25
