@@ -113,18 +113,19 @@ def test_runs_count_unscaled_gradients_in_any_precision_and_the_report_draws_the
     sweep = tmp_path / "runs"
     # DCGAN: two networks, each with its own loss and scaler; batch-norm and in-place activations.
     r = run_cli("-m", "model=dcgan64", "model.ngf=4", "model.ndf=4", "model.sample_grid=4", "data.train_samples=12", "data.val_samples=4",
-                "schedule=smoke", "schedule.steps=4", "checkpoint=false",
-                "stats.grad_hist=true", "stats.every=2", "schedule.throughput_warmup=1", "schedule.throughput_window=1",
+                "schedule=smoke", "schedule.steps=7", "checkpoint=false",
+                "stats.grad_hist=true", "stats.every=3", "schedule.throughput_warmup=1", "schedule.throughput_window=2",
                 "precision=fp32,mixed", "scale=none,static", "scale.value=8", f"hydra.sweep.dir={sweep}", cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     recs = {(rec["choices"]["precision"], rec["choices"]["scale"]): rec for rec in map(read_record, (p.parent for p in sweep.rglob("result.json")))}
     assert len(recs) == 4
     for rec in recs.values():
         g = rec["grad_stats"]
-        assert rec["status"] == "ok" and g["sampled_steps"] == [1, 3] and g["keep"] == 0.999
-        assert g["cost"]["sampled_steps_timed"] == 2 and g["cost"]["ratio"] > 0
-        # Sampled steps, and the steps that reopen a timing window after them, are not in throughput.
-        assert rec["throughput"]["windows"] == 1
+        assert rec["status"] == "ok" and g["sampled_steps"] == [2, 5] and g["keep"] == 0.999
+        assert g["cost"]["sampled_steps_timed"] == g["cost"]["plain_steps_timed"] == 2 and g["cost"]["ratio"] > 0
+        # Steps 1, 3 and 4, 6 fill two windows of two: the sampled steps 2 and 5 are left out of
+        # them (discarding the windows they fall in would leave one).
+        assert rec["throughput"]["windows"] == 2
         for net, count in [("generator", 9), ("discriminator", 8)]:  # G: 5 transposed convolutions, 4 batch-norms; D: 5 and 3
             for kind in ("activation", "weight"):
                 assert len(g["networks"][net][kind]["layers"]) == count, (net, kind)

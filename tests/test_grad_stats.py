@@ -74,3 +74,11 @@ def test_the_recommended_scale_keeps_the_stated_share_and_half_of_it_does_not(ke
     assert kept(scale) >= keep > kept(scale / 2)
     assert kept_share(h.bins, int(math.log2(scale))) == pytest.approx(kept(scale), abs=1e-12)
     assert scale <= s["max_safe_scale"] and float(values.max()) * s["max_safe_scale"] < 65520 <= float(values.max()) * 2 * s["max_safe_scale"]
+
+
+def test_a_channels_last_gradient_is_counted_without_a_copy():
+    from mpt.runner.grad_stats import flat_view
+
+    g = torch.randn(2, 3, 4, 5).contiguous(memory_format=torch.channels_last)
+    assert flat_view(g).data_ptr() == g.data_ptr() and flat_view(g).numel() == g.numel()
+    assert sorted(flat_view(g).tolist()) == sorted(g.flatten().tolist())

@@ -223,7 +223,7 @@ def render_gradient_stats(table: pd.DataFrame) -> str:
 
 def _gradient_stats_md(table: pd.DataFrame) -> str:
     pct = lambda v: f"{v * 100:.2f}"  # noqa: E731
-    scale = lambda v: "none fits" if pd.isna(v) else f"{v:g}"  # noqa: E731
+    scale = lambda v: "none" if pd.isna(v) else f"{v:g}"  # noqa: E731
     out = pd.DataFrame({
         **{k: table[k] for k in [*CELL_KEYS[1:], "mode", "seed", "network", "kind", "sampled_steps"]},
         "% zero": table.share_zero.map(pct),
@@ -232,7 +232,7 @@ def _gradient_stats_md(table: pd.DataFrame) -> str:
         "% FP16 normal": table.share_normal_fp16.map(pct),
         "% overflow": table.share_overflow_fp16.map(pct),
         "max abs": table.max_abs.map(lambda v: f"{v:.3g}"),
-        "recommended scale": [f"{scale(r)} (keeps {k * 100:g}%)" for r, k in zip(table.recommended_scale, table.keep)],
+        "recommended scale": [f"none keeps {k * 100:g}%" if pd.isna(r) else f"{r:g} (keeps {k * 100:g}%)" for r, k in zip(table.recommended_scale, table.keep)],
         "largest safe scale": table.max_safe_scale.map(scale),
         "sampled step cost": table.cost_ratio.map(lambda v: "" if pd.isna(v) else f"{v:.2f}x"),
     })

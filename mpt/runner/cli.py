@@ -67,7 +67,7 @@ def run_name(seed: int, device: str) -> str:
     return folder_name(name, ",".join(_safe(p) for p in extra.split(",")) if extra else "")
 
 
-MAX_NAME = 200  # file systems allow 255 bytes per name
+MAX_NAME = 255  # bytes: file systems allow no longer a name
 
 
 def folder_name(choices: str, variant: str) -> str:

@@ -38,13 +38,13 @@ class GradStatsCollector:
     """One per run, over every network of the task. Disabled (stats.grad_hist=false), every
     method returns at once and `summary()` is None."""
 
-    MEMORY_NOTE = (f"includes the sampled steps' histogram temporaries: at most {CHUNK} values at a time,"
-                   f" about {CHUNK * 40 / 2**20:.0f} MiB on a CPU (measured: 156 MiB)")
+    MEMORY_NOTE = f"includes the sampled steps' histogram temporaries: {CHUNK} values at a time (156 MiB measured on a CPU)"
 
     def __init__(self, stats: DictConfig, networks: dict[str, nn.Module], device: torch.device, warmup: int = 0):
         self.enabled, self.every, self.keep = bool(stats.grad_hist), int(stats.every), float(stats.keep)
         self.device = device
-        self.warmup = warmup  # steps not timed: the first ones are slow for reasons of their own
+        self.warmup = warmup  # steps of this process not timed: the first ones are slow for reasons of their own
+        self._steps_seen = 0  # in this process: a resumed run warms up again
         self.layers = {net: parameterized_layers(model) for net, model in networks.items()}
         self.hists: dict[str, dict[str, dict[str, GradHistogram]]] = {net: {k: {} for k in KINDS} for net in networks}
         self.sampled_steps: list[int] = []
@@ -62,7 +62,8 @@ class GradStatsCollector:
         before it are timed with the device synchronized. Yields {"sampled": bool, "seconds":
         the sampled step's synchronized wall time, or None}, filled in on exit."""
         sampled = self.sampling(step)
-        timed = (sampled or self.sampling(step + 1)) and step >= self.warmup
+        timed = (sampled or self.sampling(step + 1)) and self._steps_seen >= self.warmup
+        self._steps_seen += 1
         info = {"sampled": sampled, "seconds": None}
         if not (sampled or timed):
             yield info
@@ -162,7 +163,7 @@ class GradStatsCollector:
             "sampled_steps_timed": len(sampled),
             "plain_steps_timed": len(plain),
             "method": "median wall time of the sampled steps and of the steps just before them, after the throughput warm-up, device synchronized around each; sampled steps are left out of throughput",
-            **({"note": "every step was sampled (stats.every=1): no plain step to compare with"} if self.every == 1 else {}),
+            **({"note": "every step was sampled (stats.every=1): no plain step to compare with, and no step left for throughput"} if self.every == 1 else {}),
         }
 
     def state_dict(self) -> dict:
