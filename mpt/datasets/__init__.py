@@ -16,6 +16,9 @@ from typing import Any, Iterable, Iterator, Optional, Protocol
 import torch
 from omegaconf import DictConfig
 
+from ..runner.config import ConfigError
+from ..runner.distributed import Dist
+
 
 class DataSource(Protocol):
     info: dict
@@ -30,9 +33,16 @@ class DataSource(Protocol):
     def val(self) -> Iterable[Any]: ...
 
 
-def build_data(cfg: DictConfig, device: torch.device, workdir: Optional[Path] = None, resuming: bool = False) -> DataSource:
+SHARDED = {("synthetic", "classification"), ("imagefolder", "classification"), ("voc", "detection"), ("image_dir", "gan")}
+
+
+def build_data(cfg: DictConfig, device: torch.device, workdir: Optional[Path] = None, resuming: bool = False, shard: Dist = Dist()) -> DataSource:
     """`workdir`: the run's folder, for what a source makes and the run must keep (a trained
-    tokenizer); `resuming`: the run continues from a checkpoint there, so it reuses what it made."""
+    tokenizer); `resuming`: the run continues from a checkpoint there, so it reuses what it made;
+    `shard`: this process's place in a torchrun job (it trains on its slice of each global batch)."""
+    if shard.enabled and (cfg.data.name, cfg.model.task) not in SHARDED:
+        raise ConfigError(f"data={cfg.data.name} for model={cfg.model.name} does not run under torchrun yet; "
+                          f"data parallel runs take {', '.join(f'data={d} ({t})' for d, t in sorted(SHARDED))}")
     if cfg.data.name == "synthetic" and cfg.model.task == "translation":
         from .translation import synthetic_translation
 
@@ -60,18 +70,18 @@ def build_data(cfg: DictConfig, device: torch.device, workdir: Optional[Path] = 
     if cfg.data.name == "synthetic":
         from .synthetic import SyntheticImages
 
-        return SyntheticImages(cfg.data, cfg.schedule, seed=cfg.seed, device=device)
+        return SyntheticImages(cfg.data, cfg.schedule, seed=cfg.seed, device=device, shard=shard)
     if cfg.data.name == "imagefolder":
         from .imagefolder import ImageFolderData
 
-        return ImageFolderData(cfg.data, cfg.schedule, seed=cfg.seed, device=device)
+        return ImageFolderData(cfg.data, cfg.schedule, seed=cfg.seed, device=device, shard=shard)
     if cfg.data.name == "voc":
         from .voc import VOCData
 
-        return VOCData(cfg.data, cfg.schedule, seed=cfg.seed, device=device)
+        return VOCData(cfg.data, cfg.schedule, seed=cfg.seed, device=device, shard=shard)
     if cfg.data.name == "image_dir":
         from .image_dir import ImageDirData
 
-        return ImageDirData(cfg.data, cfg.schedule, seed=cfg.seed, device=device)
+        return ImageDirData(cfg.data, cfg.schedule, seed=cfg.seed, device=device, shard=shard)
     raise ValueError(f"data.name={cfg.data.name}: expected synthetic, imagefolder, voc, image_dir, parallel_text or text_corpus")
 

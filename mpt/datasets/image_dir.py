@@ -26,6 +26,7 @@ from torchvision.transforms import functional as TF
 from ..runner.config import ConfigError
 from .discs import to_unit_range
 from .imagefolder import load_image
+from ..runner.distributed import Dist
 from .sampling import EpochBatches, LoaderData, SeededSamples
 
 SHOWN = 5  # file names an error message lists
@@ -79,7 +80,7 @@ class ImageFiles(Dataset):
 
 
 class ImageDirData(LoaderData):
-    def __init__(self, data: DictConfig, schedule: DictConfig, seed: int, device: torch.device):
+    def __init__(self, data: DictConfig, schedule: DictConfig, seed: int, device: torch.device, shard: Dist = Dist()):
         if data.root is None:
             raise ConfigError("data.root is not set: data=image_dir needs the folder of images (e.g. data.root=/data/celeba/img_align_celeba)")
         root = Path(os.path.expanduser(data.root))
@@ -109,7 +110,7 @@ class ImageDirData(LoaderData):
         # a resumed run's random stream stays the uninterrupted one's.
         common = dict(num_workers=workers, pin_memory=device.type == "cuda", persistent_workers=workers > 0)
         self.order = torch.Generator().manual_seed(seed)
-        self.batches = EpochBatches(len(paths), schedule.batch_size, self.order)
+        self.batches = EpochBatches(len(paths), schedule.batch_size, self.order, shard)
         self.train_loader = DataLoader(SeededSamples(dataset, seed), batch_sampler=self.batches,
                                        generator=torch.Generator().manual_seed(seed), **common)
         self.val_loader = DataLoader(Subset(dataset, reference), batch_size=schedule.batch_size, shuffle=False,

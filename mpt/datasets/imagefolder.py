@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader
 from torchvision import datasets, transforms
 
 from ..runner.config import ConfigError
+from ..runner.distributed import Dist
 from .sampling import EpochBatches, LoaderData, SeededSamples
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -51,7 +52,7 @@ def open_split(root: Path, split: str, transform) -> datasets.ImageFolder:
 
 
 class ImageFolderData(LoaderData):
-    def __init__(self, data: DictConfig, schedule: DictConfig, seed: int, device: torch.device):
+    def __init__(self, data: DictConfig, schedule: DictConfig, seed: int, device: torch.device, shard: Dist = Dist()):
         if data.root is None:
             raise ConfigError("data.root is not set: give the ImageFolder root, e.g. data.root=/data/imagenet")
         root = Path(os.path.expanduser(data.root))
@@ -77,7 +78,7 @@ class ImageFolderData(LoaderData):
         # that dropout uses: a resumed run's random stream stays the uninterrupted one's.
         common = dict(num_workers=workers, pin_memory=device.type == "cuda", persistent_workers=workers > 0)
         self.order = torch.Generator().manual_seed(seed)
-        self.batches = EpochBatches(len(self.train_set), schedule.batch_size, self.order)
+        self.batches = EpochBatches(len(self.train_set), schedule.batch_size, self.order, shard)
         self.train_loader = DataLoader(SeededSamples(self.train_set, seed), batch_sampler=self.batches,
                                        generator=torch.Generator().manual_seed(seed), **common)
         self.val_loader = DataLoader(self.val_set, batch_size=schedule.batch_size, shuffle=False,

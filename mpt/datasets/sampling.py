@@ -9,6 +9,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ..runner.config import ConfigError
+from ..runner.distributed import Dist
 
 
 def require_one_batch(train_samples: int, batch_size: int) -> None:
@@ -35,10 +36,11 @@ class SeededSamples(Dataset):
 
 
 class EpochBatches(Sampler):
-    """Batches of (epoch, index) in a fresh random order each epoch, from batch `start` on."""
+    """Batches of (epoch, index) in a fresh random order each epoch, from batch `start` on. Under
+    torchrun each rank takes its slice of every global batch of `batch_size` (the distributed sampler)."""
 
-    def __init__(self, size: int, batch_size: int, generator: torch.Generator):
-        self.size, self.batch_size, self.generator = size, batch_size, generator
+    def __init__(self, size: int, batch_size: int, generator: torch.Generator, shard: Dist = Dist()):
+        self.size, self.batch_size, self.generator, self.shard = size, batch_size, generator, shard
         self.epoch, self.start = 0, 0
 
     def set_epoch(self, epoch: int, start: int) -> None:
@@ -50,7 +52,8 @@ class EpochBatches(Sampler):
     def __iter__(self):
         perm = torch.randperm(self.size, generator=self.generator).tolist()
         for b in range(self.start, self.size // self.batch_size):
-            yield [(self.epoch, i) for i in perm[b * self.batch_size : (b + 1) * self.batch_size]]
+            first, stop = self.shard.shard(b * self.batch_size, (b + 1) * self.batch_size)
+            yield [(self.epoch, i) for i in perm[first:stop]]
 
 
 class EpochOrder:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
 
+from ..runner.distributed import Dist
 from .sampling import EpochOrder, require_one_batch
 
 
@@ -24,8 +25,8 @@ def make_images(n: int, num_classes: int, size: int, noise: float, generator: to
 
 
 class SyntheticImages(EpochOrder):
-    def __init__(self, data: DictConfig, schedule: DictConfig, seed: int, device: torch.device):
-        self.batch_size = schedule.batch_size
+    def __init__(self, data: DictConfig, schedule: DictConfig, seed: int, device: torch.device, shard: Dist = Dist()):
+        self.batch_size, self.shard = schedule.batch_size, shard
         require_one_batch(data.train_samples, self.batch_size)
         size = schedule.image_size
         g = torch.Generator().manual_seed(10_000 + seed)
@@ -43,7 +44,7 @@ class SyntheticImages(EpochOrder):
         """One pass in a fresh random order, from batch `start` (a resumed run's position)."""
         perm = torch.randperm(self.train_labels.shape[0], generator=self.begin_epoch()).to(self.train_labels.device)
         for i in range(start, self.steps_per_epoch):
-            idx = perm[i * self.batch_size : (i + 1) * self.batch_size]
+            idx = perm[slice(*self.shard.shard(i * self.batch_size, (i + 1) * self.batch_size))]
             yield self.train_images[idx], self.train_labels[idx]
 
     def val(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

@@ -36,6 +36,7 @@ from torchvision.transforms import v2
 from ..models.detection import MEAN_PIXEL_01
 from ..runner.config import ConfigError
 from .imagefolder import load_image
+from ..runner.distributed import Dist
 from .sampling import EpochBatches, LoaderData, SeededSamples
 
 
@@ -176,7 +177,7 @@ def collate(samples):
 
 
 class VOCData(LoaderData):
-    def __init__(self, data: DictConfig, schedule: DictConfig, seed: int, device: torch.device):
+    def __init__(self, data: DictConfig, schedule: DictConfig, seed: int, device: torch.device, shard: Dist = Dist()):
         if data.root is None:
             raise ConfigError("data.root is not set: give the VOCdevkit folder, or a folder with annotations/ and images/")
         root = Path(os.path.expanduser(data.root))
@@ -194,7 +195,7 @@ class VOCData(LoaderData):
         common = dict(num_workers=workers, pin_memory=device.type == "cuda", persistent_workers=workers > 0, collate_fn=collate)
         # Loaders get generators of their own, so iterating them never draws from the global RNG.
         self.order = torch.Generator().manual_seed(seed)
-        self.batches = EpochBatches(len(train), schedule.batch_size, self.order)
+        self.batches = EpochBatches(len(train), schedule.batch_size, self.order, shard)
         train_set = VOCDetection(train, ssd_train_transform(size), data.keep_difficult, with_difficult=False)
         val_set = VOCDetection(val, eval_transform(size), keep_difficult=True, with_difficult=True)
         self.train_loader = DataLoader(SeededSamples(train_set, seed), batch_sampler=self.batches, generator=torch.Generator().manual_seed(seed), **common)

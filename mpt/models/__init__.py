@@ -63,6 +63,9 @@ class Task(Protocol):
 
     def evaluate(self, batches: Iterable[Any], forward_context: Callable[[], ContextManager]) -> dict[str, float]: ...
 
+    # Optional: `set_network(name, module)` makes the task call `module` (its network wrapped in
+    # DistributedDataParallel) in place of networks()[name]; a task without it cannot run under torchrun.
+
 
 def build_task(cfg: DictConfig, data_info: dict) -> Task:
     if cfg.model.task == "classification":

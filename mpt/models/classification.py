@@ -10,6 +10,7 @@ import torchvision
 from omegaconf import DictConfig
 from torch import nn
 
+from ..runner.config import ConfigError
 from . import LossTerm
 
 # Architectures whose constructors need extra arguments to build without pretrained weights.
@@ -26,12 +27,23 @@ class Classification:
 
     def __init__(self, model_cfg: DictConfig, num_classes: int):
         self.cfg = model_cfg
-        kwargs = _BUILD_KWARGS.get(model_cfg.arch, {})
-        self.net = torchvision.models.get_model(model_cfg.arch, weights=None, num_classes=num_classes, **kwargs)
+        kwargs = dict(_BUILD_KWARGS.get(model_cfg.arch, {}))
+        if model_cfg.dropout is not None:
+            kwargs["dropout"] = model_cfg.dropout
+        try:
+            self.net = torchvision.models.get_model(model_cfg.arch, weights=None, num_classes=num_classes, **kwargs)
+        except TypeError as e:
+            if "dropout" in str(e):
+                raise ConfigError(f"model.dropout={model_cfg.dropout}: {model_cfg.name} has no dropout to set") from None
+            raise
         self.num_classes = num_classes
 
     def networks(self) -> dict[str, nn.Module]:
         return {"model": self.net}
+
+    def set_network(self, name: str, module: nn.Module) -> None:
+        """Train and evaluate through `module` from now on (the network wrapped for data parallelism)."""
+        self.net = module
 
     def train_losses(self, batch: Any) -> Iterator[LossTerm]:
         images, labels = batch

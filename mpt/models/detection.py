@@ -124,6 +124,10 @@ class Detection:
     def networks(self) -> dict[str, nn.Module]:
         return {"model": self.net}
 
+    def set_network(self, name: str, module: nn.Module) -> None:
+        """Train and evaluate through `module` from now on (the network wrapped for data parallelism)."""
+        self.net = module
+
     def anchors(self, device: torch.device) -> torch.Tensor:
         if device not in self._boxes_on:
             self._boxes_on[device] = self.default_boxes.to(device)

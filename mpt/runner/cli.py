@@ -147,7 +147,8 @@ def run(cfg: DictConfig) -> str:
             return rec["status"]
         sys.exit(1)
     rec = job.run()  # a crash is recorded as `error` (or `oom`); a sweep goes on to its next run
-    print("\n".join(summary_lines(rec)), flush=True)
+    if job.dist.is_main:
+        print("\n".join(summary_lines(rec)), flush=True)
     if rec["status"] in ("error", "oom") and not multirun:
         sys.exit(1)
     return rec["status"]

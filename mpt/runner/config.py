@@ -67,6 +67,7 @@ class ModelConfig:
     static_scale: float = 1000.0  # default of scale=static for this model
     static_scale_source: str = ""
     aux_loss_weight: float = 0.0  # auxiliary classifier heads (GoogLeNet, Inception v3)
+    dropout: Optional[float] = None  # classifiers with dropout (AlexNet, VGG, GoogLeNet, Inception v3): its rate; null: torchvision's
     backbone_weights: Optional[str] = None  # detection: a local torchvision vgg16 state dict to start from (null: random init)
     input_convention: str = "unit_variance"  # detection: unit_variance ([0,1], ImageNet mean/std) | caffe (0-255 minus the mean pixel)
     recipe: PaperRecipe = field(default_factory=PaperRecipe)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from omegaconf import DictConfig
@@ -182,8 +182,12 @@ class _FP16Update:
 class PrecisionEngine:
     """Backward, overflow check, unscale, clip, update, copy back, LR schedule: for one network."""
 
-    def __init__(self, model: nn.Module, cfg: DictConfig, scaler: LossScaler, lr_milestones: list[int], device: torch.device):
+    def __init__(self, model: nn.Module, cfg: DictConfig, scaler: LossScaler, lr_milestones: list[int], device: torch.device,
+                 reduce_max: Callable[[torch.Tensor], torch.Tensor] = lambda t: t):
         self.model = model
+        # Under torchrun: the maximum over processes, so that every rank skips the same steps and
+        # keeps the same scale even where the gradients it holds are not averaged yet.
+        self.reduce_max = reduce_max
         self.scaler = scaler
         self.device = device
         self.clip = cfg.optim.clip_grad_norm
@@ -238,9 +242,9 @@ class PrecisionEngine:
         for same_dtype in _by_dtype(grads):
             torch._amp_foreach_non_finite_check_and_unscale_(same_dtype, found_inf, inv_scale)
         if left_scale is None or not grads:
-            return bool(found_inf.item()), None
+            return bool(self.reduce_max(found_inf).item()), None
         largest = torch.stack(torch._foreach_norm(grads, float("inf"), dtype=torch.float32)).max() / left_scale
-        found, grad_max = torch.cat([found_inf, largest.reshape(1)]).tolist()
+        found, grad_max = self.reduce_max(torch.cat([found_inf, largest.reshape(1)])).tolist()
         return bool(found), grad_max
 
     def _clip_coef(self, grads: list[torch.Tensor], scale: float) -> torch.Tensor:

@@ -52,6 +52,16 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
         raise
 
 
+class NullLog:
+    """The log of a process that writes none (a torchrun rank other than 0)."""
+
+    def write(self, rows: list[dict]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class MetricsLog:
     """metrics.jsonl: one line per training step and network, one per evaluation."""
 

@@ -20,23 +20,27 @@ from .config import GROUPS, as_plain, same_computation, static_scale_value
 from .optim import effective_lr
 from .precision import PrecisionEngine, autocast, check_device_support, default_channels_last, prepare_model, set_fp32_math, uses_cpu_fp16_convs
 from . import checkpoint
+from .distributed import backend, from_env, setup as setup_distributed
 from .grad_hooks import GradStatsCollector
-from .record import MetricsLog, environment, git_commit, now_iso, write_json_atomic
+from .record import MetricsLog, NullLog, environment, git_commit, now_iso, write_json_atomic
 from .scaler import Diverged, build_scaler
 from .throughput import ThroughputMeter, peak_memory, reset_peak_memory
 
 log = logging.getLogger("mpt")
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """`local_rank`: under torchrun, the GPU of this process when the name gives none."""
     from .config import ConfigError
 
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         device = torch.device(name)
     except RuntimeError:
         raise ConfigError(f"device={name}: expected auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device={name}: no CUDA device is available here (torch.cuda.is_available() is False); use device=cpu or auto")
     if device.type not in ("cpu", "cuda"):
@@ -67,8 +71,14 @@ class Run:
         self.cfg = cfg
         self.variant = variant
         self.run_dir = run_dir
-        self.device = resolve_device(cfg.device)
+        self.dist = from_env()
+        self.device = resolve_device(cfg.device, self.dist.local_rank)
         check_device_support(cfg.precision, self.device)
+        if cfg.schedule.batch_size % self.dist.world_size:
+            from .config import ConfigError
+
+            raise ConfigError(f"schedule.batch_size={cfg.schedule.batch_size} is the global batch: it does not divide among {self.dist.world_size} processes")
+        setup_distributed(self.dist, self.device)
         seed_everything(cfg.seed)
         if cfg.deterministic:
             torch.use_deterministic_algorithms(True)
@@ -76,7 +86,7 @@ class Run:
         self.fp32_math = set_fp32_math(cfg.precision.tf32)
 
         may_resume = cfg.resume and not cfg.force and cfg.checkpoint
-        self.data = build_data(cfg, self.device, workdir=run_dir, resuming=may_resume and (run_dir / checkpoint.FILENAME).is_file())
+        self.data = build_data(cfg, self.device, workdir=run_dir, resuming=may_resume and (run_dir / checkpoint.FILENAME).is_file(), shard=self.dist)
         self.task = build_task(cfg, self.data.info)
         s = cfg.schedule
         per_epoch = self.data.steps_per_epoch
@@ -87,9 +97,12 @@ class Run:
 
         self.channels_last = cfg.channels_last if cfg.channels_last is not None else default_channels_last(cfg.precision, self.device)
         self.engines = {
-            name: PrecisionEngine(prepare_model(net, cfg.precision, self.device, self.channels_last, cfg.emulate_cpu_fp16_conv), cfg, build_scaler(cfg), milestones, self.device)
+            name: PrecisionEngine(prepare_model(net, cfg.precision, self.device, self.channels_last, cfg.emulate_cpu_fp16_conv), cfg, build_scaler(cfg), milestones, self.device,
+                                  reduce_max=self.dist.reduce_max)
             for name, net in self.task.networks().items()
         }
+        if self.dist.enabled:
+            self._wrap_for_data_parallel()
         self.forward_context = lambda: autocast(cfg.precision, self.device)
         self.grad_stats = GradStatsCollector(cfg.stats, {name: e.model for name, e in self.engines.items()}, self.device, s.throughput_warmup)
         self.meter = ThroughputMeter(self.device, s.throughput_warmup, s.throughput_window, self.task.sample_unit)
@@ -103,9 +116,10 @@ class Run:
         if saved is not None and not same_computation(saved["config"], self.record["config"]):
             print(f"mpt-run: {run_dir} holds a checkpoint of a different config; starting over", flush=True)
             saved = None
-        if saved is None:  # starting over: a stale checkpoint must not be resumed later
+        if saved is None and self.dist.is_main:  # starting over: a stale checkpoint must not be resumed later
             (run_dir / checkpoint.FILENAME).unlink(missing_ok=True)
-        self.metrics = MetricsLog(run_dir / "metrics.jsonl", keep_before_step=saved["step"] if saved else None)
+        # Rank 0 writes everything; the other ranks compute the same log rows and drop them.
+        self.metrics = MetricsLog(run_dir / "metrics.jsonl", keep_before_step=saved["step"] if saved else None) if self.dist.is_main else NullLog()
         if saved is not None:
             self._restore(saved)
 
@@ -153,9 +167,26 @@ class Run:
         log.info("resuming %s from its checkpoint at step %d of %d", self.run_dir, self.step, self.total_steps)
         print(f"mpt-run: resuming from the checkpoint at step {self.step} of {self.total_steps} (resume=false starts over)", flush=True)
 
+    def _wrap_for_data_parallel(self) -> None:
+        """Each network in DistributedDataParallel: the task trains through the wrapper, whose
+        backward all-reduces (averages) the gradients; the engine keeps the network itself."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        from .config import ConfigError
+
+        if not hasattr(self.task, "set_network"):
+            raise ConfigError(f"model={self.cfg.model.name} does not run under torchrun yet")
+        for name, engine in self.engines.items():
+            # A network that carries state between batches in its buffers (bigLSTM's LSTM state)
+            # says so: broadcasting rank 0's would overwrite each rank's own.
+            rank_local = {"broadcast_buffers": False} if getattr(engine.model, "carries_buffer_state", False) else {}
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            self.task.set_network(name, DistributedDataParallel(engine.model, device_ids=ids, **rank_local))
+
     def save_checkpoint(self) -> None:
         self._flush()  # the log on disk covers every step the checkpoint does
-        checkpoint.save(self.run_dir, self._state())
+        if self.dist.is_main:
+            checkpoint.save(self.run_dir, self._state())
 
     def _initial_record(self) -> dict:
         cfg = self.cfg
@@ -189,6 +220,9 @@ class Run:
                 "value": static_scale_value(cfg) if cfg.scale.name == "static" else None,
             },
             "optim": {"name": cfg.optim.name, "lr": effective_lr(cfg), "lr_config": cfg.optim.lr, "lr_batch": cfg.optim.lr_batch, "batch_size": cfg.schedule.batch_size},
+            # schedule.batch_size is the global batch; each process trains on its slice of it.
+            "distributed": {"world_size": self.dist.world_size, "backend": backend(self.device) if self.dist.enabled else None,
+                            "global_batch_size": cfg.schedule.batch_size, "per_process_batch_size": cfg.schedule.batch_size // self.dist.world_size},
             "data": {k: v for k, v in self.data.info.items() if isinstance(v, (str, int, float, bool, type(None)))},
             "total_steps": self.total_steps,
             "steps": 0,
@@ -211,8 +245,21 @@ class Run:
             "duration_s": None,
         }
 
+    def _over_ranks(self, tp: dict) -> dict:
+        """Throughput of the whole job: each process's figure summed over processes."""
+        if not self.dist.enabled:
+            return tp
+        for key in ("pipeline", "compute"):
+            if tp.get(key) is not None:
+                tp[f"{key}_per_process"] = tp[key]
+                tp[key] = self.dist.total(tp[key], self.device)
+        tp["processes"] = self.dist.world_size
+        tp["method"] += f"; summed over {self.dist.world_size} processes"
+        return tp
+
     def save_record(self) -> None:
-        write_json_atomic(self.run_dir / "result.json", self.record)
+        if self.dist.is_main:
+            write_json_atomic(self.run_dir / "result.json", self.record)
 
     def train(self) -> dict:
         """Run every step, then complete and save the record. Returns the record."""
@@ -232,9 +279,11 @@ class Run:
             rec["steps"], rec["samples"], rec["epochs"] = self.step, self.samples, self.step / self.data.steps_per_epoch
             rec["final_train_loss"] = self.last_loss
             rec["last_finite_train_loss"] = self.last_finite_loss
-            rec["throughput"] = self.meter.summary()
+            rec["throughput"] = self._over_ranks(self.meter.summary())
             rec["memory"] = peak_memory(self.device)
-            rec["memory"]["peak_bytes"] = max(rec["memory"]["peak_bytes"], self.peak_before_resume)
+            rec["memory"]["peak_bytes"] = int(self.dist.largest(max(rec["memory"]["peak_bytes"], self.peak_before_resume), self.device))
+            if self.dist.enabled:
+                rec["memory"]["over"] = f"the largest of {self.dist.world_size} processes"
             if self.grad_stats.sampled_steps:
                 rec["memory"]["note"] = self.grad_stats.MEMORY_NOTE
             rec["loss_scale"] = {name: e.scaler.summary() for name, e in self.engines.items()}
@@ -274,7 +323,7 @@ class Run:
                 self.meter.interrupt()  # a sampled step that was not timed: its window cannot be corrected
             self.step += 1
             n = self.task.count_samples(batch)
-            self.samples += n
+            self.samples += n * self.dist.world_size  # the global batch: every rank's slice is the same size
             # A sampled step's hooks are not training's work: the step is left out of throughput.
             self.meter.step(n, wait, excluded_s=None if stats_step["seconds"] is None else stats_step["seconds"] + wait)
             if self.step % self.cfg.schedule.log_every == 0 or self.step == self.total_steps:
@@ -310,7 +359,10 @@ class Run:
         rows, self.pending = self.pending, []
         slots = [(r, k) for r in rows for k, v in r.items() if isinstance(v, torch.Tensor)]
         if slots:
-            for (r, k), value in zip(slots, torch.stack([r[k].float() for r, k in slots]).tolist()):
+            # Under torchrun, each value is the mean over ranks: the global batch's loss, and one
+            # divergence decision for all of them.
+            values = self.dist.reduce_mean(torch.stack([r[k].float() for r, k in slots]))
+            for (r, k), value in zip(slots, values.tolist()):
                 r[k] = value
         self.metrics.write(rows)
         for r in rows:

@@ -1,0 +1,85 @@
+"""One run on several processes: torchrun's environment, the process group, and the few
+collectives the runner needs beyond DistributedDataParallel's own gradient all-reduce.
+
+Under `torchrun --nproc_per_node=N -m mpt.runner.cli ...` every process runs the same config.
+`schedule.batch_size` is the global batch: each rank trains on its own slice of every global batch
+(the batch a single process would have drawn), so a run's samples do not depend on how many
+processes share it. Rank 0 alone writes the record, the log and the checkpoints.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        """In place, the element-wise maximum over ranks (an overflow anywhere is an overflow everywhere)."""
+        if self.enabled:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t
+
+    def reduce_mean(self, t: torch.Tensor) -> torch.Tensor:
+        if self.enabled:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+            t /= self.world_size
+        return t
+
+    def total(self, value: float, device: torch.device) -> float:
+        """The sum over ranks of a host number."""
+        if not self.enabled:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return float(t)
+
+    def largest(self, value: float, device: torch.device) -> float:
+        if not self.enabled:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t)
+
+    def barrier(self) -> None:
+        if self.enabled:
+            dist.barrier()
+
+    def shard(self, start: int, stop: int) -> tuple[int, int]:
+        """This rank's part of the positions [start, stop) of a global batch."""
+        per = (stop - start) // self.world_size
+        return start + self.rank * per, start + (self.rank + 1) * per
+
+
+def from_env() -> Dist:
+    """The process's place in a torchrun job (RANK, WORLD_SIZE, LOCAL_RANK), or a single process."""
+    env = os.environ
+    return Dist(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0)))
+
+
+def backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def setup(d: Dist, device: torch.device) -> None:
+    """Join the process group (once per process: the runs of a sweep share it)."""
+    if d.enabled and not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend(device), device_id=device if device.type == "cuda" else None)

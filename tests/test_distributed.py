@@ -1,0 +1,77 @@
+"""torchrun data parallelism on CPU processes (gloo): the loss curve of 2 processes against 1
+process with the same global batch, and an overflow on one rank only."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from .conftest import ROOT, read_record, run_cli
+
+INJECT = Path(__file__).parent / "distributed_inject"
+
+
+def torchrun(*args: str, nproc: int = 2, env: dict | None = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "mpt.runner.cli", *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+
+
+def train_losses(run_dir: Path) -> list[float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if r["kind"] == "train"]
+
+
+# AlexNet without dropout (whose masks depend on how a batch is split) and without batch-norm
+# (whose statistics do): 2 processes on halves of each global batch compute what 1 process does.
+ALEXNET = ["model=alexnet", "model.dropout=0", "schedule=smoke", "schedule.steps=6", "schedule.batch_size=8", "data.train_samples=32",
+           "optim.lr=0.02", "optim.lr_batch=null", "checkpoint=false"]
+
+
+def test_two_processes_follow_one_process_with_the_same_global_batch(tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    r = run_cli(*ALEXNET, f"hydra.run.dir={one}", cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = torchrun(*ALEXNET, f"hydra.run.dir={two}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    a, b = train_losses(one), train_losses(two)
+    assert len(a) == len(b) == 6 and a[0] != a[-1]
+    # Stated tolerance: the order of the gradient sums differs (two halves, then all-reduce).
+    assert b == pytest.approx(a, rel=1e-5)
+    rec1, rec2 = read_record(one), read_record(two)
+    assert rec2["distributed"] == {"world_size": 2, "backend": "gloo", "global_batch_size": 8, "per_process_batch_size": 4}
+    assert rec1["distributed"]["world_size"] == 1
+    assert rec2["samples"] == rec1["samples"] == 48
+    assert rec2["throughput"]["processes"] == 2 and rec2["throughput"]["pipeline"] > rec2["throughput"]["pipeline_per_process"]
+    assert rec2["metrics"]["val_loss"] == pytest.approx(rec1["metrics"]["val_loss"], rel=1e-5)
+    assert r.stdout.count("mpt-run alexnet precision=fp32") == 1  # one summary, from rank 0
+
+
+def test_an_overflow_on_one_rank_is_skipped_by_every_rank(tmp_path):
+    """mixed + dynamic, an infinite loss injected into rank 1's second backward only: both ranks
+    skip that step, halve the scale, and end with identical weights, masters and scaler."""
+    out = tmp_path / "states"
+    out.mkdir()
+    run_dir = tmp_path / "run"
+    r = torchrun(*ALEXNET, "precision=mixed", "scale=dynamic", "scale.init=1024", f"hydra.run.dir={run_dir}",
+                 env={"PYTHONPATH": os.pathsep.join([str(INJECT), os.environ.get("PYTHONPATH", "")]), "MPT_TEST_OUT": str(out)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"train"' in line]
+    assert [row["overflow"] for row in rows] == [False, True, False, False, False, False]
+    assert [row["scale"] for row in rows] == [1024, 1024, 512, 512, 512, 512]
+    assert read_record(run_dir)["loss_scale"]["model"]["skipped_steps"] == 1
+    s0, s1 = (torch.load(out / f"rank{i}.pt", weights_only=False)["model"] for i in (0, 1))
+    assert s0["scaler"] == s1["scaler"]
+    assert all(torch.equal(s0["model"][k], s1["model"][k]) for k in s0["model"])
+    assert all(torch.equal(m0, m1) for m0, m1 in zip(s0["masters"], s1["masters"])) and len(s0["masters"]) > 0
+
+
+def test_a_global_batch_that_does_not_divide_is_one_line(tmp_path):
+    r = torchrun("schedule=smoke", "schedule.batch_size=5", f"hydra.run.dir={tmp_path}")
+    assert r.returncode != 0
+    assert "mpt-run: error: schedule.batch_size=5 is the global batch: it does not divide among 2 processes" in r.stderr
