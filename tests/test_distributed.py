@@ -44,7 +44,8 @@ def test_two_processes_follow_one_process_with_the_same_global_batch(tmp_path):
     # Stated tolerance: the order of the gradient sums differs (two halves, then all-reduce).
     assert b == pytest.approx(a, rel=1e-5)
     rec1, rec2 = read_record(one), read_record(two)
-    assert rec2["distributed"] == {"world_size": 2, "backend": "gloo", "global_batch_size": 8, "per_process_batch_size": 4}
+    assert rec2["distributed"] == {"world_size": 2, "backend": "gloo", "global_batch_size": 8, "per_process_batch_size": 4,
+                                   "allreduce_dtype": "the gradients' own", "sync_batchnorm": False}
     assert rec1["distributed"]["world_size"] == 1
     assert rec2["samples"] == rec1["samples"] == 48
     assert rec2["throughput"]["processes"] == 2 and rec2["throughput"]["pipeline"] > rec2["throughput"]["pipeline_per_process"]
@@ -75,3 +76,20 @@ def test_a_global_batch_that_does_not_divide_is_one_line(tmp_path):
     r = torchrun("schedule=smoke", "schedule.batch_size=5", f"hydra.run.dir={tmp_path}")
     assert r.returncode != 0
     assert "mpt-run: error: schedule.batch_size=5 is the global batch: it does not divide among 2 processes" in r.stderr
+
+
+def test_gradients_all_reduced_in_fp16_follow_closely_and_the_record_says_so(tmp_path):
+    exact, fp16 = tmp_path / "exact", tmp_path / "fp16"
+    for run_dir, extra in [(exact, []), (fp16, ["precision.allreduce_dtype=float16"])]:
+        r = torchrun(*ALEXNET, *extra, f"hydra.run.dir={run_dir}")
+        assert r.returncode == 0, r.stderr[-3000:]
+    a, b = train_losses(exact), train_losses(fp16)
+    assert a[0] == b[0] and a[1:] != b[1:]  # the same first forward; FP16 sums change the updates after it
+    assert b == pytest.approx(a, rel=1e-3)
+    assert read_record(fp16)["distributed"]["allreduce_dtype"] == "float16"
+
+
+def test_synchronized_batch_norm_on_cpu_processes_is_one_line(tmp_path):
+    r = torchrun("schedule=smoke", "distributed.sync_batchnorm=true", f"hydra.run.dir={tmp_path}")
+    assert r.returncode != 0
+    assert "mpt-run: error: distributed.sync_batchnorm=true: torch's SyncBatchNorm runs on CUDA only" in r.stderr

@@ -130,6 +130,7 @@ class PrecisionConfig:
     autocast: Optional[DType] = None  # torch.autocast dtype for the forward pass
     update_rule: Update = Update.optimizer
     tf32: bool = False  # TF32 tensor-core math for FP32 matmuls and convolutions (CUDA only)
+    allreduce_dtype: Optional[DType] = None  # under torchrun: the dtype gradients are all-reduced in (null: their own; FP16 for mixed)
     label: str = ""  # how tables name the mode
 
 
@@ -238,6 +239,13 @@ class StatsConfig:
 
 
 @dataclass
+class DistributedConfig:
+    """Settings that matter only under torchrun (runner/distributed.py)."""
+
+    sync_batchnorm: bool = False  # batch-norm statistics over the global batch (torch's SyncBatchNorm: CUDA only)
+
+
+@dataclass
 class Config:
     model: ModelConfig = MISSING
     precision: PrecisionConfig = MISSING
@@ -246,6 +254,7 @@ class Config:
     schedule: ScheduleConfig = MISSING
     optim: OptimConfig = field(default_factory=OptimConfig)
     stats: StatsConfig = field(default_factory=StatsConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     channels_last: Optional[bool] = None  # null: on for convolutional models on CUDA, and for FP16 weights on CPU

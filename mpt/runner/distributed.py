@@ -67,6 +67,26 @@ class Dist:
         return start + self.rank * per, start + (self.rank + 1) * per
 
 
+def allreduce_in(dtype: torch.dtype):
+    """A DistributedDataParallel communication hook: each gradient bucket averaged in `dtype`
+    (divided by the process count first, as torch's fp16_compress_hook does, so the sum cannot
+    overflow where the mean does not), then written back in the bucket's own dtype."""
+
+    def hook(process_group, bucket):
+        group = process_group if process_group is not None else dist.group.WORLD
+        buffer = bucket.buffer()
+        t = buffer.to(dtype).div_(group.size())
+        future = dist.all_reduce(t, group=group, async_op=True).get_future()
+
+        def back(f):
+            buffer.copy_(f.value()[0])
+            return buffer
+
+        return future.then(back)
+
+    return hook
+
+
 def from_env() -> Dist:
     """The process's place in a torchrun job (RANK, WORLD_SIZE, LOCAL_RANK), or a single process."""
     env = os.environ

@@ -18,9 +18,9 @@ from ..datasets import build_data
 from ..models import build_task
 from .config import GROUPS, as_plain, same_computation, static_scale_value
 from .optim import effective_lr
-from .precision import PrecisionEngine, autocast, check_device_support, default_channels_last, prepare_model, set_fp32_math, uses_cpu_fp16_convs
+from .precision import PrecisionEngine, autocast, check_device_support, default_channels_last, prepare_model, set_fp32_math, torch_dtype, uses_cpu_fp16_convs
 from . import checkpoint
-from .distributed import backend, from_env, setup as setup_distributed
+from .distributed import allreduce_in, backend, from_env, setup as setup_distributed
 from .grad_hooks import GradStatsCollector
 from .record import MetricsLog, NullLog, environment, git_commit, now_iso, write_json_atomic
 from .scaler import Diverged, build_scaler
@@ -176,12 +176,20 @@ class Run:
 
         if not hasattr(self.task, "set_network"):
             raise ConfigError(f"model={self.cfg.model.name} does not run under torchrun yet")
+        if self.cfg.distributed.sync_batchnorm and self.device.type != "cuda":
+            raise ConfigError("distributed.sync_batchnorm=true: torch's SyncBatchNorm runs on CUDA only; on CPU processes each rank normalizes its own slice")
+        allreduce = self.cfg.precision.allreduce_dtype
         for name, engine in self.engines.items():
+            if self.cfg.distributed.sync_batchnorm:  # BN modules swapped in place: the parameters stay the engine's
+                engine.model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(engine.model)
             # A network that carries state between batches in its buffers (bigLSTM's LSTM state)
             # says so: broadcasting rank 0's would overwrite each rank's own.
             rank_local = {"broadcast_buffers": False} if getattr(engine.model, "carries_buffer_state", False) else {}
             ids = [self.device.index] if self.device.type == "cuda" else None
-            self.task.set_network(name, DistributedDataParallel(engine.model, device_ids=ids, **rank_local))
+            ddp = DistributedDataParallel(engine.model, device_ids=ids, **rank_local)
+            if allreduce is not None:
+                ddp.register_comm_hook(None, allreduce_in(torch_dtype(allreduce)))
+            self.task.set_network(name, ddp)
 
     def save_checkpoint(self) -> None:
         self._flush()  # the log on disk covers every step the checkpoint does
@@ -222,7 +230,9 @@ class Run:
             "optim": {"name": cfg.optim.name, "lr": effective_lr(cfg), "lr_config": cfg.optim.lr, "lr_batch": cfg.optim.lr_batch, "batch_size": cfg.schedule.batch_size},
             # schedule.batch_size is the global batch; each process trains on its slice of it.
             "distributed": {"world_size": self.dist.world_size, "backend": backend(self.device) if self.dist.enabled else None,
-                            "global_batch_size": cfg.schedule.batch_size, "per_process_batch_size": cfg.schedule.batch_size // self.dist.world_size},
+                            "global_batch_size": cfg.schedule.batch_size, "per_process_batch_size": cfg.schedule.batch_size // self.dist.world_size,
+                            "allreduce_dtype": cfg.precision.allreduce_dtype.name if cfg.precision.allreduce_dtype else "the gradients' own",
+                            "sync_batchnorm": cfg.distributed.sync_batchnorm},
             "data": {k: v for k, v in self.data.info.items() if isinstance(v, (str, int, float, bool, type(None)))},
             "total_steps": self.total_steps,
             "steps": 0,
