@@ -22,6 +22,28 @@ def torchrun(*args: str, nproc: int = 2, env: dict | None = None) -> subprocess.
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
 
 
+def processes_naming(marker: str) -> list[int]:
+    """The processes whose command line contains `marker` (Linux's /proc)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and marker in (proc / "cmdline").read_bytes().decode(errors="ignore"):
+                found.append(int(proc.name))
+        except OSError:  # gone meanwhile
+            pass
+    return found
+
+
+def kill_processes_naming(marker: str) -> None:
+    import signal
+
+    for pid in processes_naming(marker):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def train_losses(run_dir: Path) -> list[float]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r["loss"] for r in rows if r["kind"] == "train"]
@@ -33,7 +55,7 @@ ALEXNET = ["model=alexnet", "model.dropout=0", "schedule=smoke", "schedule.steps
            "optim.lr=0.02", "optim.lr_batch=null", "checkpoint=false"]
 
 
-def test_two_processes_follow_one_process_with_the_same_global_batch(tmp_path):
+def test_two_processes_follow_one_process_with_the_same_global_batch_and_fp16_all_reduce_stays_close(tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     r = run_cli(*ALEXNET, f"hydra.run.dir={one}", cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -51,6 +73,15 @@ def test_two_processes_follow_one_process_with_the_same_global_batch(tmp_path):
     assert rec2["throughput"]["processes"] == 2 and rec2["throughput"]["pipeline"] > rec2["throughput"]["pipeline_per_process"]
     assert rec2["metrics"]["val_loss"] == pytest.approx(rec1["metrics"]["val_loss"], rel=1e-5)
     assert r.stdout.count("mpt-run alexnet precision=fp32") == 1  # one summary, from rank 0
+
+    # Gradients all-reduced in FP16 (a communication hook): close, and not the same.
+    fp16 = tmp_path / "fp16"
+    r = torchrun(*ALEXNET, "precision.allreduce_dtype=float16", f"hydra.run.dir={fp16}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    c = train_losses(fp16)
+    assert c[0] == b[0] and c[1:] != b[1:]  # the same first forward; FP16 sums change the updates after it
+    assert c == pytest.approx(b, rel=1e-3)
+    assert read_record(fp16)["distributed"]["allreduce_dtype"] == "float16"
 
 
 def test_an_overflow_on_one_rank_is_skipped_by_every_rank(tmp_path):
@@ -78,18 +109,42 @@ def test_a_global_batch_that_does_not_divide_is_one_line(tmp_path):
     assert "mpt-run: error: schedule.batch_size=5 is the global batch: it does not divide among 2 processes" in r.stderr
 
 
-def test_gradients_all_reduced_in_fp16_follow_closely_and_the_record_says_so(tmp_path):
-    exact, fp16 = tmp_path / "exact", tmp_path / "fp16"
-    for run_dir, extra in [(exact, []), (fp16, ["precision.allreduce_dtype=float16"])]:
-        r = torchrun(*ALEXNET, *extra, f"hydra.run.dir={run_dir}")
-        assert r.returncode == 0, r.stderr[-3000:]
-    a, b = train_losses(exact), train_losses(fp16)
-    assert a[0] == b[0] and a[1:] != b[1:]  # the same first forward; FP16 sums change the updates after it
-    assert b == pytest.approx(a, rel=1e-3)
-    assert read_record(fp16)["distributed"]["allreduce_dtype"] == "float16"
-
-
 def test_synchronized_batch_norm_on_cpu_processes_is_one_line(tmp_path):
     r = torchrun("schedule=smoke", "distributed.sync_batchnorm=true", f"hydra.run.dir={tmp_path}")
     assert r.returncode != 0
     assert "mpt-run: error: distributed.sync_batchnorm=true: torch's SyncBatchNorm runs on CUDA only" in r.stderr
+
+
+def test_a_killed_two_process_run_resumes_from_rank_0s_checkpoint(tmp_path):
+    """Rank 0 writes the checkpoint, every rank reads it: killed after a checkpoint and relaunched,
+    the run's log and final weights equal an uninterrupted one's."""
+    import time
+
+    from mpt.runner import checkpoint
+
+    args = [*ALEXNET, "schedule.steps=8", "scale=dynamic", "scale.init=1024", "scale.interval=2",
+            "checkpoint=true", "schedule.checkpoint_every=2", "schedule.log_every=1", "deterministic=true"]
+    reference, killed = tmp_path / "reference", tmp_path / "killed"
+    r = torchrun(*args, f"hydra.run.dir={reference}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "mpt.runner.cli", *args, f"hydra.run.dir={killed}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while proc.poll() is None and time.time() < deadline:
+        log = killed / "metrics.jsonl"
+        if (killed / checkpoint.FILENAME).exists() and log.exists() and log.read_text().count('"train"') >= 5:
+            kill_processes_naming(f"hydra.run.dir={killed}")  # the launcher and both ranks (torchrun puts them in their own groups)
+            break
+        time.sleep(0.02)
+    proc.wait()
+    time.sleep(1)
+    assert not processes_naming(f"hydra.run.dir={killed}")
+    assert read_record(killed)["status"] == "running"
+    r = torchrun(*args, f"hydra.run.dir={killed}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resuming from the checkpoint at step" in r.stdout
+    ref, res = read_record(reference), read_record(killed)
+    assert res["resumed_from_step"] in (4, 6) and res["status"] == "ok"
+    assert train_losses(killed) == train_losses(reference) and res["loss_scale"] == ref["loss_scale"]
+    a, b = checkpoint.load(reference), checkpoint.load(killed)
+    assert all(torch.equal(a["engines"]["model"]["model"][k], b["engines"]["model"]["model"][k]) for k in a["engines"]["model"]["model"])
