@@ -93,3 +93,27 @@ def test_a_long_variant_names_a_folder_the_file_system_accepts():
     assert len(name_a.encode()) <= MAX_NAME and name_a != name_b  # distinct configs, distinct folders
     assert name_a == folder_name("resnet50_fp32_none_synthetic_smoke_cpu_seed0", a)  # and the same one again for a relaunch
     assert folder_name("m_p_s_d_sc_cpu_seed0", "optim.lr=0.2") == "m_p_s_d_sc_cpu_seed0__optim.lr=0.2"
+
+
+def test_a_sweep_runs_through_submitits_local_launcher(tmp_path):
+    """hydra/launcher=submitit_local runs each run of the sweep as its own job process, as
+    hydra/launcher=slurm does on a cluster; the records are the same kind."""
+    sweep = tmp_path / "runs"
+    r = run_cli("-m", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=10", "precision=fp32,mixed", "schedule=smoke",
+                "schedule.steps=1", "checkpoint=false", f"hydra.sweep.dir={sweep}", cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    recs = {read_record(p.parent)["choices"]["precision"]: read_record(p.parent) for p in sweep.rglob("result.json")}
+    assert set(recs) == {"fp32", "mixed"} and all(rec["status"] == "ok" for rec in recs.values())
+    finished_jobs = [d for d in (sweep / ".submitit").iterdir() if list(d.glob("*_result.pkl"))]  # submitit's, one per job
+    assert len(finished_jobs) == 2
+
+
+def test_the_slurm_launcher_config_composes_with_its_defaults():
+    from hydra import compose, initialize_config_module
+
+    with initialize_config_module(config_module="mpt.configs", version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["hydra/launcher=slurm", "hydra.launcher.partition=gpu", "hydra.launcher.gpus_per_node=8"],
+                      return_hydra_config=True)
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher")
+    assert (launcher.partition, launcher.gpus_per_node, launcher.tasks_per_node, launcher.timeout_min) == ("gpu", 8, 1, 4320)
