@@ -148,3 +148,25 @@ def test_a_killed_two_process_run_resumes_from_rank_0s_checkpoint(tmp_path):
     assert train_losses(killed) == train_losses(reference) and res["loss_scale"] == ref["loss_scale"]
     a, b = checkpoint.load(reference), checkpoint.load(killed)
     assert all(torch.equal(a["engines"]["model"]["model"][k], b["engines"]["model"]["model"][k]) for k in a["engines"]["model"]["model"])
+
+
+def test_dcgan_on_two_processes_keeps_both_networks_identical_across_ranks(tmp_path):
+    """Two networks, each in its own DDP wrapper and with its own scaler; the generator's loss goes
+    through the discriminator itself (frozen), not its wrapper. An infinite loss on rank 1's second
+    backward (the generator's, step 0) skips that generator step on both ranks and nothing else."""
+    out = tmp_path / "states"
+    out.mkdir()
+    run_dir = tmp_path / "run"
+    r = torchrun("model=dcgan64", "model.ngf=4", "model.ndf=4", "model.sample_grid=4", "data.train_samples=16", "data.val_samples=4",
+                 "schedule=smoke", "schedule.steps=4", "precision=mixed", "scale=dynamic", "scale.init=1024", "checkpoint=false",
+                 f"hydra.run.dir={run_dir}", env={"PYTHONPATH": os.pathsep.join([str(INJECT), os.environ.get("PYTHONPATH", "")]), "MPT_TEST_OUT": str(out)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"train"' in line]
+    assert [(row["group"], row["overflow"]) for row in rows[:2]] == [("discriminator", False), ("generator", True)]
+    rec = read_record(run_dir)
+    assert rec["loss_scale"]["generator"]["skipped_steps"] == 1 and rec["loss_scale"]["discriminator"]["skipped_steps"] == 0
+    assert len(rec["sample_grids"]) == 1 and (run_dir / rec["sample_grids"][0]["path"]).is_file()
+    s0, s1 = (torch.load(out / f"rank{i}.pt", weights_only=False) for i in (0, 1))
+    for net in ("generator", "discriminator"):
+        assert s0[net]["scaler"] == s1[net]["scaler"]
+        assert all(torch.equal(s0[net]["model"][k], s1[net]["model"][k]) for k in s0[net]["model"]), net

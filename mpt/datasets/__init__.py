@@ -33,7 +33,8 @@ class DataSource(Protocol):
     def val(self) -> Iterable[Any]: ...
 
 
-SHARDED = {("synthetic", "classification"), ("imagefolder", "classification"), ("voc", "detection"), ("image_dir", "gan")}
+SHARDED = {("synthetic", "classification"), ("imagefolder", "classification"), ("voc", "detection"), ("image_dir", "gan"), ("synthetic", "gan"),
+           ("synthetic", "translation")}
 
 
 def build_data(cfg: DictConfig, device: torch.device, workdir: Optional[Path] = None, resuming: bool = False, shard: Dist = Dist()) -> DataSource:
@@ -46,7 +47,7 @@ def build_data(cfg: DictConfig, device: torch.device, workdir: Optional[Path] = 
     if cfg.data.name == "synthetic" and cfg.model.task == "translation":
         from .translation import synthetic_translation
 
-        return synthetic_translation(cfg, device)
+        return synthetic_translation(cfg, device, shard)
     if cfg.data.name == "synthetic" and cfg.model.task == "language_model":
         from .text_corpus import synthetic_lm
 
@@ -66,7 +67,7 @@ def build_data(cfg: DictConfig, device: torch.device, workdir: Optional[Path] = 
     if cfg.data.name == "synthetic" and cfg.model.task == "gan":
         from .discs import SyntheticDiscs
 
-        return SyntheticDiscs(cfg.data, cfg.schedule, seed=cfg.seed, device=device)
+        return SyntheticDiscs(cfg.data, cfg.schedule, seed=cfg.seed, device=device, shard=shard)
     if cfg.data.name == "synthetic":
         from .synthetic import SyntheticImages
 

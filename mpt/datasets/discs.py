@@ -15,6 +15,7 @@ from typing import Iterator
 import torch
 from omegaconf import DictConfig
 
+from ..runner.distributed import Dist
 from .sampling import EpochOrder, require_one_batch
 
 CHUNK = 256  # images generated at once: bounds the float working memory at 128x128
@@ -51,8 +52,8 @@ def to_unit_range(images: torch.Tensor) -> torch.Tensor:
 
 
 class SyntheticDiscs(EpochOrder):
-    def __init__(self, data: DictConfig, schedule: DictConfig, seed: int, device: torch.device):
-        self.batch_size = schedule.batch_size
+    def __init__(self, data: DictConfig, schedule: DictConfig, seed: int, device: torch.device, shard: Dist = Dist()):
+        self.batch_size, self.shard = schedule.batch_size, shard
         require_one_batch(data.train_samples, self.batch_size)
         size = schedule.image_size
         g = torch.Generator().manual_seed(10_000 + seed)
@@ -66,7 +67,7 @@ class SyntheticDiscs(EpochOrder):
         """One pass in a fresh random order, from batch `start` (a resumed run's position)."""
         perm = torch.randperm(self.train_images.shape[0], generator=self.begin_epoch()).to(self.train_images.device)
         for i in range(start, self.steps_per_epoch):
-            yield to_unit_range(self.train_images[perm[i * self.batch_size : (i + 1) * self.batch_size]])
+            yield to_unit_range(self.train_images[perm[slice(*self.shard.shard(i * self.batch_size, (i + 1) * self.batch_size))]])
 
     def val(self) -> Iterator[torch.Tensor]:
         for i in range(0, self.val_images.shape[0], self.batch_size):

@@ -15,6 +15,7 @@ import torch
 from omegaconf import DictConfig
 
 from ..runner.config import ConfigError
+from ..runner.distributed import Dist
 from .sampling import EpochOrder
 
 PAD, UNK, BOS, EOS = 0, 1, 2, 3
@@ -81,7 +82,9 @@ class TranslationData(EpochOrder):
         multiple: int,
         seed: int,
         device: torch.device,
+        shard: Dist = Dist(),
     ):
+        self.shard = shard  # under torchrun: this rank's slice of each global batch
         self.train, self.val_pairs, self.val_refs = train, val, val_refs
         self.test_pairs: Optional[list[tuple[np.ndarray, np.ndarray]]] = None
         self.test_refs: list[str] = []
@@ -119,6 +122,7 @@ class TranslationData(EpochOrder):
         self.begin_epoch()
         batches = self._epoch_batches()
         for idx in batches[start:]:
+            idx = idx[slice(*self.shard.shard(0, len(idx)))]
             yield collate([self.train[i] for i in idx.tolist()], self.multiple, self.device)
 
     def state_dict(self) -> dict:
@@ -174,11 +178,11 @@ class SyntheticLanguagePair:
         return " ".join(f"w{i - FIRST_WORD}" for i in ids if i >= FIRST_WORD)
 
 
-def synthetic_translation(cfg: DictConfig, device: torch.device) -> TranslationData:
+def synthetic_translation(cfg: DictConfig, device: torch.device, shard: Dist = Dist()) -> TranslationData:
     d = cfg.data
     lang = SyntheticLanguagePair(d, cfg.seed)
     train = [lang.sentence() for _ in range(d.train_samples)]
     val = [lang.sentence() for _ in range(d.val_samples)]
     refs = [lang.detokenize(t.tolist()) for _, t in val]
     info = {"vocab_size": FIRST_WORD + d.vocab_size, "tokenizer": "synthetic words"}
-    return TranslationData(train, val, refs, lang.detokenize, info, d, cfg.schedule, cfg.model.pad_to_multiple, cfg.seed, device)
+    return TranslationData(train, val, refs, lang.detokenize, info, d, cfg.schedule, cfg.model.pad_to_multiple, cfg.seed, device, shard)

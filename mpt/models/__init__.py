@@ -42,6 +42,8 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
+from ..runner.distributed import Dist
+
 
 @dataclass
 class LossTerm:
@@ -67,7 +69,9 @@ class Task(Protocol):
     # DistributedDataParallel) in place of networks()[name]; a task without it cannot run under torchrun.
 
 
-def build_task(cfg: DictConfig, data_info: dict) -> Task:
+def build_task(cfg: DictConfig, data_info: dict, shard: Dist = Dist()) -> Task:
+    """`shard`: this process's place in a torchrun job (a task that draws its own inputs, DCGAN's
+    latents, takes its slice of the global batch's)."""
     if cfg.model.task == "classification":
         from .classification import Classification
 
@@ -87,5 +91,5 @@ def build_task(cfg: DictConfig, data_info: dict) -> Task:
     if cfg.model.task == "gan":
         from .dcgan import GAN
 
-        return GAN(cfg.model, seed=cfg.seed, batch_size=cfg.schedule.batch_size)
+        return GAN(cfg.model, seed=cfg.seed, batch_size=cfg.schedule.batch_size, shard=shard)
     raise ValueError(f"model.task={cfg.model.task}: no such task")

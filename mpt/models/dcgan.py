@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 
+from ..runner.distributed import Dist
 from . import LossTerm
 from .fid import GaussianStats, frechet_distance, load_inception
 
@@ -124,9 +125,10 @@ class GAN:
     primary_metric = "fid"
     higher_is_better = False
 
-    def __init__(self, model_cfg: DictConfig, seed: int, batch_size: int):
+    def __init__(self, model_cfg: DictConfig, seed: int, batch_size: int, shard: Dist = Dist()):
         self.cfg = model_cfg
-        self.batch_size = batch_size
+        self.batch_size = batch_size  # the global batch
+        self.shard = shard  # under torchrun: this rank's slice of each global batch (its latents too)
         self.generator, self.discriminator = Generator(model_cfg), Discriminator(model_cfg)
         init_weights(self.generator, model_cfg.init_std)
         init_weights(self.discriminator, model_cfg.init_std)
@@ -144,9 +146,16 @@ class GAN:
     def networks(self) -> dict[str, nn.Module]:
         return {"discriminator": self.discriminator, "generator": self.generator}
 
+    def set_network(self, name: str, module: nn.Module) -> None:
+        """Train and evaluate through `module` (the network wrapped for data parallelism)."""
+        setattr(self, name, module)
+
     def train_losses(self, real: torch.Tensor) -> Iterator[LossTerm]:
         G, D = self.generator, self.discriminator
-        fake = G(torch.randn(real.shape[0], self.cfg.nz, device=real.device))
+        # The global batch's latents, drawn alike on every rank, and this rank's slice of them:
+        # the same latents whatever the number of processes.
+        z = torch.randn(self.batch_size, self.cfg.nz, device=real.device)[slice(*self.shard.shard(0, self.batch_size))]
+        fake = G(z)
         d_real, d_fake = D(real), D(fake.detach())
         loss_real, loss_fake = _bce(d_real, 1.0), _bce(d_fake, 0.0)
         yield LossTerm("discriminator", loss_real + loss_fake, {
@@ -154,6 +163,8 @@ class GAN:
             "d_x": torch.sigmoid(d_real.detach().float()).mean(), "d_g_z": torch.sigmoid(d_fake.detach().float()).mean(),
         })
         # The loop has applied D's update (or skipped it); G's loss goes through the updated D.
+        # Through D itself, not its data-parallel wrapper: frozen, it has no gradients to all-reduce.
+        D = getattr(D, "module", D)
         D.requires_grad_(False)
         try:
             d_fake = D(fake)

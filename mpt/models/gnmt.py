@@ -155,6 +155,10 @@ class Translation:
     def networks(self) -> dict[str, nn.Module]:
         return {"model": self.net}
 
+    def set_network(self, name: str, module: nn.Module) -> None:
+        """Train and evaluate through `module` from now on (the network wrapped for data parallelism)."""
+        self.net = module
+
     def _token_losses(self, logits: torch.Tensor, target: torch.Tensor, smoothing: float) -> torch.Tensor:
         return F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=PAD, label_smoothing=smoothing, reduction="sum")
 

@@ -87,7 +87,7 @@ class Run:
 
         may_resume = cfg.resume and not cfg.force and cfg.checkpoint
         self.data = build_data(cfg, self.device, workdir=run_dir, resuming=may_resume and (run_dir / checkpoint.FILENAME).is_file(), shard=self.dist)
-        self.task = build_task(cfg, self.data.info)
+        self.task = build_task(cfg, self.data.info, shard=self.dist)
         s = cfg.schedule
         per_epoch = self.data.steps_per_epoch
         self.total_steps = int(s.steps) if s.steps is not None else max(1, math.ceil(s.epochs * per_epoch))
@@ -402,7 +402,7 @@ class Run:
             metrics.update({f"test_{k.removeprefix('val_')}": v for k, v in self.task.evaluate(test, self.forward_context).items()})
         self.record["metrics"] = {**metrics, "step": step}
         self.metrics.write([{"kind": "eval", "step": step, **metrics}])
-        if "sample_grids" in self.record:
+        if "sample_grids" in self.record and self.dist.is_main:
             path = self.task.save_samples(self.run_dir / "samples" / f"step_{step:06d}.png", self.forward_context)
             self.record["sample_grids"] = [*(g for g in self.record["sample_grids"] if g["step"] != step),
                                            {"step": step, "path": path.relative_to(self.run_dir).as_posix()}]
