@@ -170,3 +170,18 @@ def test_dcgan_on_two_processes_keeps_both_networks_identical_across_ranks(tmp_p
     for net in ("generator", "discriminator"):
         assert s0[net]["scaler"] == s1[net]["scaler"]
         assert all(torch.equal(s0[net]["model"][k], s1[net]["model"][k]) for k in s0[net]["model"]), net
+
+
+def test_the_language_model_on_two_processes_follows_one_process(tmp_path):
+    """bigLSTM carries each stream's LSTM state between batches in buffers: each rank keeps its own
+    streams' (no buffer broadcast), and both draw the same sampled-softmax negatives, as one process does."""
+    args = ["model=biglstm_tiny", "model.hidden_size=32", "model.proj_size=8", "model.num_sampled=64", "model.bptt=5", "model.dropout=0",
+            "data.train_samples=40", "schedule=smoke", "schedule.steps=6", "checkpoint=false"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    r = run_cli(*args, f"hydra.run.dir={one}", cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = torchrun(*args, f"hydra.run.dir={two}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    a, b = train_losses(one), train_losses(two)
+    assert len(a) == 6 and b == pytest.approx(a, rel=1e-5)
+    assert read_record(two)["metrics"]["ppl"] == pytest.approx(read_record(one)["metrics"]["ppl"], rel=1e-5)

@@ -34,7 +34,7 @@ class DataSource(Protocol):
 
 
 SHARDED = {("synthetic", "classification"), ("imagefolder", "classification"), ("voc", "detection"), ("image_dir", "gan"), ("synthetic", "gan"),
-           ("synthetic", "translation")}
+           ("synthetic", "translation"), ("synthetic", "language_model"), ("text_corpus", "language_model")}
 
 
 def build_data(cfg: DictConfig, device: torch.device, workdir: Optional[Path] = None, resuming: bool = False, shard: Dist = Dist()) -> DataSource:
@@ -51,11 +51,11 @@ def build_data(cfg: DictConfig, device: torch.device, workdir: Optional[Path] = 
     if cfg.data.name == "synthetic" and cfg.model.task == "language_model":
         from .text_corpus import synthetic_lm
 
-        return synthetic_lm(cfg, device)
+        return synthetic_lm(cfg, device, shard)
     if cfg.data.name == "text_corpus":
         from .text_corpus import text_corpus
 
-        return text_corpus(cfg, device)
+        return text_corpus(cfg, device, shard)
     if cfg.data.name == "parallel_text":
         from .parallel_text import parallel_text
 

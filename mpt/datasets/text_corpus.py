@@ -20,6 +20,7 @@ import torch
 from omegaconf import DictConfig
 
 from ..runner.config import ConfigError
+from ..runner.distributed import Dist
 from .parallel_text import read_lines
 from .sampling import EpochOrder
 
@@ -75,7 +76,9 @@ def rows_of(stream: np.ndarray, batch_size: int) -> np.ndarray:
 class LMData(EpochOrder):
     """A DataSource of (inputs, targets) windows, each (batch_size, bptt), targets one token ahead."""
 
-    def __init__(self, train: Sentences, val: Sentences, test: Optional[Sentences], info: dict, batch_size: int, bptt: int, seed: int, device: torch.device):
+    def __init__(self, train: Sentences, val: Sentences, test: Optional[Sentences], info: dict, batch_size: int, bptt: int, seed: int, device: torch.device,
+                 shard: Dist = Dist()):
+        self.shard = shard  # under torchrun: this rank's rows (streams) of each global batch
         self.train, self.val_sentences, self.test_sentences = train, val, test
         self.batch_size, self.bptt, self.device = batch_size, bptt, device
         self.steps_per_epoch = (train.tokens // batch_size - 1) // bptt
@@ -99,7 +102,7 @@ class LMData(EpochOrder):
     def epoch(self, epoch: int, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """One pass over the training sentences in a fresh order, from window `start` (a resumed run's position)."""
         order = torch.randperm(len(self.train), generator=self.begin_epoch()).numpy()
-        rows = rows_of(self.train.stream(order), self.batch_size)
+        rows = rows_of(self.train.stream(order), self.batch_size)[slice(*self.shard.shard(0, self.batch_size))]
         windows = self._windows(rows, start)
         for _ in range(start, self.steps_per_epoch):  # full windows only, so every step has batch_size x bptt targets
             yield next(windows)
@@ -170,7 +173,7 @@ def read_vocabulary(path: Path) -> list[str]:
     return [EOS_TOKEN, UNK_TOKEN, *(w for w in words if w not in (EOS_TOKEN, UNK_TOKEN, None))]
 
 
-def text_corpus(cfg: DictConfig, device: torch.device) -> LMData:
+def text_corpus(cfg: DictConfig, device: torch.device, shard: Dist = Dist()) -> LMData:
     d = cfg.data
     root = Path(d.root).expanduser()
     if not root.is_dir():
@@ -190,7 +193,7 @@ def text_corpus(cfg: DictConfig, device: torch.device) -> LMData:
         "vocabulary": "from " + (str(d.vocab_file) if d.vocab_file else f"training counts (min_count {d.min_count}, max_vocab {d.max_vocab})"),
         "val_oov_rate": float((val_ids.ids == UNK).mean()),
     }
-    return LMData(train_ids, val_ids, ids(test_files) if test_files is not None else None, info, cfg.schedule.batch_size, cfg.model.bptt, cfg.seed, device)
+    return LMData(train_ids, val_ids, ids(test_files) if test_files is not None else None, info, cfg.schedule.batch_size, cfg.model.bptt, cfg.seed, device, shard)
 
 
 # --- a Markov source with a known entropy rate
@@ -239,7 +242,7 @@ def stationary(p: torch.Tensor) -> torch.Tensor:
     return nxt / nxt.sum()
 
 
-def synthetic_lm(cfg: DictConfig, device: torch.device) -> LMData:
+def synthetic_lm(cfg: DictConfig, device: torch.device, shard: Dist = Dist()) -> LMData:
     d = cfg.data
     source = MarkovSource(d.vocab_size, d.sentence_end_prob, cfg.seed)
     train = Sentences.of([source.sentence() for _ in range(d.train_samples)])
@@ -251,4 +254,4 @@ def synthetic_lm(cfg: DictConfig, device: torch.device) -> LMData:
         "entropy_rate_nats": source.entropy_rate,
         "ppl_floor": math.exp(source.entropy_rate),
     }
-    return LMData(train, val, None, info, cfg.schedule.batch_size, cfg.model.bptt, cfg.seed, device)
+    return LMData(train, val, None, info, cfg.schedule.batch_size, cfg.model.bptt, cfg.seed, device, shard)

@@ -87,7 +87,7 @@ def build_task(cfg: DictConfig, data_info: dict, shard: Dist = Dist()) -> Task:
     if cfg.model.task == "language_model":
         from .biglstm import LanguageModel
 
-        return LanguageModel(cfg.model, data_info, batch_size=cfg.schedule.batch_size)
+        return LanguageModel(cfg.model, data_info, batch_size=cfg.schedule.batch_size, shard=shard)
     if cfg.model.task == "gan":
         from .dcgan import GAN
 

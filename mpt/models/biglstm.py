@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 
+from ..runner.distributed import Dist
 from . import LossTerm
 
 EVAL_LOGITS = 2**26  # full-softmax logits per evaluation chunk (256 MiB in FP32)
@@ -49,7 +50,11 @@ def sampled_softmax_loss(true_logits, sampled_logits, targets, candidates, true_
 class BigLSTM(nn.Module):
     """forward(stage, ...): "train" (true and sampled logits) or "nll" (full-softmax negative log-likelihood)."""
 
-    def __init__(self, m: DictConfig, vocab: int, batch_size: int):
+    carries_buffer_state = True  # under torchrun each rank keeps its own streams' state: no buffer broadcast
+
+    def __init__(self, m: DictConfig, vocab: int, batch_size: int, rows: int | None = None):
+        """`batch_size`: the global batch (f-lm's embedding-gradient weight); `rows`: the streams
+        this process carries state for (its slice of the batch under torchrun; all of it otherwise)."""
         super().__init__()
         self.vocab = vocab
         self.embedding = nn.Embedding(vocab, m.proj_size)
@@ -68,8 +73,9 @@ class BigLSTM(nn.Module):
                     if name.startswith("bias_ih"):
                         p[m.hidden_size : 2 * m.hidden_size] = 1.0
         # The training state carried between batches (one row per stream of the batch).
-        self.register_buffer("carry_h", torch.zeros(m.layers, batch_size, m.proj_size))
-        self.register_buffer("carry_c", torch.zeros(m.layers, batch_size, m.hidden_size))
+        rows = batch_size if rows is None else rows
+        self.register_buffer("carry_h", torch.zeros(m.layers, rows, m.proj_size))
+        self.register_buffer("carry_c", torch.zeros(m.layers, rows, m.hidden_size))
         # f-lm's gradient weighting: embedding gradients times the batch size (its `emb_grads * batch_size`)
         self.embedding.weight.register_hook(lambda g: g * batch_size)
 
@@ -106,14 +112,18 @@ class LanguageModel:
     primary_metric = "ppl"
     higher_is_better = False
 
-    def __init__(self, model_cfg: DictConfig, data_info: dict, batch_size: int):
+    def __init__(self, model_cfg: DictConfig, data_info: dict, batch_size: int, shard: Dist = Dist()):
         self.cfg = model_cfg
         self.vocab = data_info["vocab_size"]
         self.num_sampled = model_cfg.num_sampled
-        self.net = BigLSTM(model_cfg, self.vocab, batch_size)
+        self.net = BigLSTM(model_cfg, self.vocab, batch_size, rows=batch_size // shard.world_size)
 
     def networks(self) -> dict[str, nn.Module]:
         return {"model": self.net}
+
+    def set_network(self, name: str, module: nn.Module) -> None:
+        """Train and evaluate through `module` from now on (the network wrapped for data parallelism)."""
+        self.net = module
 
     def train_losses(self, batch) -> Iterator[LossTerm]:
         inputs, targets = batch
