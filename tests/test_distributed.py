@@ -185,3 +185,19 @@ def test_the_language_model_on_two_processes_follows_one_process(tmp_path):
     a, b = train_losses(one), train_losses(two)
     assert len(a) == 6 and b == pytest.approx(a, rel=1e-5)
     assert read_record(two)["metrics"]["ppl"] == pytest.approx(read_record(one)["metrics"]["ppl"], rel=1e-5)
+
+
+def test_gnmt_on_parallel_text_shares_rank_0s_tokenizer(tmp_path):
+    from .conftest import shared_data
+
+    root = shared_data("multi30k")
+    run_dir = tmp_path / "run"
+    r = torchrun("model=gnmt", "model.hidden_size=16", "model.encoder_layers=2", "model.decoder_layers=2", "model.beam_size=1",
+                 "data=parallel_text", f"data.root={root}", "data.val_split=val", "data.vocab_size=500", "data.tokenizer_sentences=2000",
+                 "schedule=smoke", "schedule.batch_size=8", "schedule.steps=2", "schedule.eval_batches=1", "checkpoint=false", f"hydra.run.dir={run_dir}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rec = read_record(run_dir)
+    assert rec["status"] == "ok" and rec["distributed"]["world_size"] == 2
+    import hashlib
+
+    assert hashlib.sha256((run_dir / "tokenizer.model").read_bytes()).hexdigest() == rec["data"]["tokenizer_sha256"]

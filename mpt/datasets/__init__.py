@@ -34,7 +34,7 @@ class DataSource(Protocol):
 
 
 SHARDED = {("synthetic", "classification"), ("imagefolder", "classification"), ("voc", "detection"), ("image_dir", "gan"), ("synthetic", "gan"),
-           ("synthetic", "translation"), ("synthetic", "language_model"), ("text_corpus", "language_model")}
+           ("synthetic", "translation"), ("parallel_text", "translation"), ("synthetic", "language_model"), ("text_corpus", "language_model")}
 
 
 def build_data(cfg: DictConfig, device: torch.device, workdir: Optional[Path] = None, resuming: bool = False, shard: Dist = Dist()) -> DataSource:
@@ -59,7 +59,7 @@ def build_data(cfg: DictConfig, device: torch.device, workdir: Optional[Path] = 
     if cfg.data.name == "parallel_text":
         from .parallel_text import parallel_text
 
-        return parallel_text(cfg, device, workdir, resuming)
+        return parallel_text(cfg, device, workdir, resuming, shard)
     if cfg.data.name == "synthetic" and cfg.model.task == "detection":
         from .shapes import SyntheticShapes
 

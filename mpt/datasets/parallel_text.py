@@ -22,6 +22,7 @@ import torch
 from omegaconf import DictConfig
 
 from ..runner.config import ConfigError
+from ..runner.distributed import Dist
 from ..runner.record import write_bytes_atomic
 from .translation import BOS, EOS, PAD, UNK, TranslationData
 
@@ -97,7 +98,9 @@ def load_tokenizer(proto: bytes, source: str):
     return sp
 
 
-def parallel_text(cfg: DictConfig, device: torch.device, workdir: Optional[Path], resuming: bool = False) -> TranslationData:
+def parallel_text(cfg: DictConfig, device: torch.device, workdir: Optional[Path], resuming: bool = False, shard: Dist = Dist()) -> TranslationData:
+    """`shard`: under torchrun, rank 0 trains the tokenizer and writes it into `workdir`; the
+    other ranks wait for it and read it, so every rank encodes with the same vocabulary."""
     d = cfg.data
     root = Path(d.root).expanduser()
     if not root.is_dir():
@@ -113,11 +116,17 @@ def parallel_text(cfg: DictConfig, device: torch.device, workdir: Optional[Path]
     elif resuming and workdir is not None and (workdir / TOKENIZER_FILE).is_file():
         # the vocabulary the checkpoint's model was trained with (its sha256 is checked on restore)
         proto, origin = (workdir / TOKENIZER_FILE).read_bytes(), "trained on the training text, kept by the run"
-    else:
+    elif shard.is_main:
         proto, origin = train_tokenizer(train_src + train_tgt, d.vocab_size, d.tokenizer_sentences, cfg.seed), "trained on the training text"
-    sp = load_tokenizer(proto, origin)
-    if workdir is not None:
+    else:
+        proto, origin = None, "trained on the training text by rank 0"
+    if workdir is not None and shard.is_main:
         write_bytes_atomic(workdir / TOKENIZER_FILE, proto)
+    if shard.enabled:
+        shard.barrier()  # rank 0's vocabulary is on disk
+        if proto is None:
+            proto = (workdir / TOKENIZER_FILE).read_bytes()
+    sp = load_tokenizer(proto, origin)
 
     def encode(lines: list[str]) -> list[np.ndarray]:
         return [np.asarray(ids, dtype=np.int64) for ids in sp.encode(lines)]
@@ -144,7 +153,7 @@ def parallel_text(cfg: DictConfig, device: torch.device, workdir: Optional[Path]
         "train_pairs_dropped": dropped,  # empty, or longer than data.max_len subwords
         "val_split": d.val_split,
     }
-    data = TranslationData(train, val, val_tgt, detokenize, info, d, cfg.schedule, cfg.model.pad_to_multiple, cfg.seed, device)
+    data = TranslationData(train, val, val_tgt, detokenize, info, d, cfg.schedule, cfg.model.pad_to_multiple, cfg.seed, device, shard)
     if test is not None:
         data.test_pairs, data.test_refs = list(zip(encode(test[0]), encode(test[1]))), test[1]
         data.info.update(test_split=d.test_split, test_pairs=len(test[0]))
