@@ -50,7 +50,9 @@ def sampled_softmax_loss(true_logits, sampled_logits, targets, candidates, true_
 class BigLSTM(nn.Module):
     """forward(stage, ...): "train" (true and sampled logits) or "nll" (full-softmax negative log-likelihood)."""
 
-    carries_buffer_state = True  # under torchrun each rank keeps its own streams' state: no buffer broadcast
+    # Buffers holding one row per stream of the batch, by name and batch dimension: under torchrun
+    # each rank keeps its own streams' (no buffer broadcast), and checkpoints hold the global batch's.
+    stream_buffers = {"carry_h": 1, "carry_c": 1}
 
     def __init__(self, m: DictConfig, vocab: int, batch_size: int, rows: int | None = None):
         """`batch_size`: the global batch (f-lm's embedding-gradient weight); `rows`: the streams

@@ -177,8 +177,8 @@ class GAN:
 
     @torch.no_grad()
     def _generate(self, z: torch.Tensor, forward_context: Callable[[], ContextManager]) -> torch.Tensor:
-        with forward_context():
-            return self.generator(z).float().clamp_(-1, 1)
+        with forward_context():  # the network itself: a data-parallel wrapper would sync buffers from rank 0
+            return getattr(self.generator, "module", self.generator)(z).float().clamp_(-1, 1)
 
     @torch.no_grad()
     def evaluate(self, batches: Iterable[torch.Tensor], forward_context: Callable[[], ContextManager]) -> dict[str, float]:

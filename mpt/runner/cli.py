@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import sys
 import zlib
@@ -62,7 +63,8 @@ def run_name(seed: int, device: str) -> str:
     never share a folder.
     """
     choices = HydraConfig.get().runtime.choices
-    name = "_".join([*(choices[g] for g in GROUPS), device_type(device), f"seed{seed}"])
+    world = int(os.environ.get("WORLD_SIZE", 1))  # a torchrun job: its process count names it too
+    name = "_".join([*(choices[g] for g in GROUPS), device_type(device) + (f"x{world}" if world > 1 else ""), f"seed{seed}"])
     extra = variant()
     return folder_name(name, ",".join(_safe(p) for p in extra.split(",")) if extra else "")
 
@@ -149,7 +151,8 @@ def run(cfg: DictConfig) -> str:
     rec = job.run()  # a crash is recorded as `error` (or `oom`); a sweep goes on to its next run
     if job.dist.is_main:
         print("\n".join(summary_lines(rec)), flush=True)
-    if rec["status"] in ("error", "oom") and not multirun:
+    # Under torchrun a failed rank exits so that torchrun stops the others, which would wait for it.
+    if rec["status"] in ("error", "oom") and (not multirun or job.dist.enabled):
         sys.exit(1)
     return rec["status"]
 

@@ -57,6 +57,14 @@ class Dist:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t)
 
+    def gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """Every rank's `t`, concatenated in rank order along `dim` (the global batch's rows)."""
+        if not self.enabled:
+            return t
+        parts = [torch.empty_like(t) for _ in range(self.world_size)]
+        dist.all_gather(parts, t.contiguous())
+        return torch.cat(parts, dim)
+
     def barrier(self) -> None:
         if self.enabled:
             dist.barrier()

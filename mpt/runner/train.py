@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import random
 import time
 from itertools import islice
@@ -39,6 +40,8 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
         device = torch.device(name)
     except RuntimeError:
         raise ConfigError(f"device={name}: expected auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and device.index is not None and int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        raise ConfigError(f"device={name}: under torchrun each process takes cuda:LOCAL_RANK; use device=cuda or auto")
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -106,7 +109,8 @@ class Run:
         self.forward_context = lambda: autocast(cfg.precision, self.device)
         self.grad_stats = GradStatsCollector(cfg.stats, {name: e.model for name, e in self.engines.items()}, self.device, s.throughput_warmup)
         self.meter = ThroughputMeter(self.device, s.throughput_warmup, s.throughput_window, self.task.sample_unit)
-        self.step, self.samples, self.last_loss, self.last_finite_loss = 0, 0, None, None
+        self.step, self.last_loss, self.last_finite_loss = 0, None, None
+        self.samples, self.samples_before_resume = 0, 0  # this process's since it started; the whole run's before it
         self.epoch, self.batch_in_epoch = 0, 0  # the data position
         self.peak_before_resume = 0
         self.pending: list[dict[str, Any]] = []  # per-step rows whose tensors are not yet on the host
@@ -127,7 +131,7 @@ class Run:
         return {
             "config": self.record["config"],
             "step": self.step,
-            "samples": self.samples,
+            "samples": self._global_samples(),
             "epoch": self.epoch,
             "batch_in_epoch": self.batch_in_epoch,
             "last_loss": self.last_loss,
@@ -135,21 +139,23 @@ class Run:
             "metrics": self.record["metrics"],
             "sample_grids": self.record.get("sample_grids"),
             "data": self.data.state_dict(),
-            "engines": {name: {"model": e.model.state_dict(), **e.state_dict()} for name, e in self.engines.items()},
+            "engines": {name: {"model": self._model_state(e.model), **e.state_dict()} for name, e in self.engines.items()},
             "rng": checkpoint.rng_state(),
+            # Every rank's own GPU generator advances alike (the same draws): rank 0's stands for all.
+            "device_rng": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
             "started_at": self.record["started_at"],
             "git": self.record["git"],
             "throughput": self.meter.state_dict(),
-            "peak_memory_bytes": peak_memory(self.device)["peak_bytes"],
+            "peak_memory_bytes": int(self.dist.largest(max(peak_memory(self.device)["peak_bytes"], self.peak_before_resume), self.device)),
             "grad_stats": self.grad_stats.state_dict(),
         }
 
     def _restore(self, saved: dict) -> None:
         for name, engine in self.engines.items():
-            engine.model.load_state_dict(saved["engines"][name]["model"])
+            engine.model.load_state_dict(self._own_rows(engine.model, saved["engines"][name]["model"]))
             engine.load_state_dict(saved["engines"][name])
         self.data.load_state_dict(saved["data"])
-        self.step, self.samples = saved["step"], saved["samples"]
+        self.step, self.samples_before_resume = saved["step"], saved["samples"]
         self.epoch, self.batch_in_epoch = saved["epoch"], saved["batch_in_epoch"]
         self.last_loss, self.last_finite_loss = saved["last_loss"], saved["last_finite_loss"]
         self.record["metrics"] = saved["metrics"]
@@ -164,6 +170,8 @@ class Run:
         if saved.get("grad_stats"):  # checkpoints before gradient statistics have none
             self.grad_stats.load_state_dict(saved["grad_stats"])
         checkpoint.set_rng_state(saved["rng"])  # last: building the run drew from the generators
+        if saved.get("device_rng") is not None and self.device.type == "cuda":
+            torch.cuda.set_rng_state(saved["device_rng"], self.device)
         log.info("resuming %s from its checkpoint at step %d of %d", self.run_dir, self.step, self.total_steps)
         print(f"mpt-run: resuming from the checkpoint at step {self.step} of {self.total_steps} (resume=false starts over)", flush=True)
 
@@ -182,19 +190,47 @@ class Run:
         for name, engine in self.engines.items():
             if self.cfg.distributed.sync_batchnorm:  # BN modules swapped in place: the parameters stay the engine's
                 engine.model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(engine.model)
-            # A network that carries state between batches in its buffers (bigLSTM's LSTM state)
-            # says so: broadcasting rank 0's would overwrite each rank's own.
-            rank_local = {"broadcast_buffers": False} if getattr(engine.model, "carries_buffer_state", False) else {}
-            ids = [self.device.index] if self.device.type == "cuda" else None
-            ddp = DistributedDataParallel(engine.model, device_ids=ids, **rank_local)
+            # A network that carries per-stream state between batches in buffers (bigLSTM's LSTM
+            # state) says so: broadcasting rank 0's would overwrite each rank's own.
+            rank_local = {"broadcast_buffers": False} if getattr(engine.model, "stream_buffers", None) else {}
+            # No device_ids: batches are already on the device, and DDP would move every tensor
+            # argument there, GNMT's CPU sequence lengths included.
+            ddp = DistributedDataParallel(engine.model, **rank_local)
             if allreduce is not None:
                 ddp.register_comm_hook(None, allreduce_in(torch_dtype(allreduce)))
             self.task.set_network(name, ddp)
 
+    def _model_state(self, model: torch.nn.Module) -> dict:
+        """The network's state dict, with per-stream buffers gathered from every rank (collective)."""
+        state = model.state_dict()
+        for name, dim in (getattr(model, "stream_buffers", None) or {}).items():
+            state[name] = self.dist.gather(state[name], dim)
+        return state
+
+    def _own_rows(self, model: torch.nn.Module, state: dict) -> dict:
+        """A saved state dict with this rank's slice of each per-stream buffer (a checkpoint holds the
+        global batch's, so it resumes with any number of processes)."""
+        own = model.state_dict()
+        state = dict(state)
+        for name, dim in (getattr(model, "stream_buffers", None) or {}).items():
+            rows, saved_rows = own[name].shape[dim], state[name].shape[dim]
+            if saved_rows != rows and saved_rows == rows * self.dist.world_size:
+                start, _ = self.dist.shard(0, saved_rows)
+                state[name] = state[name].narrow(dim, start, rows)
+        return state
+
+    def _global_samples(self, together: bool = True) -> int:
+        """Samples the whole run has trained on: the processes' counts summed (collective unless
+        `together` is false: a rank leaving on an exception alone can meet no other)."""
+        if not together:  # an estimate: this rank's count for every rank
+            return int(self.samples_before_resume + self.samples * self.dist.world_size)
+        return int(self.samples_before_resume + self.dist.total(float(self.samples), self.device))
+
     def save_checkpoint(self) -> None:
         self._flush()  # the log on disk covers every step the checkpoint does
+        state = self._state()  # on every rank: it gathers what each holds alone
         if self.dist.is_main:
-            checkpoint.save(self.run_dir, self._state())
+            checkpoint.save(self.run_dir, state)
 
     def _initial_record(self) -> dict:
         cfg = self.cfg
@@ -277,21 +313,28 @@ class Run:
         self.save_record()
         t_start = time.perf_counter()
         reset_peak_memory(self.device)
+        # Under torchrun the ranks end together (finishing, or diverging on a shared decision) and
+        # meet in the collectives below; a rank leaving on an exception is alone and skips them.
+        together = False
         try:
             for _ in self.steps():
                 pass
             rec["status"] = "ok"
+            together = True
         except Diverged as e:
+            together = True
             self._flush(check=False)
             rec.update(status="diverged", message=str(e), diverged_at_step=e.step if e.step is not None else self.step)
             log.warning("diverged at step %s: %s", rec["diverged_at_step"], e)
         finally:
-            rec["steps"], rec["samples"], rec["epochs"] = self.step, self.samples, self.step / self.data.steps_per_epoch
+            together = together or not self.dist.enabled
+            rec["steps"], rec["samples"], rec["epochs"] = self.step, self._global_samples(together), self.step / self.data.steps_per_epoch
             rec["final_train_loss"] = self.last_loss
             rec["last_finite_train_loss"] = self.last_finite_loss
-            rec["throughput"] = self._over_ranks(self.meter.summary())
+            rec["throughput"] = self._over_ranks(self.meter.summary()) if together else self.meter.summary()
             rec["memory"] = peak_memory(self.device)
-            rec["memory"]["peak_bytes"] = int(self.dist.largest(max(rec["memory"]["peak_bytes"], self.peak_before_resume), self.device))
+            peak = max(rec["memory"]["peak_bytes"], self.peak_before_resume)
+            rec["memory"]["peak_bytes"] = int(self.dist.largest(peak, self.device)) if together else peak
             if self.dist.enabled:
                 rec["memory"]["over"] = f"the largest of {self.dist.world_size} processes"
             if self.grad_stats.sampled_steps:
@@ -333,7 +376,7 @@ class Run:
                 self.meter.interrupt()  # a sampled step that was not timed: its window cannot be corrected
             self.step += 1
             n = self.task.count_samples(batch)
-            self.samples += n * self.dist.world_size  # the global batch: every rank's slice is the same size
+            self.samples += n
             # A sampled step's hooks are not training's work: the step is left out of throughput.
             self.meter.step(n, wait, excluded_s=None if stats_step["seconds"] is None else stats_step["seconds"] + wait)
             if self.step % self.cfg.schedule.log_every == 0 or self.step == self.total_steps:
@@ -387,7 +430,8 @@ class Run:
             # Buffers too: a forward overflow on a skipped step still updates batch-norm statistics.
             tensors = [*engine.model.parameters(), *engine.master_weights(), *(b for b in engine.model.buffers() if b.is_floating_point())]
             finite = torch.stack([torch.isfinite(t).all() for t in tensors]).all()
-            if not bool(finite):
+            # Buffers can differ between ranks (batch-norm statistics, per-stream state): one decision for all.
+            if self.dist.reduce_max((~finite).float().reshape(1)).item():
                 raise Diverged(f"non-finite weights or batch-norm statistics in {name} by step {step}", step=step)
 
     def _evaluate(self, step: int) -> None:
