@@ -44,6 +44,17 @@ def kill_processes_naming(marker: str) -> None:
             pass
 
 
+def one_and_two_processes(args: list[str], tmp_path: Path) -> tuple[Path, Path]:
+    """The same config run by 1 process and by torchrun with 2: their run folders."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    r = run_cli(*args, f"hydra.run.dir={one}", cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = torchrun(*args, f"hydra.run.dir={two}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("mpt-run ") == 1  # one summary, from rank 0
+    return one, two
+
+
 def train_losses(run_dir: Path) -> list[float]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r["loss"] for r in rows if r["kind"] == "train"]
@@ -56,11 +67,7 @@ ALEXNET = ["model=alexnet", "model.dropout=0", "schedule=smoke", "schedule.steps
 
 
 def test_two_processes_follow_one_process_with_the_same_global_batch_and_fp16_all_reduce_stays_close(tmp_path):
-    one, two = tmp_path / "one", tmp_path / "two"
-    r = run_cli(*ALEXNET, f"hydra.run.dir={one}", cwd=ROOT)
-    assert r.returncode == 0, r.stderr[-2000:]
-    r = torchrun(*ALEXNET, f"hydra.run.dir={two}")
-    assert r.returncode == 0, r.stderr[-3000:]
+    one, two = one_and_two_processes(ALEXNET, tmp_path)
     a, b = train_losses(one), train_losses(two)
     assert len(a) == len(b) == 6 and a[0] != a[-1]
     # Stated tolerance: the order of the gradient sums differs (two halves, then all-reduce).
@@ -72,7 +79,6 @@ def test_two_processes_follow_one_process_with_the_same_global_batch_and_fp16_al
     assert rec2["samples"] == rec1["samples"] == 48
     assert rec2["throughput"]["processes"] == 2 and rec2["throughput"]["pipeline"] > rec2["throughput"]["pipeline_per_process"]
     assert rec2["metrics"]["val_loss"] == pytest.approx(rec1["metrics"]["val_loss"], rel=1e-5)
-    assert r.stdout.count("mpt-run alexnet precision=fp32") == 1  # one summary, from rank 0
 
     # Gradients all-reduced in FP16 (a communication hook): close, and not the same.
     fp16 = tmp_path / "fp16"
@@ -188,11 +194,7 @@ def test_the_language_model_on_two_processes_follows_one_process(tmp_path):
     streams' (no buffer broadcast), and both draw the same sampled-softmax negatives, as one process does."""
     args = ["model=biglstm_tiny", "model.hidden_size=32", "model.proj_size=8", "model.num_sampled=64", "model.bptt=5", "model.dropout=0",
             "data.train_samples=40", "schedule=smoke", "schedule.steps=6", "checkpoint=false"]
-    one, two = tmp_path / "one", tmp_path / "two"
-    r = run_cli(*args, f"hydra.run.dir={one}", cwd=ROOT)
-    assert r.returncode == 0, r.stderr[-2000:]
-    r = torchrun(*args, f"hydra.run.dir={two}")
-    assert r.returncode == 0, r.stderr[-3000:]
+    one, two = one_and_two_processes(args, tmp_path)
     a, b = train_losses(one), train_losses(two)
     assert len(a) == 6 and b == pytest.approx(a, rel=1e-5)
     assert read_record(two)["metrics"]["ppl"] == pytest.approx(read_record(one)["metrics"]["ppl"], rel=1e-5)

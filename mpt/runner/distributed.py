@@ -44,17 +44,16 @@ class Dist:
 
     def total(self, value: float, device: torch.device) -> float:
         """The sum over ranks of a host number."""
-        if not self.enabled:
-            return value
-        t = torch.tensor([value], dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        return float(t)
+        return self._reduce_number(value, dist.ReduceOp.SUM, device)
 
     def largest(self, value: float, device: torch.device) -> float:
+        return self._reduce_number(value, dist.ReduceOp.MAX, device)
+
+    def _reduce_number(self, value: float, op, device: torch.device) -> float:
         if not self.enabled:
             return value
-        t = torch.tensor([value], dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        t = torch.tensor([value], dtype=torch.float64, device=device)  # on the device: NCCL reduces nothing else
+        dist.all_reduce(t, op=op)
         return float(t)
 
     def gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
