@@ -38,7 +38,7 @@ class GradStatsCollector:
     """One per run, over every network of the task. Disabled (stats.grad_hist=false), every
     method returns at once and `summary()` is None."""
 
-    MEMORY_NOTE = f"includes the sampled steps' histogram temporaries: {CHUNK} values at a time (156 MiB measured on a CPU)"
+    MEMORY_NOTE = f"includes the sampled steps' histogram temporaries: {CHUNK} values at a time, some tens of bytes each"
 
     def __init__(self, stats: DictConfig, networks: dict[str, nn.Module], device: torch.device, warmup: int = 0):
         self.enabled, self.every, self.keep = bool(stats.grad_hist), int(stats.every), float(stats.keep)
