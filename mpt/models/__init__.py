@@ -69,6 +69,19 @@ class Task(Protocol):
     # DistributedDataParallel) in place of networks()[name]; a task without it cannot run under torchrun.
 
 
+class OneNetwork:
+    """A task that trains one network, held in `self.net`."""
+
+    net: nn.Module
+
+    def networks(self) -> dict[str, nn.Module]:
+        return {"model": self.net}
+
+    def set_network(self, name: str, module: nn.Module) -> None:
+        """Train and evaluate through `module` from now on (the network wrapped for data parallelism)."""
+        self.net = module
+
+
 def build_task(cfg: DictConfig, data_info: dict, shard: Dist = Dist()) -> Task:
     """`shard`: this process's place in a torchrun job (a task that draws its own inputs, DCGAN's
     latents, takes its slice of the global batch's)."""

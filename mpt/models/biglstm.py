@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from ..runner.distributed import Dist
-from . import LossTerm
+from . import LossTerm, OneNetwork
 
 EVAL_LOGITS = 2**26  # full-softmax logits per evaluation chunk (256 MiB in FP32)
 
@@ -109,7 +109,7 @@ class BigLSTM(nn.Module):
         return total, state
 
 
-class LanguageModel:
+class LanguageModel(OneNetwork):
     sample_unit = "words"  # target tokens: the words and each sentence's </s>
     primary_metric = "ppl"
     higher_is_better = False
@@ -119,13 +119,6 @@ class LanguageModel:
         self.vocab = data_info["vocab_size"]
         self.num_sampled = model_cfg.num_sampled
         self.net = BigLSTM(model_cfg, self.vocab, batch_size, rows=batch_size // shard.world_size)
-
-    def networks(self) -> dict[str, nn.Module]:
-        return {"model": self.net}
-
-    def set_network(self, name: str, module: nn.Module) -> None:
-        """Train and evaluate through `module` from now on (the network wrapped for data parallelism)."""
-        self.net = module
 
     def train_losses(self, batch) -> Iterator[LossTerm]:
         inputs, targets = batch

@@ -8,10 +8,9 @@ import torch
 import torch.nn.functional as F
 import torchvision
 from omegaconf import DictConfig
-from torch import nn
 
 from ..runner.config import ConfigError
-from . import LossTerm
+from . import LossTerm, OneNetwork
 
 # Architectures whose constructors need extra arguments to build without pretrained weights.
 _BUILD_KWARGS = {
@@ -20,7 +19,7 @@ _BUILD_KWARGS = {
 }
 
 
-class Classification:
+class Classification(OneNetwork):
     sample_unit = "images"
     primary_metric = "top1"
     higher_is_better = True
@@ -37,13 +36,6 @@ class Classification:
                 raise ConfigError(f"model.dropout={model_cfg.dropout}: {model_cfg.name} has no dropout to set") from None
             raise
         self.num_classes = num_classes
-
-    def networks(self) -> dict[str, nn.Module]:
-        return {"model": self.net}
-
-    def set_network(self, name: str, module: nn.Module) -> None:
-        """Train and evaluate through `module` from now on (the network wrapped for data parallelism)."""
-        self.net = module
 
     def train_losses(self, batch: Any) -> Iterator[LossTerm]:
         images, labels = batch

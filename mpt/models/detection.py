@@ -28,7 +28,7 @@ from torchvision.models.detection.image_list import ImageList
 from torchvision.ops import box_iou
 
 from ..runner.config import ConfigError
-from . import LossTerm
+from . import LossTerm, OneNetwork
 from .voc_map import voc_map
 
 # Caffe's input convention, which torchvision's SSD and its VGG16_Weights.IMAGENET1K_FEATURES use:
@@ -103,7 +103,7 @@ def build_ssd300(num_classes: int, backbone_weights: str | None) -> nn.Module:
     return detector
 
 
-class Detection:
+class Detection(OneNetwork):
     sample_unit = "images"
     primary_metric = "map"  # VOC2007's 11-point mAP at IoU 0.5, as the paper reports
     higher_is_better = True
@@ -120,13 +120,6 @@ class Detection:
         probe = ImageList(torch.zeros(1, 3, image_size, image_size), [(image_size, image_size)])
         self.default_boxes = self.detector.anchor_generator(probe, [torch.zeros(1, 1, *g) for g in grids])[0]
         self._boxes_on: dict[torch.device, torch.Tensor] = {}
-
-    def networks(self) -> dict[str, nn.Module]:
-        return {"model": self.net}
-
-    def set_network(self, name: str, module: nn.Module) -> None:
-        """Train and evaluate through `module` from now on (the network wrapped for data parallelism)."""
-        self.net = module
 
     def anchors(self, device: torch.device) -> torch.Tensor:
         if device not in self._boxes_on:

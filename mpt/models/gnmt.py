@@ -25,7 +25,7 @@ from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from ..datasets.translation import BOS, EOS, PAD, TranslationBatch, round_up
-from . import LossTerm
+from . import LossTerm, OneNetwork
 from .beam_search import beam_search
 
 
@@ -139,7 +139,7 @@ class GNMT(nn.Module):
         return logits[:, 0], state
 
 
-class Translation:
+class Translation(OneNetwork):
     sample_unit = "target tokens"  # non-padding target tokens, EOS included
     primary_metric = "bleu"
     higher_is_better = True
@@ -151,13 +151,6 @@ class Translation:
         self.net = GNMT(model_cfg, self.vocab_size)
         # never predicted: padding, the start symbol, and the ids that only pad the vocabulary
         self.banned = [PAD, BOS, *range(self.vocab_size, self.net.padded_vocab)]
-
-    def networks(self) -> dict[str, nn.Module]:
-        return {"model": self.net}
-
-    def set_network(self, name: str, module: nn.Module) -> None:
-        """Train and evaluate through `module` from now on (the network wrapped for data parallelism)."""
-        self.net = module
 
     def _token_losses(self, logits: torch.Tensor, target: torch.Tensor, smoothing: float) -> torch.Tensor:
         return F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=PAD, label_smoothing=smoothing, reduction="sum")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import random
 import time
 from itertools import islice
@@ -17,11 +16,11 @@ from omegaconf import DictConfig
 
 from ..datasets import build_data
 from ..models import build_task
-from .config import GROUPS, as_plain, same_computation, static_scale_value
+from .config import GROUPS, ConfigError, as_plain, same_computation, static_scale_value
 from .optim import effective_lr
 from .precision import PrecisionEngine, autocast, check_device_support, default_channels_last, prepare_model, set_fp32_math, torch_dtype, uses_cpu_fp16_convs
 from . import checkpoint
-from .distributed import allreduce_in, backend, from_env, setup as setup_distributed
+from .distributed import Dist, allreduce_in, backend, from_env, setup as setup_distributed
 from .grad_hooks import GradStatsCollector
 from .record import MetricsLog, NullLog, environment, git_commit, now_iso, write_json_atomic
 from .scaler import Diverged, build_scaler
@@ -30,20 +29,18 @@ from .throughput import ThroughputMeter, peak_memory, reset_peak_memory
 log = logging.getLogger("mpt")
 
 
-def resolve_device(name: str, local_rank: int = 0) -> torch.device:
-    """`local_rank`: under torchrun, the GPU of this process when the name gives none."""
-    from .config import ConfigError
-
+def resolve_device(name: str, dist: Dist = Dist()) -> torch.device:
+    """`dist`: under torchrun, the process's place: its GPU is cuda:LOCAL_RANK."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         device = torch.device(name)
     except RuntimeError:
         raise ConfigError(f"device={name}: expected auto, cpu, cuda or cuda:N") from None
-    if device.type == "cuda" and device.index is not None and int(os.environ.get("WORLD_SIZE", 1)) > 1:
+    if device.type == "cuda" and device.index is not None and dist.enabled:
         raise ConfigError(f"device={name}: under torchrun each process takes cuda:LOCAL_RANK; use device=cuda or auto")
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
+        device = torch.device("cuda", dist.local_rank)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device={name}: no CUDA device is available here (torch.cuda.is_available() is False); use device=cpu or auto")
     if device.type not in ("cpu", "cuda"):
@@ -75,11 +72,9 @@ class Run:
         self.variant = variant
         self.run_dir = run_dir
         self.dist = from_env()
-        self.device = resolve_device(cfg.device, self.dist.local_rank)
+        self.device = resolve_device(cfg.device, self.dist)
         check_device_support(cfg.precision, self.device)
         if cfg.schedule.batch_size % self.dist.world_size:
-            from .config import ConfigError
-
             raise ConfigError(f"schedule.batch_size={cfg.schedule.batch_size} is the global batch: it does not divide among {self.dist.world_size} processes")
         setup_distributed(self.dist, self.device)
         seed_everything(cfg.seed)
@@ -179,8 +174,6 @@ class Run:
         """Each network in DistributedDataParallel: the task trains through the wrapper, whose
         backward all-reduces (averages) the gradients; the engine keeps the network itself."""
         from torch.nn.parallel import DistributedDataParallel
-
-        from .config import ConfigError
 
         if not hasattr(self.task, "set_network"):
             raise ConfigError(f"model={self.cfg.model.name} does not run under torchrun yet")
