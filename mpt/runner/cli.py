@@ -217,6 +217,11 @@ def main() -> None:
         print(f"mpt-run: error: {problem}", file=sys.stderr)
         sys.exit(2)
     run()
+    # Only after a run that ended normally: a failed rank exits at once (sys.exit above), since
+    # leaving the group would wait for ranks that may be stuck in a collective.
+    from .distributed import teardown
+
+    teardown()
 
 
 if __name__ == "__main__":

@@ -110,3 +110,11 @@ def setup(d: Dist, device: torch.device) -> None:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group(backend(device), device_id=device if device.type == "cuda" else None)
+
+
+def teardown() -> None:
+    """Leave the process group once the process's runs are done. Without it gloo's worker threads
+    can outlive the interpreter's teardown and abort the process at exit ("terminate called without
+    an active exception", SIGABRT; pytorch/pytorch#190489), which torchrun reports as a failure."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
