@@ -97,6 +97,33 @@ def memory(runs: pd.DataFrame) -> pd.DataFrame:
     return _relative_to_fp32(finished, "peak_memory_bytes", "ratio_to_fp32", extra=["memory_kind"])
 
 
+def mfu(runs: pd.DataFrame) -> pd.DataFrame:
+    """Median MFU per (setup, mode), with the model FLOPs per sample and the math the peak is for."""
+    finished = runs[runs.status == "ok"].dropna(subset=["mfu"]) if "mfu" in runs else runs.iloc[0:0]
+    if finished.empty:
+        return pd.DataFrame()
+    keys = [k for k in SAME_SETUP if k in finished.columns]
+    return (finished.groupby([*keys, *MODE_KEYS, "precision_order", "scale_order", "throughput_unit", "mfu_math"], dropna=False, sort=False)
+            .agg(mfu=("mfu", "median"), flops_per_sample=("flops_per_sample", "median"), runs=("mfu", "count")).reset_index())
+
+
+def render_mfu(table: pd.DataFrame) -> str:
+    if table.empty:
+        return "_no runs with an MFU (schedule=bench on a GPU in the peak table)_"
+    keys = [k for k in SAME_SETUP if k in table.columns]
+    order = _mode_order(table)
+    table = table.assign(cell=[f"{r.mfu * 100:.1f}% ({r.mfu_math})" for r in table.itertuples()],
+                         gflop_per_sample=[f"{v / 1e9:.4g}" for v in table.flops_per_sample])
+    # FLOPs per sample are the model's, the same in every mode, up to what autograd skips.
+    pivot = table.fillna({k: "" for k in keys}).pivot_table(index=[*keys, "throughput_unit"], columns="mode", values="cell", aggfunc="first")
+    flops = table.groupby([*keys, "throughput_unit"], dropna=False)["gflop_per_sample"].first()
+    pivot = pivot[[m for m in order if m in pivot.columns]]
+    pivot.insert(0, "GFLOP/sample", flops.reindex(pivot.index).values)
+    pivot = pivot.reset_index().fillna("")
+    pivot.columns = [str(c).removeprefix("config.schedule.") for c in pivot.columns]
+    return _md(pivot)
+
+
 def _relative_to_fp32(runs: pd.DataFrame, value: str, ratio: str, extra: list[str]) -> pd.DataFrame:
     if runs.empty:
         return pd.DataFrame()

@@ -110,6 +110,9 @@ def summary_lines(rec: dict) -> list[str]:
     tp = rec.get("throughput") or {}
     if tp.get("pipeline") is not None:
         lines.append(f"  throughput: {tp['pipeline']:.4g} {tp['unit']} (compute only {tp['compute']:.4g}; median of {tp['windows']} windows)")
+    util = rec.get("mfu") or {}
+    if util.get("value") is not None:
+        lines.append(f"  mfu:        {util['value'] * 100:.1f}% of {util['peak_tflops']:g} TFLOP/s ({util['math']}; {rec['flops']['per_sample'] / 1e9:.4g} GFLOP per {rec['flops']['sample_unit'].removesuffix('s')})")
     mem = rec.get("memory") or {}
     lines.append(f"  memory:     {_fmt_bytes(mem.get('peak_bytes'))} peak ({mem.get('kind')}) on {rec['environment']['device_name']}")
     for name, s in (rec.get("loss_scale") or {}).items():

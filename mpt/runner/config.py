@@ -213,6 +213,7 @@ class ScheduleConfig:
     log_every: int = 10  # steps between flushes of the per-step log (the only host syncs besides overflow checks)
     throughput_warmup: int = 5  # steps excluded from throughput
     throughput_window: int = 5  # steps per timing window; throughput is the median over windows
+    count_flops: bool = False  # count model FLOPs on the process's first step, for MFU (flops.py)
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import random
@@ -20,6 +21,7 @@ from .config import GROUPS, ConfigError, as_plain, same_computation, static_scal
 from .optim import effective_lr
 from .precision import PrecisionEngine, autocast, check_device_support, default_channels_last, prepare_model, set_fp32_math, torch_dtype, uses_cpu_fp16_convs
 from . import checkpoint
+from .flops import counting_flops, flops_record, mfu
 from .distributed import Dist, allreduce_in, backend, from_env, setup as setup_distributed
 from .grad_hooks import GradStatsCollector
 from .record import MetricsLog, NullLog, environment, git_commit, now_iso, write_json_atomic
@@ -276,6 +278,8 @@ class Run:
             "throughput": None,
             "memory": None,
             "loss_scale": None,
+            "flops": None,  # schedule.count_flops: model FLOPs of one step (flops.py)
+            "mfu": None,
             "grad_stats": None,  # stats.grad_hist: gradient histograms against FP16's range (grad_hooks.py)
             "environment": environment(self.device),
             "git": git_commit(Path(__file__).resolve().parent),
@@ -325,6 +329,7 @@ class Run:
             rec["final_train_loss"] = self.last_loss
             rec["last_finite_train_loss"] = self.last_finite_loss
             rec["throughput"] = self._over_ranks(self.meter.summary()) if together else self.meter.summary()
+            rec["mfu"] = mfu(rec["flops"], rec["throughput"], self.cfg.precision, self.device, rec["environment"]["device_name"])
             rec["memory"] = peak_memory(self.device)
             peak = max(rec["memory"]["peak_bytes"], self.peak_before_resume)
             rec["memory"]["peak_bytes"] = int(self.dist.largest(peak, self.device)) if together else peak
@@ -363,8 +368,13 @@ class Run:
                 continue
             self.batch_in_epoch += 1
             wait = time.perf_counter() - t0
-            with self.grad_stats.step(self.step) as stats_step:
+            # FLOPs once, on this process's first step: in the warm-up, which throughput leaves out.
+            counting = self.cfg.schedule.count_flops and self.record["flops"] is None
+            with self.grad_stats.step(self.step) as stats_step, \
+                    counting_flops([e.model for e in self.engines.values()]) if counting else contextlib.nullcontext() as counter:
                 self.pending.extend(self._train_step(self.step, batch))
+            if counting:
+                self.record["flops"] = flops_record(counter, self.task.count_samples(batch), self.step, self.meter.unit)
             if stats_step["sampled"] and stats_step["seconds"] is None:
                 self.meter.interrupt()  # a sampled step that was not timed: its window cannot be corrected
             self.step += 1

@@ -1,0 +1,105 @@
+"""Model FLOPs and MFU (mpt/runner/flops.py) against hand-counted matmuls and convolutions."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+import torchvision
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from mpt.report import tables
+from mpt.report.records import record_row
+from mpt.runner.flops import counting_flops, math_of, mfu, peak_tflops
+
+from .conftest import ROOT, compose_cfg, read_record, run_cli
+
+
+def lstm_forward_flops(T: int, B: int, I: int, H: int, layers: int) -> int:
+    """2 FLOPs per multiply-add: input-to-gates and hidden-to-gates matmuls of each layer and step."""
+    return sum(2 * T * B * 4 * H * ((I if layer == 0 else H) + H) for layer in range(layers))
+
+
+def test_an_lstm_is_counted_through_its_matmuls():
+    lstm, x = nn.LSTM(32, 64, num_layers=2), torch.randn(5, 4, 32)
+    with torch.no_grad():
+        with FlopCounterMode(display=False) as fused:
+            lstm(x)
+        with counting_flops([lstm]) as counter:
+            lstm(x)
+    assert fused.get_total_flops() == 0  # the fused CPU kernel is one op the counter does not see into
+    assert counter.get_total_flops() == lstm_forward_flops(5, 4, 32, 64, 2)
+    assert torch.backends.mkldnn.enabled and torch.backends.cudnn.enabled  # restored
+
+
+def test_a_convolutions_forward_and_weight_gradient_are_counted():
+    conv, x = nn.Conv2d(3, 8, 3, bias=False), torch.randn(2, 3, 10, 10)
+    with counting_flops([conv]) as counter:
+        conv(x).sum().backward()
+    forward = 2 * 2 * 8 * 8 * 8 * 3 * 3 * 3  # batch x out pixels x out channels x (in channels x 3x3)
+    assert counter.get_total_flops() == 2 * forward  # the input needs no gradient: forward and weight gradient
+
+
+@pytest.mark.parametrize("precision, math", [("fp32", "fp32"), ("tf32", "tf32"), ("fp16", "fp16"), ("mixed", "fp16"),
+                                             ("fp16_modmom", "fp16"), ("amp", "fp16"), ("bf16", "bf16")])
+def test_each_mode_is_measured_against_the_peak_of_its_math(precision, math):
+    assert math_of(compose_cfg(f"precision={precision}").precision) == math
+
+
+def test_peaks_are_looked_up_by_device_name_most_specific_first():
+    assert peak_tflops("NVIDIA H100 80GB HBM3", "fp16")[0] == pytest.approx(989.5)
+    assert peak_tflops("NVIDIA H100 PCIe", "fp16")[0] == pytest.approx(756.5)
+    assert peak_tflops("NVIDIA H200", "fp32")[0] == 67
+    assert peak_tflops("NVIDIA A100-SXM4-80GB", "tf32")[0] == 156
+    peak, why = peak_tflops("Tesla V100-SXM2-16GB", "bf16")
+    assert peak is None and "bf16" in why
+    peak, why = peak_tflops("NVIDIA GeForce GTX 1080", "fp16")
+    assert peak is None and "GTX 1080" in why
+
+
+def test_mfu_is_flops_per_sample_times_throughput_over_the_peak_per_gpu():
+    p = compose_cfg("precision=amp").precision
+    flops, cuda = {"per_sample": 4e9}, torch.device("cuda")
+    out = mfu(flops, {"pipeline": 1000.0}, p, cuda, "NVIDIA H100 80GB HBM3")
+    assert out["value"] == pytest.approx(4e12 / 989.5e12) and out["math"] == "fp16"
+    two = mfu(flops, {"pipeline": 2000.0, "processes": 2}, p, cuda, "NVIDIA H100 80GB HBM3")
+    assert two["value"] == pytest.approx(out["value"])  # the job's throughput over two GPUs
+    assert mfu(flops, {"pipeline": 1000.0}, p, torch.device("cpu"), "Xeon")["value"] is None
+    assert "count_flops" in mfu(None, {"pipeline": 1000.0}, p, cuda, "NVIDIA H100 80GB HBM3")["why"]
+
+
+def test_a_run_counts_its_first_steps_flops_as_torch_counts_the_same_model(tmp_path):
+    r = run_cli("model=alexnet", "schedule=smoke", "schedule.count_flops=true", "checkpoint=false", f"hydra.run.dir={tmp_path}", cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rec = read_record(tmp_path)
+    cfg = rec["config"]
+    batch, size = cfg["schedule"]["batch_size"], cfg["schedule"]["image_size"]
+    # The oracle: the same architecture's forward, loss and backward under torch's own counter.
+    model = torchvision.models.alexnet(num_classes=cfg["data"]["num_classes"])
+    with FlopCounterMode(display=False) as oracle:
+        nn.functional.cross_entropy(model(torch.randn(batch, 3, size, size)), torch.zeros(batch, dtype=torch.long)).backward()
+    assert rec["flops"]["per_step"] == oracle.get_total_flops()
+    assert rec["flops"]["per_sample"] == oracle.get_total_flops() / batch
+    assert rec["flops"]["counted_at_step"] == 0 and rec["flops"]["sample_unit"] == "images"
+    assert rec["mfu"]["value"] is None and "cpu" in rec["mfu"]["why"]
+    # What the command line prints once a GPU gives an MFU.
+    from mpt.runner.cli import summary_lines
+
+    rec["mfu"] = {"value": 0.25, "peak_tflops": 989.5, "math": "fp16"}
+    assert any(line.strip().startswith("mfu:        25.0% of 989.5 TFLOP/s (fp16;") for line in summary_lines(rec))
+
+
+def test_the_mfu_table_holds_the_median_per_mode_and_the_flops_per_sample(tmp_path):
+    def record(precision: str, value: float) -> dict:
+        return {"status": "ok", "choices": {"model": "resnet50", "precision": precision, "scale": "none", "data": "synthetic", "schedule": "bench"},
+                "precision": {"name": precision}, "throughput": {"pipeline": 100.0, "unit": "images/s"},
+                "flops": {"per_sample": 12.3e9}, "mfu": {"value": value, "math": "fp16" if precision == "amp" else "fp32"},
+                "environment": {"device_name": "NVIDIA H100 80GB HBM3"}, "config": {"schedule": {"batch_size": 256, "image_size": 224}}}
+
+    runs = pd.DataFrame([record_row(record(p, v), tmp_path / p / "result.json") for p, v in [("fp32", 0.4), ("amp", 0.3), ("amp", 0.5)]])
+    runs["precision_order"], runs["scale_order"] = runs.precision.map({"fp32": 0, "amp": 1}), 0
+    table = tables.mfu(runs).set_index("precision")
+    assert table.loc["amp", "mfu"] == pytest.approx(0.4) and table.loc["amp", "runs"] == 2
+    text = tables.render_mfu(tables.mfu(runs))
+    assert "12.3" in text and "40.0% (fp16)" in text and "40.0% (fp32)" in text
