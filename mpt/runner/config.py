@@ -227,6 +227,9 @@ class OptimConfig:
     initial_accumulator: float = 0.0  # adagrad
     weight_decay: float = 1e-4
     clip_grad_norm: Optional[float] = None  # applied to unscaled gradients
+    # torch's optimizers (every mode but fp16/fp16_modmom, whose FP16 update is this project's):
+    # default (torch's choice: foreach on CUDA) | for_loop | foreach | fused (one kernel per step)
+    implementation: str = "default"
 
 
 @dataclass
@@ -237,6 +240,14 @@ class StatsConfig:
     grad_hist: bool = False  # on: sample every `every`-th step; off: no hook is ever installed
     every: int = 100  # the every-th, 2*every-th, ... step is sampled (1: every step)
     keep: float = 0.999  # the share of non-zero gradients the recommended scale keeps from FP16's zero
+
+
+@dataclass
+class CompileConfig:
+    """torch.compile of each network the task trains through; the optimizer step stays eager."""
+
+    backend: Optional[str] = None  # inductor (torch's own), or any name torch._dynamo.list_backends() gives; null: eager
+    mode: Optional[str] = None  # inductor's: default | reduce-overhead (CUDA graphs) | max-autotune | max-autotune-no-cudagraphs
 
 
 @dataclass
@@ -256,6 +267,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     stats: StatsConfig = field(default_factory=StatsConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     channels_last: Optional[bool] = None  # null: on for convolutional models on CUDA, and for FP16 weights on CPU
@@ -294,6 +306,8 @@ DETECTION_INPUT_SIZE = 300  # SSD300
 INPUT_CONVENTIONS = ("unit_variance", "caffe")
 DATA_TASKS = {"synthetic": TASKS, "imagefolder": ("classification",), "voc": ("detection",), "parallel_text": ("translation",), "text_corpus": ("language_model",), "image_dir": ("gan",)}  # the batches each source can make
 OPTIMIZERS = ("sgd", "adam", "adagrad")
+OPTIM_IMPLEMENTATIONS = ("default", "for_loop", "foreach", "fused")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 LOSS_REDUCTIONS = ("mean", "sum")
 
 
@@ -322,6 +336,18 @@ def validate(cfg: DictConfig) -> None:
         )
     if cfg.model.task not in TASKS:
         raise ConfigError(f"model.task={cfg.model.task}: expected one of {', '.join(TASKS)}")
+    if cfg.optim.implementation not in OPTIM_IMPLEMENTATIONS:
+        raise ConfigError(f"optim.implementation={cfg.optim.implementation}: expected one of {', '.join(OPTIM_IMPLEMENTATIONS)}")
+    if cfg.optim.implementation != "default" and Update(cfg.precision.update_rule) != Update.optimizer:
+        raise ConfigError(f"optim.implementation={cfg.optim.implementation}: precision={cfg.precision.name} updates FP16 weights with this project's own FP16 update, not torch's optimizers; leave it at default")
+    if cfg.compile.mode is not None:
+        if cfg.compile.mode not in COMPILE_MODES:
+            raise ConfigError(f"compile.mode={cfg.compile.mode}: expected one of {', '.join(COMPILE_MODES)}")
+        if cfg.compile.backend != "inductor":
+            raise ConfigError(f"compile.mode={cfg.compile.mode}: modes are inductor's; set compile.backend=inductor (got {cfg.compile.backend})")
+    if cfg.compile.backend is not None and cfg.stats.grad_hist:
+        # The histograms come from hooks installed on sampled steps only, which would recompile the graph.
+        raise ConfigError(f"compile.backend={cfg.compile.backend} with stats.grad_hist=true: gradient histograms need the eager networks; set one of them off")
     if cfg.optim.name not in OPTIMIZERS:
         raise ConfigError(f"optim.name={cfg.optim.name}: expected one of {', '.join(OPTIMIZERS)}")
     if cfg.data.name not in DATA_TASKS:

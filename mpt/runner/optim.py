@@ -76,12 +76,14 @@ def momentum_headroom(m: float) -> float:
 
 def build_torch_optimizer(params, cfg: DictConfig, lr: float) -> torch.optim.Optimizer:
     o = cfg.optim
+    # torch's three implementations compute the same update; they differ in kernel launches.
+    how = {} if o.implementation == "default" else {"foreach": o.implementation == "foreach", "fused": o.implementation == "fused"}
     if o.name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=o.momentum, weight_decay=o.weight_decay)
+        return torch.optim.SGD(params, lr=lr, momentum=o.momentum, weight_decay=o.weight_decay, **how)
     if o.name == "adagrad":
-        return torch.optim.Adagrad(params, lr=lr, initial_accumulator_value=o.initial_accumulator, eps=o.eps, weight_decay=o.weight_decay)
+        return torch.optim.Adagrad(params, lr=lr, initial_accumulator_value=o.initial_accumulator, eps=o.eps, weight_decay=o.weight_decay, **how)
     if o.name == "adam":
-        return torch.optim.Adam(params, lr=lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+        return torch.optim.Adam(params, lr=lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay, **how)
     raise ValueError(f"optim.name={o.name}: expected sgd, adam or adagrad")
 
 

@@ -103,6 +103,8 @@ class Run:
         }
         if self.dist.enabled:
             self._wrap_for_data_parallel()
+        if cfg.compile.backend is not None:
+            self._compile_networks()
         self.forward_context = lambda: autocast(cfg.precision, self.device)
         self.grad_stats = GradStatsCollector(cfg.stats, {name: e.model for name, e in self.engines.items()}, self.device, s.throughput_warmup)
         self.meter = ThroughputMeter(self.device, s.throughput_warmup, s.throughput_window, self.task.sample_unit)
@@ -195,6 +197,18 @@ class Run:
                 ddp.register_comm_hook(None, allreduce_in(torch_dtype(allreduce)))
             self.task.set_network(name, ddp)
 
+    def _compile_networks(self) -> None:
+        """The task trains and evaluates through torch.compile'd networks (after DDP's wrapper, as
+        torch recommends); the engine keeps the module itself, whose parameters they share."""
+        import torch._dynamo
+
+        c = self.cfg.compile
+        known = torch._dynamo.list_backends(exclude_tags=())
+        if c.backend not in known:
+            raise ConfigError(f"compile.backend={c.backend}: no such torch.compile backend; choose one of {', '.join(known)}")
+        for name, net in self.task.networks().items():
+            self.task.set_network(name, torch.compile(net, backend=c.backend, mode=c.mode))
+
     def _model_state(self, model: torch.nn.Module) -> dict:
         """The network's state dict, with per-stream buffers gathered from every rank (collective)."""
         state = model.state_dict()
@@ -278,6 +292,7 @@ class Run:
             "throughput": None,
             "memory": None,
             "loss_scale": None,
+            "compile": None,  # compile.backend: what torch.compile made of the networks
             "flops": None,  # schedule.count_flops: model FLOPs of one step (flops.py)
             "mfu": None,
             "grad_stats": None,  # stats.grad_hist: gradient histograms against FP16's range (grad_hooks.py)
@@ -329,6 +344,12 @@ class Run:
             rec["final_train_loss"] = self.last_loss
             rec["last_finite_train_loss"] = self.last_finite_loss
             rec["throughput"] = self._over_ranks(self.meter.summary()) if together else self.meter.summary()
+            if self.cfg.compile.backend is not None:
+                from torch._dynamo.utils import counters
+
+                rec["compile"] = {"backend": self.cfg.compile.backend, "mode": self.cfg.compile.mode,
+                                  "unique_graphs": int(counters["stats"]["unique_graphs"]),  # this process's, a sweep's earlier runs included
+                                  "graph_breaks": int(sum(counters["graph_break"].values()))}
             rec["mfu"] = mfu(rec["flops"], rec["throughput"], self.cfg.precision, self.device, rec["environment"]["device_name"])
             rec["memory"] = peak_memory(self.device)
             peak = max(rec["memory"]["peak_bytes"], self.peak_before_resume)

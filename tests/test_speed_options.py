@@ -1,0 +1,65 @@
+"""The options that only make a run faster (torch.compile, torch's optimizer implementations) must
+not change what it computes: each is checked against the same run without it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mpt.runner.config import ConfigError, validate
+
+from .conftest import ROOT, compose_cfg, read_record, run_cli
+
+RUN = ["model=alexnet", "schedule=smoke", "checkpoint=false"]
+
+
+def train_losses(run_dir: Path) -> list[float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if r["kind"] == "train"]
+
+
+@pytest.fixture(scope="module")
+def eager(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("eager")
+    r = run_cli(*RUN, f"hydra.run.dir={run_dir}", cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return run_dir
+
+
+def test_compiled_networks_train_as_the_eager_ones(eager, tmp_path):
+    # aot_eager: dynamo's graph capture and AOTAutograd's joint forward-backward, without inductor's
+    # C++ code generation (minutes on a CPU); inductor differs only in the kernels it emits.
+    r = run_cli(*RUN, "compile.backend=aot_eager", f"hydra.run.dir={tmp_path}", cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rec = read_record(tmp_path)
+    assert rec["compile"]["backend"] == "aot_eager" and rec["compile"]["unique_graphs"] >= 1  # it did compile
+    assert train_losses(tmp_path) == pytest.approx(train_losses(eager), rel=1e-6)
+    assert read_record(eager)["compile"] is None
+
+
+def test_fused_sgd_trains_as_torchs_default_sgd(eager, tmp_path):
+    r = run_cli(*RUN, "optim.implementation=fused", f"hydra.run.dir={tmp_path}", cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert train_losses(tmp_path) == pytest.approx(train_losses(eager), rel=1e-6)
+    assert len(train_losses(tmp_path)) == 3
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["optim.implementation=fast"], "optim.implementation=fast: expected one of default, for_loop, foreach, fused"),
+    (["precision=fp16_modmom", "optim.implementation=fused"], "optim.implementation=fused: precision=fp16_modmom"),
+    (["compile.mode=turbo", "compile.backend=inductor"], "compile.mode=turbo: expected one of"),
+    (["compile.mode=reduce-overhead"], "set compile.backend=inductor"),
+    (["compile.backend=inductor", "stats.grad_hist=true"], "gradient histograms need the eager networks"),
+])
+def test_bad_speed_options_are_rejected_naming_the_value(overrides, words):
+    with pytest.raises(ConfigError, match=words.replace("(", r"\(")):
+        validate(compose_cfg(*overrides))
+
+
+def test_an_unknown_compile_backend_is_one_line_naming_it(tmp_path):
+    r = run_cli(*RUN, "compile.backend=nope", f"hydra.run.dir={tmp_path}", cwd=ROOT)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1].startswith("mpt-run: error: compile.backend=nope: no such torch.compile backend; choose one of")
+    assert "inductor" in r.stderr
