@@ -113,3 +113,16 @@ def test_records_of_an_older_version_match_the_config_that_computes_the_same(nam
     assert same_computation(saved, as_plain(compose_cfg(*overrides, "emulate_cpu_fp16_conv=false")))
     assert same_computation(saved, as_plain(compose_cfg(*overrides))) == (name == "resnet50_fp32_none")
     assert not same_computation(saved, as_plain(compose_cfg(*overrides, "emulate_cpu_fp16_conv=false", "optim.lr=0.2")))
+
+
+def test_a_tree_copied_without_git_names_the_commit_it_was_packed_from(tmp_path, monkeypatch):
+    from mpt.runner.record import git_commit as cached
+
+    git_commit = cached.__wrapped__  # the function itself, not the per-process cache
+
+    monkeypatch.delenv("MPT_GIT_COMMIT", raising=False)
+    assert git_commit(tmp_path) == {"commit": None, "dirty": None}
+    monkeypatch.setenv("MPT_GIT_COMMIT", "abc123")
+    monkeypatch.setenv("MPT_GIT_DIRTY", "0")
+    assert git_commit(tmp_path) == {"commit": "abc123", "dirty": False, "source": "MPT_GIT_COMMIT"}
+    assert git_commit(ROOT)["commit"] != "abc123"  # a real checkout answers for itself

@@ -108,7 +108,12 @@ def git_commit(start: Path) -> dict:
     try:
         return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
     except (OSError, subprocess.SubprocessError):
-        return {"commit": None, "dirty": None}
+        pass
+    # A copy of the tree without .git (a remote GPU machine): scripts/device_carry.sh read the
+    # checkout's state when it packed the tree, and device_session.sh passes it on.
+    if os.environ.get("MPT_GIT_COMMIT"):
+        return {"commit": os.environ["MPT_GIT_COMMIT"], "dirty": os.environ.get("MPT_GIT_DIRTY") == "1", "source": "MPT_GIT_COMMIT"}
+    return {"commit": None, "dirty": None}
 
 
 def cpu_name() -> str:

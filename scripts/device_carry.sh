@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Fill the ignored .whl/ and .data/ that a device call of scripts/device_session.sh PART carries
+# (64 MiB in all, so each part carries only its own data). Run from the project root, here:
+#   scripts/device_carry.sh PART
+# peer: also needs DLE_GIT, a git directory of NVIDIA/DeepLearningExamples, and DLLOGGER_GIT, one
+# of NVIDIA/dllogger (e.g. what the search tool's fetch brought); their files go into .data/peer,
+# which git ignores: the peer's code is run on the device, never added to the project.
+set -euo pipefail
+part=${1:?usage: scripts/device_carry.sh PART}
+root=$(git rev-parse --show-toplevel)
+cd "$root"
+shared=${SHARED_DATA:-$root/../shared/data}
+rm -rf .data && mkdir -p .data
+../shared/offline/wheels.sh > /dev/null
+# What the records will name: the commit, and whether tracked files differ from it.
+echo "$(git rev-parse HEAD) $([ -n "$(git status --porcelain --untracked-files=no)" ] && echo 1 || echo 0)" > .data/GIT
+case $part in
+  bench|options) ;;
+  peer)
+    mkdir -p .data/peer/ConvNets .data/peer/dllogger
+    git --git-dir="${DLE_GIT:?set DLE_GIT}" archive HEAD PyTorch/Classification/ConvNets | tar -x -C .data/peer/ConvNets --strip-components=3
+    git --git-dir="${DLLOGGER_GIT:?set DLLOGGER_GIT}" archive HEAD dllogger | tar -x -C .data/peer/dllogger
+    git --git-dir="$DLE_GIT" rev-parse HEAD > .data/peer/COMMIT ;;
+  cifar) cp "$shared/cifar10.tar.gz" .data/ ;;
+  ssd) cp -r "$shared/raccoon" .data/ ;;
+  gnmt) cp -r "$shared/multi30k" .data/ ;;
+  biglstm) cp -r "$shared/ptb" .data/ ;;
+  dcgan) cp "$shared/utkface.tar.gz" .data/ ;;
+  *) echo "device_carry.sh: PART=$part: expected one of bench, options, peer, cifar, ssd, gnmt, biglstm, dcgan" >&2; exit 2 ;;
+esac
+du -sh .whl .data

@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# Issue 11's GPU measurements, one part per call of the device tool (each call has 10 minutes).
+#
+# Here, first:   scripts/device_carry.sh PART     (fills the ignored .whl/ and .data/ for PART)
+# On the GPU:    scripts/device_session.sh PART [extra mpt-run overrides ...]
+#   with carry=[".whl", ".data"]; it installs the wheels, runs PART in /tmp/mpt/PART and leaves
+#   one $OUT/PART.tar.gz (records, logs, pictures; no checkpoints): the device tool returns 8 files.
+#
+# PART:
+#   bench      experiment=throughput over the paper's six models and fp32,tf32,fp16,mixed,amp,bf16
+#              (pass model=... to split it over several calls)
+#   options    ResNet-50 amp at schedule=bench with each speed option off and on
+#   peer       scripts/peer_resnet50.py: NVIDIA DeepLearningExamples' ResNet-50 beside ours
+#   cifar      CIFAR-10 AlexNet and ResNet-50: fp32, mixed, fp16 without scaling, fp16_modmom + static, 3 seeds
+#   ssd        raccoon VOC SSD: fp32 (with gradient histograms), mixed without scaling, mixed with scale 8, 3 seeds
+#   gnmt       Multi30k GNMT (gnmt_small): fp32, mixed without scaling, mixed with static scaling, 3 seeds
+#   biglstm    PTB bigLSTM (biglstm_small): fp32, mixed without scaling, mixed with scale 128, 3 seeds
+#   dcgan      UTKFace DCGAN: fp32 and mixed sample grids, 3 seeds
+set -uo pipefail
+part=${1:?usage: scripts/device_session.sh PART [overrides...]}
+shift
+OUT=${OUT:-/tmp/out}
+W=/tmp/mpt/$part
+mkdir -p "$OUT" "$W"
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD
+nvidia-smi -L | tee "$W/device.txt"
+# The copy of the tree has no .git: the records name the commit device_carry.sh read.
+read -r MPT_GIT_COMMIT MPT_GIT_DIRTY < .data/GIT && export MPT_GIT_COMMIT MPT_GIT_DIRTY
+echo "commit $MPT_GIT_COMMIT dirty $MPT_GIT_DIRTY" >> "$W/device.txt"
+run() { python3 -m mpt.runner.cli "$@" 2>&1 | tee -a "$W/$part.log"; }
+seeds="seed=0,1,2"
+D=$PWD/.data
+
+case $part in
+  bench)
+    run -m experiment=throughput model=alexnet,resnet50,ssd,gnmt,biglstm,dcgan precision=fp32,tf32,fp16,mixed,amp,bf16 \
+        hydra.sweep.dir="$W/bench" "$@" ;;
+  options)
+    base=(-m experiment=throughput model=resnet50 precision=amp)
+    run "${base[@]}" channels_last=false,true hydra.sweep.dir="$W/options" "$@"
+    run "${base[@]}" cudnn_benchmark=false hydra.sweep.dir="$W/options" "$@"
+    run "${base[@]}" optim.implementation=foreach,fused hydra.sweep.dir="$W/options" "$@"
+    run "${base[@]}" compile.backend=inductor compile.mode=default,reduce-overhead,max-autotune-no-cudagraphs hydra.sweep.dir="$W/options" "$@" ;;
+  peer)
+    python3 scripts/peer_resnet50.py --peer "$D/peer/ConvNets" --peer-commit "$(cat "$D/peer/COMMIT")" \
+        --pythonpath "$D/peer/dllogger" --out "$W/peer" "$@" 2>&1 | tee -a "$W/$part.log" ;;
+  cifar)
+    mkdir -p /tmp/cifar && tar -xzf "$D/cifar10.tar.gz" -C /tmp/cifar
+    root=$(dirname "$(find /tmp/cifar -maxdepth 3 -type d -name train | head -1)")
+    common=(data=imagefolder data.root="$root" data.val_split=test schedule=short schedule.steps=null schedule.epochs=10
+            schedule.eval_every=null schedule.eval_batches=null checkpoint=false $seeds hydra.sweep.dir="$W/cifar")
+    for model in alexnet resnet50; do
+      run -m model=$model precision=fp32,mixed,fp16 scale=none "${common[@]}" "$@"
+      run -m model=$model precision=fp16_modmom scale=static "${common[@]}" "$@"
+    done ;;
+  ssd)
+    common=(model=ssd data=voc data.root="$D/raccoon" 'data.train_sets=[train_labels.csv]' 'data.val_sets=[test_labels.csv]'
+            'data.class_names=[raccoon]' schedule=short schedule.batch_size=32 schedule.steps=1000 schedule.eval_every=250
+            schedule.eval_batches=null checkpoint=false $seeds hydra.sweep.dir="$W/ssd")
+    run -m precision=fp32 scale=none stats.grad_hist=true stats.every=100 "${common[@]}" "$@"
+    run -m precision=mixed scale=none "${common[@]}" "$@"
+    run -m precision=mixed scale=static scale.value=8 "${common[@]}" "$@" ;;
+  gnmt)
+    common=(model=gnmt_small data=parallel_text data.root="$D/multi30k" data.val_split=val data.test_split=test_2016_flickr
+            data.vocab_size=8000 schedule.batch_size=128 schedule.steps=null schedule.epochs=8 schedule.eval_every=null
+            checkpoint=false $seeds hydra.sweep.dir="$W/gnmt")
+    run -m precision=fp32,mixed scale=none "${common[@]}" "$@"
+    run -m precision=mixed scale=static "${common[@]}" "$@" ;;
+  biglstm)
+    common=(model=biglstm_small data=text_corpus data.root="$D/ptb" 'data.train_split=ptb.train.txt*' 'data.val_split=ptb.valid.txt*'
+            'data.test_split=ptb.test.txt*' data.min_count=1 schedule.steps=null schedule.epochs=5 schedule.eval_every=null
+            schedule.eval_batches=null checkpoint=false $seeds hydra.sweep.dir="$W/biglstm")
+    run -m precision=fp32,mixed scale=none "${common[@]}" "$@"
+    run -m precision=mixed scale=static scale.value=128 "${common[@]}" "$@" ;;
+  dcgan)
+    mkdir -p /tmp/utk && tar -xzf "$D/utkface.tar.gz" -C /tmp/utk
+    root=$(dirname "$(find /tmp/utk -name '*.jpg' | head -1)")
+    run -m model=dcgan64 data=image_dir data.root="$root" schedule.batch_size=128 schedule.steps=2000 schedule.eval_every=500 \
+        precision=fp32,mixed scale=none checkpoint=false $seeds hydra.sweep.dir="$W/dcgan" "$@" ;;
+  *) echo "device_session.sh: PART=$part: expected one of bench, options, peer, cifar, ssd, gnmt, biglstm, dcgan" >&2; exit 2 ;;
+esac
+status=$?
+find "$W" -name checkpoint.pt -delete
+tar -czf "$OUT/$part.tar.gz" -C /tmp/mpt "$part"
+exit $status
