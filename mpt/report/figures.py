@@ -134,7 +134,8 @@ def sample_grids(runs: pd.DataFrame, out: Path) -> list[Path]:
     for keys, df in shown.groupby(CELL_KEYS):
         stem, title = _cell_name(keys)
         modes = _modes_in_order(df)
-        fig, axes = plt.subplots(1, len(modes), figsize=(4 * len(modes), 4.6), squeeze=False)
+        # Constrained layout makes room for a suptitle of any number of lines above the panel titles.
+        fig, axes = plt.subplots(1, len(modes), figsize=(4 * len(modes), 4.6), squeeze=False, layout="constrained")
         for ax, mode in zip(axes[0], modes):
             # A finished run's grid before a failed one's, then the lowest seed.
             run = df[df["mode"] == mode].assign(failed=lambda d: d["status"] != "ok").sort_values(["failed", "seed"]).iloc[0]
