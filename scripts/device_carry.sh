@@ -11,9 +11,13 @@ root=$(git rev-parse --show-toplevel)
 cd "$root"
 shared=${SHARED_DATA:-$root/../shared/data}
 rm -rf .data && mkdir -p .data
-../shared/offline/wheels.sh > /dev/null
-# What the records will name: the commit, and whether tracked files differ from it.
-echo "$(git rev-parse HEAD) $([ -n "$(git status --porcelain --untracked-files=no)" ] && echo 1 || echo 0)" > .data/GIT
+# peer: DLE imports pynvml (nvidia-ml-py), which the device image has; carried too, to be sure.
+../shared/offline/wheels.sh $([ "$part" = peer ] && echo nvidia-ml-py) > /dev/null
+# What the records will name: the commit, whether tracked files differ from it, and a hash of the
+# tracked files' content, which device_session.sh recomputes on the copy it runs in.
+git ls-files > .data/GIT_FILES
+hash=$(tr '\n' '\0' < .data/GIT_FILES | xargs -0 sha256sum | sha256sum | cut -d' ' -f1)
+echo "$(git rev-parse HEAD) $([ -n "$(git status --porcelain --untracked-files=no)" ] && echo 1 || echo 0) $hash" > .data/GIT
 case $part in
   bench|options) ;;
   peer)

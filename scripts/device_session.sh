@@ -8,10 +8,13 @@
 #
 # PART:
 #   bench      experiment=throughput over the paper's six models and fp32,tf32,fp16,mixed,amp,bf16
-#              (pass model=... to split it over several calls)
+#              (MODELS=alexnet,resnet50 and PRECISIONS=... narrow it, to split it over several calls)
 #   options    ResNet-50 amp at schedule=bench with each speed option off and on
 #   peer       scripts/peer_resnet50.py: NVIDIA DeepLearningExamples' ResNet-50 beside ours
 #   cifar      CIFAR-10 AlexNet and ResNet-50: fp32, mixed, fp16 without scaling, fp16_modmom + static, 3 seeds
+#              (MODELS=alexnet narrows the models; SEEDS=0 the seeds of every phenomenon: split the long
+#              parts over several calls. Extra arguments are added to every mpt-run; a key already set
+#              here cannot be given again.)
 #   ssd        raccoon VOC SSD: fp32 (with gradient histograms), mixed without scaling, mixed with scale 8, 3 seeds
 #   gnmt       Multi30k GNMT (gnmt_small): fp32, mixed without scaling, mixed with static scaling, 3 seeds
 #   biglstm    PTB bigLSTM (biglstm_small): fp32, mixed without scaling, mixed with scale 128, 3 seeds
@@ -25,16 +28,31 @@ mkdir -p "$OUT" "$W"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi -L | tee "$W/device.txt"
-# The copy of the tree has no .git: the records name the commit device_carry.sh read.
-read -r MPT_GIT_COMMIT MPT_GIT_DIRTY < .data/GIT && export MPT_GIT_COMMIT MPT_GIT_DIRTY
+# The copy of the tree has no .git: the records name the commit device_carry.sh read, and are
+# marked dirty if the tracked files here are not the ones it hashed (the tree changed since).
+read -r MPT_GIT_COMMIT MPT_GIT_DIRTY packed_hash < .data/GIT
+here_hash=$(tr '\n' '\0' < .data/GIT_FILES | xargs -0 sha256sum | sha256sum | cut -d' ' -f1)
+if [ "$here_hash" != "$packed_hash" ]; then
+  echo "device_session.sh: the tracked files differ from what device_carry.sh hashed at $MPT_GIT_COMMIT; records say dirty" | tee -a "$W/device.txt"
+  MPT_GIT_DIRTY=1
+fi
+export MPT_GIT_COMMIT MPT_GIT_DIRTY
 echo "commit $MPT_GIT_COMMIT dirty $MPT_GIT_DIRTY" >> "$W/device.txt"
-run() { python3 -m mpt.runner.cli "$@" 2>&1 | tee -a "$W/$part.log"; }
-seeds="seed=0,1,2"
+# After every command the tarball is rewritten: a call cut off by its time limit still returns
+# the runs that finished (the device tool returns only what is under $OUT).
+# It is also rewritten every minute meanwhile, so a sweep cut off midway returns its finished runs.
+rc=0
+pack() { tar --exclude=checkpoint.pt -czf "$W.$BASHPID.tgz" -C /tmp/mpt "$part" 2>/dev/null && mv -f "$W.$BASHPID.tgz" "$OUT/$part.tar.gz"; }
+run() { python3 -m mpt.runner.cli "$@" 2>&1 | tee -a "$W/$part.log" || rc=$?; pack; }
+( while sleep 60; do pack; done ) &
+packer=$!
+trap 'kill $packer 2>/dev/null' EXIT
+seeds="seed=${SEEDS:-0,1,2}"
 D=$PWD/.data
 
 case $part in
   bench)
-    run -m experiment=throughput model=alexnet,resnet50,ssd,gnmt,biglstm,dcgan precision=fp32,tf32,fp16,mixed,amp,bf16 \
+    run -m experiment=throughput model=${MODELS:-alexnet,resnet50,ssd,gnmt,biglstm,dcgan} precision=${PRECISIONS:-fp32,tf32,fp16,mixed,amp,bf16} \
         hydra.sweep.dir="$W/bench" "$@" ;;
   options)
     base=(-m experiment=throughput model=resnet50 precision=amp)
@@ -44,13 +62,15 @@ case $part in
     run "${base[@]}" compile.backend=inductor compile.mode=default,reduce-overhead,max-autotune-no-cudagraphs hydra.sweep.dir="$W/options" "$@" ;;
   peer)
     python3 scripts/peer_resnet50.py --peer "$D/peer/ConvNets" --peer-commit "$(cat "$D/peer/COMMIT")" \
-        --pythonpath "$D/peer/dllogger" --out "$W/peer" "$@" 2>&1 | tee -a "$W/$part.log" ;;
+        --pythonpath "$D/peer/dllogger" --out "$W/peer" "$@" 2>&1 | tee -a "$W/$part.log" || rc=$?
+    pack ;;
   cifar)
+    MODELS=${MODELS:-alexnet,resnet50}
     mkdir -p /tmp/cifar && tar -xzf "$D/cifar10.tar.gz" -C /tmp/cifar
     root=$(dirname "$(find /tmp/cifar -maxdepth 3 -type d -name train | head -1)")
     common=(data=imagefolder data.root="$root" data.val_split=test schedule=short schedule.steps=null schedule.epochs=10
             schedule.eval_every=null schedule.eval_batches=null checkpoint=false $seeds hydra.sweep.dir="$W/cifar")
-    for model in alexnet resnet50; do
+    for model in ${MODELS//,/ }; do
       run -m model=$model precision=fp32,mixed,fp16 scale=none "${common[@]}" "$@"
       run -m model=$model precision=fp16_modmom scale=static "${common[@]}" "$@"
     done ;;
@@ -80,7 +100,4 @@ case $part in
         precision=fp32,mixed scale=none checkpoint=false $seeds hydra.sweep.dir="$W/dcgan" "$@" ;;
   *) echo "device_session.sh: PART=$part: expected one of bench, options, peer, cifar, ssd, gnmt, biglstm, dcgan" >&2; exit 2 ;;
 esac
-status=$?
-find "$W" -name checkpoint.pt -delete
-tar -czf "$OUT/$part.tar.gz" -C /tmp/mpt "$part"
-exit $status
+exit $rc

@@ -9,13 +9,17 @@ DGXA100 recipe: batch 256, AMP with loss scale 128 and NHWC, TF32 in NCHW), then
 (`model=resnet50 schedule=bench`, the same batch and steps, `scale=dynamic` as DLE's GradScaler is),
 and writes `comparison.json`: both throughputs, under one definition, and their ratio.
 
-One definition for both: images/s per training step in steady state, the first `warmup` steps
-excluded, median. DLE times every iteration with a host sync (it reads the loss each step) and logs
-it as train.total_ips; we time windows of steps synchronized at the edges (mpt/runner/throughput.py).
-DLE's own epoch figure (its mean over all iterations, warm-up included) is kept beside it.
+Both figures are images/s in steady state, the first `warmup` steps excluded, median; how each
+side times a step differs, and both differences favour DLE. DLE times every iteration from the end
+of its previous one (it reads the loss each step, a host sync) and logs it as train.total_ips, so
+its own logging between iterations is outside the timing; we time windows of steps synchronized at
+their edges, with everything in them (mpt/runner/throughput.py). And each side runs its own best
+layout: DLE's TF32 recipe is NCHW, ours uses channels-last on CUDA. DLE's epoch figure (its mean
+over all iterations, warm-up included) is kept beside it.
 
-The peer's code is run from its own checkout, never copied here. Two things make it start on a
-machine without network: dllogger (its one pip dependency outside torch, pure Python) is put on
+The peer's code is run from its own checkout, never copied here. It needs pynvml (the pip package
+nvidia-ml-py) and a GPU driver: it initializes NVML even with --gpu-affinity none. Two things make it
+start on a machine without network: dllogger (its one pip dependency outside torch, pure Python) is put on
 PYTHONPATH with --pythonpath, and DLE's dataloaders.py, which subclasses DALI's `Pipeline` at
 import time even when DALI is absent (a NameError), gets a placeholder name in builtins: DALI's
 wheel does not fit the device's carry limit, and the synthetic backend never touches it.
@@ -24,6 +28,7 @@ wheel does not fit the device's carry limit, and the synthetic backend never tou
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -79,6 +84,8 @@ def main() -> None:
     args = ap.parse_args()
     if not (args.peer / "main.py").is_file():
         raise SystemExit(f"peer_resnet50: --peer {args.peer}: no main.py there (expected DLE's PyTorch/Classification/ConvNets)")
+    if importlib.util.find_spec("pynvml") is None:
+        raise SystemExit("peer_resnet50: DLE's main.py imports pynvml, which is not installed (pip install nvidia-ml-py, or carry its wheel)")
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     extra = [str(Path(p).resolve()) for p in args.pythonpath.split(os.pathsep) if p]  # the peer runs in its own folder
@@ -105,12 +112,13 @@ def main() -> None:
              f"schedule.throughput_warmup={args.warmup}", "checkpoint=false", "force=true", f"hydra.run.dir={ours_dir}"],
             cwd=ROOT, env=env, log=out / f"mpt_{mode}.log")
         rec = json.loads((ours_dir / "result.json").read_text())
-        ours = rec["throughput"]["pipeline"]
+        ours = (rec.get("throughput") or {}).get("pipeline")
         comparison["modes"][mode] = {"dle": {**peer, "args": recipe}, "mpt": {"images_per_s": ours, "record": f"mpt_{mode}/result.json",
                                                                               "git": rec["git"], "status": rec["status"]},
                                      "ratio_mpt_over_dle": ours / peer["images_per_s"] if ours else None}
+        # After each mode: a later failure keeps what was measured.
+        (out / "comparison.json").write_text(json.dumps(comparison, indent=2) + "\n")
         print(f"{mode}: DLE {peer['images_per_s']:.1f} images/s, mpt {ours} images/s ({rec['status']})", flush=True)
-    (out / "comparison.json").write_text(json.dumps(comparison, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -52,6 +52,8 @@ def test_peaks_are_looked_up_by_device_name_most_specific_first():
     assert peak_tflops("NVIDIA H100 PCIe", "fp16")[0] == pytest.approx(756.5)
     assert peak_tflops("NVIDIA H200", "fp32")[0] == 67
     assert peak_tflops("NVIDIA A100-SXM4-80GB", "tf32")[0] == 156
+    assert peak_tflops("Tesla V100S-PCIE-32GB", "fp16")[0] == 130
+    assert peak_tflops("Tesla V100-PCIE-16GB", "fp16")[0] == 112
     peak, why = peak_tflops("Tesla V100-SXM2-16GB", "bf16")
     assert peak is None and "bf16" in why
     peak, why = peak_tflops("NVIDIA GeForce GTX 1080", "fp16")
@@ -97,9 +99,15 @@ def test_the_mfu_table_holds_the_median_per_mode_and_the_flops_per_sample(tmp_pa
                 "flops": {"per_sample": 12.3e9}, "mfu": {"value": value, "math": "fp16" if precision == "amp" else "fp32"},
                 "environment": {"device_name": "NVIDIA H100 80GB HBM3"}, "config": {"schedule": {"batch_size": 256, "image_size": 224}}}
 
-    runs = pd.DataFrame([record_row(record(p, v), tmp_path / p / "result.json") for p, v in [("fp32", 0.4), ("amp", 0.3), ("amp", 0.5)]])
+    text_model = {**record("fp32", 0.2), "choices": {"model": "gnmt", "precision": "fp32", "scale": "none", "data": "synthetic", "schedule": "bench"},
+                  "flops": {"per_sample": 4.5e9}, "config": {"schedule": {"batch_size": 128, "image_size": None}}}
+    rows = [record_row(record(p, v), tmp_path / p / "result.json") for p, v in [("fp32", 0.4), ("amp", 0.3), ("amp", 0.5)]]
+    runs = pd.DataFrame(rows + [record_row(text_model, tmp_path / "gnmt" / "result.json")])
     runs["precision_order"], runs["scale_order"] = runs.precision.map({"fp32": 0, "amp": 1}), 0
-    table = tables.mfu(runs).set_index("precision")
-    assert table.loc["amp", "mfu"] == pytest.approx(0.4) and table.loc["amp", "runs"] == 2
-    text = tables.render_mfu(tables.mfu(runs))
+    table = tables.mfu(runs)
+    amp = table[(table.model == "resnet50") & (table.precision == "amp")]
+    assert amp.mfu.item() == pytest.approx(0.4) and amp.runs.item() == 2
+    text = tables.render_mfu(table)
     assert "12.3" in text and "40.0% (fp16)" in text and "40.0% (fp32)" in text
+    gnmt_row = next(line for line in text.splitlines() if "gnmt" in line)
+    assert "| 4.5 |" in gnmt_row and "20.0% (fp32)" in gnmt_row  # a model without an image size keeps its FLOPs

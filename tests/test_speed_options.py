@@ -52,14 +52,25 @@ def test_fused_sgd_trains_as_torchs_default_sgd(eager, tmp_path):
     (["compile.mode=turbo", "compile.backend=inductor"], "compile.mode=turbo: expected one of"),
     (["compile.mode=reduce-overhead"], "set compile.backend=inductor"),
     (["compile.backend=inductor", "stats.grad_hist=true"], "gradient histograms need the eager networks"),
+    (["compile.backend=nope"], "compile.backend=nope: no such torch.compile backend; choose one of .*inductor"),
 ])
 def test_bad_speed_options_are_rejected_naming_the_value(overrides, words):
     with pytest.raises(ConfigError, match=words.replace("(", r"\(")):
         validate(compose_cfg(*overrides))
 
 
-def test_an_unknown_compile_backend_is_one_line_naming_it(tmp_path):
-    r = run_cli(*RUN, "compile.backend=nope", f"hydra.run.dir={tmp_path}", cwd=ROOT)
+def test_an_unknown_compile_backend_in_a_sweep_stops_it_before_any_run(tmp_path):
+    r = run_cli("-m", *RUN, "compile.backend=aot_eager,nope", f"hydra.sweep.dir={tmp_path}", cwd=ROOT)
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1].startswith("mpt-run: error: compile.backend=nope: no such torch.compile backend; choose one of")
     assert "inductor" in r.stderr
+    assert not list(tmp_path.glob("*/result.json"))  # not even the valid value's run started
+
+
+def test_an_older_bench_record_without_flops_counts_as_another_computation():
+    from mpt.runner.config import as_plain, same_computation
+
+    current = as_plain(compose_cfg("schedule=bench"))
+    old = {**current, "schedule": {k: v for k, v in current["schedule"].items() if k != "count_flops"}}
+    assert not same_computation(old, current)  # relaunching the sweep redoes it, with FLOPs
+    assert same_computation(current, current)

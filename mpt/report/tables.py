@@ -113,9 +113,9 @@ def render_mfu(table: pd.DataFrame) -> str:
     keys = [k for k in SAME_SETUP if k in table.columns]
     order = _mode_order(table)
     table = table.assign(cell=[f"{r.mfu * 100:.1f}% ({r.mfu_math})" for r in table.itertuples()],
-                         gflop_per_sample=[f"{v / 1e9:.4g}" for v in table.flops_per_sample])
+                         gflop_per_sample=[f"{v / 1e9:.4g}" for v in table.flops_per_sample]).fillna({k: "" for k in keys})
     # FLOPs per sample are the model's, the same in every mode, up to what autograd skips.
-    pivot = table.fillna({k: "" for k in keys}).pivot_table(index=[*keys, "throughput_unit"], columns="mode", values="cell", aggfunc="first")
+    pivot = table.pivot_table(index=[*keys, "throughput_unit"], columns="mode", values="cell", aggfunc="first")
     flops = table.groupby([*keys, "throughput_unit"], dropna=False)["gflop_per_sample"].first()
     pivot = pivot[[m for m in order if m in pivot.columns]]
     pivot.insert(0, "GFLOP/sample", flops.reindex(pivot.index).values)

@@ -345,6 +345,12 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"compile.mode={cfg.compile.mode}: expected one of {', '.join(COMPILE_MODES)}")
         if cfg.compile.backend != "inductor":
             raise ConfigError(f"compile.mode={cfg.compile.mode}: modes are inductor's; set compile.backend=inductor (got {cfg.compile.backend})")
+    if cfg.compile.backend is not None:
+        from torch._dynamo import list_backends  # only when asked for: torch loads in seconds
+
+        known = list_backends(exclude_tags=())
+        if cfg.compile.backend not in known:
+            raise ConfigError(f"compile.backend={cfg.compile.backend}: no such torch.compile backend; choose one of {', '.join(known)}")
     if cfg.compile.backend is not None and cfg.stats.grad_hist:
         # The histograms come from hooks installed on sampled steps only, which would recompile the graph.
         raise ConfigError(f"compile.backend={cfg.compile.backend} with stats.grad_hist=true: gradient histograms need the eager networks; set one of them off")
@@ -529,8 +535,8 @@ NOT_COMPUTATIONAL = {("force",), ("resume",), ("checkpoint",), ("schedule", "che
 
 # Keys added after records were first written, with the value that reproduces how those runs
 # computed. A key missing from an old config and not listed here takes the current value: its default
-# reproduces the old behaviour.
-LEGACY_VALUES = {("emulate_cpu_fp16_conv",): False}
+# reproduces the old behaviour. (A bench record without count_flops has no MFU: relaunching redoes it.)
+LEGACY_VALUES = {("emulate_cpu_fp16_conv",): False, ("schedule", "count_flops"): False}
 
 
 def _with_missing_keys(old: Any, new: Any, path: tuple = ()) -> Any:

@@ -26,7 +26,8 @@ from .config import DType
 
 # (a substring of torch.cuda.get_device_name(), dense peak TFLOP/s per math), most specific first.
 # Sources: NVIDIA's H100 and H200 datasheets (their tensor-core figures are "with sparsity", halved
-# here, as written), the A100 datasheet (dense figures), the V100 datasheet (no TF32 or BF16).
+# here, as written), the A100 datasheet (dense figures), the V100 and V100S datasheets (no TF32 or BF16).
+# GH200 matches "H200": its GPU's figures are the H100/H200 SXM ones.
 PEAK_TFLOPS: list[tuple[str, dict[str, Optional[float]]]] = [
     ("H100 PCIe", {"fp32": 51, "tf32": 756 / 2, "fp16": 1513 / 2, "bf16": 1513 / 2}),
     ("H100 NVL", {"fp32": 60, "tf32": 835 / 2, "fp16": 1671 / 2, "bf16": 1671 / 2}),
@@ -34,6 +35,7 @@ PEAK_TFLOPS: list[tuple[str, dict[str, Optional[float]]]] = [
     ("H200 NVL", {"fp32": 60, "tf32": 835 / 2, "fp16": 1671 / 2, "bf16": 1671 / 2}),
     ("H200", {"fp32": 67, "tf32": 989 / 2, "fp16": 1979 / 2, "bf16": 1979 / 2}),  # SXM
     ("A100", {"fp32": 19.5, "tf32": 156, "fp16": 312, "bf16": 312}),
+    ("V100S", {"fp32": 16.4, "tf32": None, "fp16": 130, "bf16": None}),
     ("V100-PCIE", {"fp32": 14, "tf32": None, "fp16": 112, "bf16": None}),
     ("V100", {"fp32": 15.7, "tf32": None, "fp16": 125, "bf16": None}),  # SXM2
 ]

@@ -202,10 +202,13 @@ class Run:
         torch recommends); the engine keeps the module itself, whose parameters they share."""
         import torch._dynamo
 
+        from torch._dynamo.utils import counters
+
         c = self.cfg.compile
-        known = torch._dynamo.list_backends(exclude_tags=())
-        if c.backend not in known:
-            raise ConfigError(f"compile.backend={c.backend}: no such torch.compile backend; choose one of {', '.join(known)}")
+        # A fresh cache per run: the runs of a sweep share the process, and an earlier run's graphs
+        # would count against this one's recompile limit and in its record's graph counts.
+        torch._dynamo.reset()
+        counters.clear()
         for name, net in self.task.networks().items():
             self.task.set_network(name, torch.compile(net, backend=c.backend, mode=c.mode))
 
@@ -348,7 +351,7 @@ class Run:
                 from torch._dynamo.utils import counters
 
                 rec["compile"] = {"backend": self.cfg.compile.backend, "mode": self.cfg.compile.mode,
-                                  "unique_graphs": int(counters["stats"]["unique_graphs"]),  # this process's, a sweep's earlier runs included
+                                  "unique_graphs": int(counters["stats"]["unique_graphs"]),  # this run's: reset when it compiled
                                   "graph_breaks": int(sum(counters["graph_break"].values()))}
             rec["mfu"] = mfu(rec["flops"], rec["throughput"], self.cfg.precision, self.device, rec["environment"]["device_name"])
             rec["memory"] = peak_memory(self.device)
