@@ -201,7 +201,6 @@ class Run:
         """The task trains and evaluates through torch.compile'd networks (after DDP's wrapper, as
         torch recommends); the engine keeps the module itself, whose parameters they share."""
         import torch._dynamo
-
         from torch._dynamo.utils import counters
 
         c = self.cfg.compile
