@@ -24,9 +24,9 @@ from torchvision.transforms import InterpolationMode
 from torchvision.transforms import functional as TF
 
 from ..runner.config import ConfigError
+from ..runner.distributed import Dist
 from .discs import to_unit_range
 from .imagefolder import load_image
-from ..runner.distributed import Dist
 from .sampling import EpochBatches, LoaderData, SeededSamples
 
 SHOWN = 5  # file names an error message lists

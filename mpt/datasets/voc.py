@@ -35,8 +35,8 @@ from torchvision.transforms import v2
 
 from ..models.detection import MEAN_PIXEL_01
 from ..runner.config import ConfigError
-from .imagefolder import load_image
 from ..runner.distributed import Dist
+from .imagefolder import load_image
 from .sampling import EpochBatches, LoaderData, SeededSamples
 
 
