@@ -20,14 +20,40 @@ CPU = torch.device("cpu")
 register_configs()
 
 
+# The plumbing tests' model (CLI, record, report, sweeps, faults): a real torchvision classifier
+# small enough that a run takes a fraction of a second on a CPU.
+TINY = "model=mobilenet_v3_small"
+
+
 def compose_cfg(*overrides: str):
     with initialize_config_module(config_module="mpt.configs", version_base="1.3"):
         return compose(config_name="config", overrides=list(overrides))
 
 
-def run_cli(*args: str, cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess:
+@pytest.fixture
+def in_process():
+    """Build runs in this process; settings a run makes process-wide are put back afterwards."""
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    benchmark = torch.backends.cudnn.benchmark
+    yield
+    torch.use_deterministic_algorithms(deterministic)
+    torch.backends.cudnn.benchmark = benchmark
+
+
+def build_run(run_dir: Path, *overrides: str):
+    """The Run `mpt-run` would build for these overrides, writing into `run_dir`."""
+    from mpt.runner.config import validate
+    from mpt.runner.train import Run
+
+    cfg = compose_cfg(*overrides)
+    validate(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return Run(cfg, run_dir)
+
+
+def run_cli(*args: str, cwd: Path, timeout: int = 900, env: dict | None = None) -> subprocess.CompletedProcess:
     """The real command line, in a subprocess (what a user types, minus the console-script shim)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", "mpt.runner.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env
     )

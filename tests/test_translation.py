@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from mpt.datasets import build_data
 from mpt.datasets.translation import BOS, EOS, FIRST_WORD, PAD, SyntheticLanguagePair, collate
@@ -22,7 +21,7 @@ from mpt.models import build_task
 from mpt.models.beam_search import beam_search
 from mpt.models.gnmt import GNMT
 from mpt.runner.config import ConfigError, validate
-from mpt.runner.cpu_autocast_lstm import autocast_half_lstms
+from mpt.runner.cpu_lstm import low_precision_lstms
 from mpt.runner.optim import lr_factor
 
 from .conftest import CPU, compose_cfg, read_record, run_cli, shared_data
@@ -134,6 +133,7 @@ def test_attention_stays_in_fp16_under_autocast():
             return out
 
     net = tiny_net()
+    low_precision_lstms(net, torch.bfloat16)  # as a bf16 run prepares it on a CPU
     b = collate([pair(5, 6, 2), pair(9, 3, 3)], 8, CPU)
     with torch.autocast("cpu", dtype=torch.bfloat16), FourD() as mode:
         train_logits(net, b)
@@ -240,25 +240,6 @@ def test_gnmt_lr_schedule_is_nvidias_warmup_multistep():
     cfg = compose_cfg("model=gnmt", "schedule=paper")
     assert (cfg.optim.name, cfg.optim.lr, cfg.optim.lr_batch, cfg.optim.clip_grad_norm, cfg.schedule.batch_size, cfg.schedule.epochs) == ("adam", 2e-3, None, 5.0, 128, 6)
     assert (cfg.schedule.lr_warmup_steps, list(cfg.schedule.lr_milestones), cfg.schedule.lr_gamma) == (200, [4.0, 4.5, 5.0, 5.5], 0.5)
-
-
-def test_an_lstm_under_cpu_fp16_autocast_runs_torchs_fp16_lstm():
-    torch.manual_seed(0)
-    lstm = nn.LSTM(8, 8, batch_first=True, bidirectional=True)
-    half = nn.LSTM(8, 8, batch_first=True, bidirectional=True)
-    half.load_state_dict(lstm.state_dict())
-    half.half()
-    autocast_half_lstms(lstm)
-    x = torch.randn(3, 5, 8)
-    with torch.autocast("cpu", dtype=torch.float16):
-        out, (h, c) = lstm(x)
-    ref, (rh, rc) = half(x.half())
-    assert out.dtype == torch.float16 and torch.equal(out, ref) and torch.equal(h, rh) and torch.equal(c, rc)
-    out.float().sum().backward()
-    ref.float().sum().backward()
-    assert lstm.weight_hh_l0.grad.dtype == torch.float32
-    assert torch.equal(lstm.weight_hh_l0.grad, half.weight_hh_l0.grad.float())
-    assert torch.equal(lstm(x)[0], nn.LSTM.forward(lstm, x)[0])  # outside autocast: the plain LSTM
 
 
 def test_synthetic_pair_maps_words_and_swaps_neighbours():

@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from .config import ConfigError, DType, Update
-from .cpu_autocast_lstm import autocast_half_lstms
+from .cpu_lstm import low_precision_lstms
 from .cpu_half_conv import emulate_half_convs
 from .optim import FP16MomentumSGD, build_torch_optimizer, effective_lr, lr_factor
 from .scaler import LossScaler
@@ -97,14 +97,16 @@ def prepare_model(model: nn.Module, p: DictConfig, device: torch.device, channel
     FP16 (or BF16) weights get apex O2's casts at the model's boundary: floating inputs are cast to
     the weights' dtype on the way in, floating outputs to FP32 on the way out, so the loss is always
     computed in FP32 and no task needs to know the mode. On a CPU, FP16 convolutions can run as the
-    GPU's arithmetic at FP32 speed (cpu_half_conv.py) instead of torch's slow reference kernels.
+    GPU's arithmetic at FP32 speed (cpu_half_conv.py) instead of torch's slow reference kernels,
+    and FP16 or BF16 LSTMs run on a kernel this CPU has (cpu_lstm.py).
     """
     dtype = torch_dtype(p.param_dtype)
     model.to(device=device, dtype=dtype)
     if emulate_cpu_fp16_conv and uses_cpu_fp16_convs(p, device):
         emulate_half_convs(model)
-    if device.type == "cpu" and p.autocast == DType.float16:
-        autocast_half_lstms(model)
+    low = p.autocast or (p.param_dtype if p.param_dtype != DType.float32 else None)
+    if device.type == "cpu" and low is not None:
+        low_precision_lstms(model, torch_dtype(low))
     if p.norm_fp32:
         for module in model.modules():
             if isinstance(module, nn.modules.batchnorm._BatchNorm):

@@ -20,7 +20,7 @@ from ..models import build_task
 from .config import GROUPS, ConfigError, as_plain, same_computation, static_scale_value
 from .optim import effective_lr
 from .precision import PrecisionEngine, autocast, check_device_support, default_channels_last, prepare_model, set_fp32_math, torch_dtype, uses_cpu_fp16_convs
-from . import checkpoint
+from . import checkpoint, cpu_lstm
 from .flops import counting_flops, flops_record, mfu
 from .distributed import Dist, allreduce_in, backend, from_env, setup as setup_distributed
 from .grad_hooks import GradStatsCollector
@@ -269,6 +269,7 @@ class Run:
                 "tf32_active": bool(cfg.precision.tf32 and self.device.type == "cuda"),  # TF32 exists only on CUDA
                 "channels_last": self.channels_last,
                 "cpu_fp16_conv": ("emulated" if cfg.emulate_cpu_fp16_conv else "native") if uses_cpu_fp16_convs(cfg.precision, self.device) else None,
+                "cpu_lstm": cpu_lstm.describe([e.model for e in self.engines.values()]),  # which kernel FP16/BF16 LSTMs run on a CPU
             },
             "scale_config": {
                 "strategy": cfg.scale.name,
