@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 
 from ..runner.config import ConfigError
 from ..runner.distributed import Dist
-from ..runner.record import write_bytes_atomic
+from ..runner.files import write_bytes_atomic
 from .translation import BOS, EOS, PAD, UNK, TranslationData
 
 TOKENIZER_FILE = "tokenizer.model"

@@ -37,6 +37,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from ..runner.distributed import Dist
+from ..runner.files import write_atomic
 from . import LossTerm
 from .fid import GaussianStats, frechet_distance, load_inception
 
@@ -238,7 +239,5 @@ class GAN:
         finally:
             G.train()
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.stem + ".tmp.png")
-        save_image(fake.cpu() * 0.5 + 0.5, tmp, nrow=max(1, math.isqrt(fake.shape[0])), padding=2)
-        os.replace(tmp, path)
+        write_atomic(path, lambda f: save_image(fake.cpu() * 0.5 + 0.5, f, format="png", nrow=max(1, math.isqrt(fake.shape[0])), padding=2))
         return path

@@ -1,18 +1,18 @@
 """Checkpoints: everything a run needs to continue as if it had never stopped.
 
-Written to a temporary file in the run folder and renamed into place, so a kill mid-write leaves
-the previous checkpoint whole (timm's habit). Loading checks the checkpoint belongs to this config.
+Written through files.write_atomic, so a kill or a full disk mid-write leaves the previous
+checkpoint whole (timm's habit). Loading checks the checkpoint belongs to this config.
 """
 
 from __future__ import annotations
 
-import os
 import random
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from .files import write_atomic
 
 FILENAME = "checkpoint.pt"
 
@@ -34,17 +34,7 @@ def set_rng_state(state: dict) -> None:
 
 def save(run_dir: Path, state: dict) -> Path:
     path = run_dir / FILENAME
-    fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=f".{FILENAME}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, lambda f: torch.save(state, f))
     return path
 
 

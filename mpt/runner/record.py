@@ -13,12 +13,13 @@ import os
 import platform
 import socket
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, TextIO
 
 import torch
+
+from .files import failed_write, write_bytes_atomic, write_text_atomic
 
 SCHEMA_VERSION = 1
 
@@ -36,20 +37,6 @@ def _json_safe(value: Any) -> Any:
 
 def write_json_atomic(path: Path, data: dict) -> None:
     write_bytes_atomic(path, json.dumps(_json_safe(data), indent=2, allow_nan=False).encode())
-
-
-def write_bytes_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide records from the other users of a shared results folder
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 class NullLog:
@@ -80,17 +67,17 @@ class MetricsLog:
                 if row.get("step", limit + 1) <= limit:
                     kept.append(line + "\n")
         # Rewritten through a temporary file: a kill now must not lose the log of the steps kept.
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            f.writelines(kept)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
+        write_text_atomic(path, "".join(kept))
         self._file: TextIO = open(path, "a")
 
     def write(self, rows: list[dict]) -> None:
-        for row in rows:
-            self._file.write(json.dumps(_json_safe(row), allow_nan=False) + "\n")
-        self._file.flush()
+        # A line cut short by a full disk is dropped when a resume reads the log back.
+        try:
+            for row in rows:
+                self._file.write(json.dumps(_json_safe(row), allow_nan=False) + "\n")
+            self._file.flush()
+        except OSError as e:
+            raise failed_write(self.path, e) from e
 
     def close(self) -> None:
         self._file.close()
