@@ -1,4 +1,5 @@
-"""Checkpoints: a run killed with SIGKILL and resumed ends bitwise where an uninterrupted run ends."""
+"""Checkpoints: a run stopped part-way and rebuilt from its folder ends bitwise where an
+uninterrupted run ends (in this process), and so does a real SIGKILL of the command line."""
 
 from __future__ import annotations
 
@@ -15,9 +16,25 @@ import torch
 
 from mpt.runner import checkpoint
 
-from .conftest import ROOT, read_record, run_cli
+from .conftest import ROOT, TINY, build_run, read_record, run_cli
 
 DETERMINISTIC_FIELDS = ["status", "steps", "samples", "epochs", "metrics", "final_train_loss", "last_finite_train_loss", "loss_scale", "choices", "config"]
+
+
+class Killed(BaseException):
+    """Stands in for a kill: raised inside a step, it skips everything the run would do on an error."""
+
+
+def stop_at(job, step: int) -> None:
+    """Make `job` die as it starts step `step`, as a kill there would leave its folder."""
+    losses = job.task.train_losses
+
+    def dies(batch):
+        if job.step == step:
+            raise Killed
+        return losses(batch)
+
+    job.task.train_losses = dies
 
 
 def log_rows(run_dir: Path) -> list[dict]:
@@ -61,80 +78,104 @@ def kill_after_checkpoint(args: list[str], run_dir: Path, after_rows: int) -> in
     return proc.wait()
 
 
-# AlexNet has dropout, so the fp32 case also needs the random stream restored; 12 training samples
-# make 3 batches an epoch, so the kill lands mid-epoch after an epoch boundary.
+# The image cases have 12 training samples, so 3 batches an epoch: the stop lands mid-epoch after an
+# epoch boundary. MobileNetV3 has dropout, so fp32 also needs the random stream restored.
 # The language model also carries its LSTM state between batches (buffers) and draws its negatives
 # from the random stream; GNMT draws length-bucketed batches.
 SMALL_LM = ["model.hidden_size=32", "model.proj_size=8", "model.num_sampled=64", "model.bptt=5", "data.train_samples=12"]
 SMALL_NMT = ["model.hidden_size=16", "model.encoder_layers=2", "model.decoder_layers=2", "data.train_samples=40", "model.beam_size=2"]
-# Gradient histograms sampled before and after the kill accumulate into the same counts.
+# Gradient histograms sampled before and after the stop accumulate into the same counts.
 GRAD_STATS = ["stats.grad_hist=true", "stats.every=3"]
 # The GAN has two engines and draws its latents from the random stream.
 SMALL_GAN = ["model.ngf=4", "model.ndf=4", "model.sample_grid=4", "data.train_samples=12", "data.val_samples=4"]
 
 
-@pytest.mark.parametrize(
-    "model,precision,scale,extra",
-    [("alexnet", "fp32", "none", ["data.train_samples=12"]), ("resnet50", "mixed", "dynamic", ["data.train_samples=12"]),
-     ("resnet50", "fp16_modmom", "static", ["data.train_samples=12"]), ("biglstm_tiny", "mixed", "auto", SMALL_LM),
-     ("gnmt", "mixed", "dynamic", SMALL_NMT), ("dcgan64", "mixed", "dynamic", [*SMALL_GAN, *GRAD_STATS])],
-)  # fmt: skip
-def test_killed_and_resumed_run_matches_an_uninterrupted_one(tmp_path, model, precision, scale, extra):
-    args = [f"model={model}", f"precision={precision}", f"scale={scale}", "scale.interval=2", *extra,
-            "schedule=smoke", "schedule.steps=8",
-            "schedule.checkpoint_every=2", "schedule.log_every=1", "schedule.eval_every=3", "deterministic=true"]
-    reference, killed = tmp_path / "reference", tmp_path / "killed"
-    r = run_cli(*args, f"hydra.run.dir={reference}", cwd=ROOT)
-    assert r.returncode == 0, r.stderr[-2000:]
+def resume_args(model: str, precision: str, scale: str, extra: list[str]) -> list[str]:
+    return [f"model={model}", f"precision={precision}", f"scale={scale}", "scale.interval=2", *extra, "schedule=smoke", "schedule.steps=8",
+            "schedule.checkpoint_every=2", "schedule.log_every=1", "schedule.eval_every=3", "deterministic=true", "device=cpu"]
 
-    assert kill_after_checkpoint(args, killed, after_rows=5) == -signal.SIGKILL
-    assert read_record(killed)["status"] == "running"  # a killed run never claims ok
-    r = run_cli(*args, f"hydra.run.dir={killed}", cwd=ROOT)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "mpt-run: resuming from the checkpoint at step" in r.stdout
 
-    ref, res = read_record(reference), read_record(killed)
-    assert res["resumed_from_step"] in (4, 6)  # (images: mid-epoch, or at an epoch boundary, 3 batches an epoch)
+def assert_resumed_as_uninterrupted(reference: Path, resumed: Path) -> None:
+    ref, res = read_record(reference), read_record(resumed)
     for field in DETERMINISTIC_FIELDS:
         assert res[field] == ref[field], field
     if ref["grad_stats"]:
         assert ref["grad_stats"]["sampled_steps"] == [2, 5]
         for key in ("sampled_steps", "loss_scales", "networks"):
             assert res["grad_stats"][key] == ref["grad_stats"][key], key
-    assert log_rows(killed) == log_rows(reference)  # every step's loss, lr, scale and overflow, every evaluation
+    assert log_rows(resumed) == log_rows(reference)  # every step's loss, lr, scale and overflow, every evaluation
     assert res.get("sample_grids") == ref.get("sample_grids")  # a generative task's pictures, by step
     for grid in ref.get("sample_grids") or []:
-        assert (killed / grid["path"]).read_bytes() == (reference / grid["path"]).read_bytes()
+        assert (resumed / grid["path"]).read_bytes() == (reference / grid["path"]).read_bytes()
     assert [r["step"] for r in log_rows(reference) if r["kind"] == "eval"] == [3, 6, 8]
-    a, b = checkpoint.load(reference), checkpoint.load(killed)
+    a, b = checkpoint.load(reference), checkpoint.load(resumed)
     assert tensors_equal(a["engines"], b["engines"])  # weights, masters, momentum, schedule, scaler
     assert a["step"] == b["step"] == 8
 
 
-def test_resume_false_starts_over(tmp_path):
-    args = ["schedule=smoke", "schedule.steps=2", f"hydra.run.dir={tmp_path}"]
-    assert run_cli(*args, cwd=ROOT).returncode == 0
-    record = tmp_path / "result.json"
-    record.write_text(json.dumps({**json.loads(record.read_text()), "status": "error"}))  # as if it had failed
-    r = run_cli(*args, cwd=ROOT)
-    assert "resuming from the checkpoint at step 2" in r.stdout and read_record(tmp_path)["resumed_from_step"] == 2
-    record.write_text(json.dumps({**json.loads(record.read_text()), "status": "error"}))
-    written = (tmp_path / checkpoint.FILENAME).stat().st_mtime_ns  # a resume at the last step trains nothing, so writes nothing
-    r = run_cli(*args, "resume=false", cwd=ROOT)
-    assert "resuming" not in r.stdout and "resumed_from_step" not in read_record(tmp_path)
-    assert (tmp_path / checkpoint.FILENAME).stat().st_mtime_ns != written  # trained again from step 0
+@pytest.mark.parametrize(
+    "model,precision,scale,extra",
+    [("mobilenet_v3_small", "fp32", "none", ["data.train_samples=12"]),
+     ("mobilenet_v3_small", "mixed", "dynamic", ["data.train_samples=12"]),
+     ("mobilenet_v3_small", "fp16_modmom", "static", ["data.train_samples=12"]), ("biglstm_tiny", "mixed", "auto", SMALL_LM),
+     ("gnmt", "mixed", "dynamic", SMALL_NMT), ("dcgan64", "mixed", "dynamic", [*SMALL_GAN, *GRAD_STATS])],
+)  # fmt: skip
+def test_a_stopped_and_rebuilt_run_matches_an_uninterrupted_one(tmp_path, in_process, model, precision, scale, extra):
+    args = resume_args(model, precision, scale, extra)
+    reference, stopped = tmp_path / "reference", tmp_path / "stopped"
+    assert build_run(reference, *args).run()["status"] == "ok"
+
+    job = build_run(stopped, *args)
+    stop_at(job, 5)  # after the checkpoint at step 4 and one step more, which the log has
+    with pytest.raises(Killed):
+        job.run()
+    assert read_record(stopped)["status"] == "running"  # a killed run never claims ok
+    assert {r["step"] for r in log_rows(stopped) if r["kind"] == "train"} == set(range(5))
+    del job
+
+    job = build_run(stopped, *args)
+    assert job.step == 4 and job.record["resumed_from_step"] == 4
+    assert job.run()["status"] == "ok"
+    assert_resumed_as_uninterrupted(reference, stopped)
 
 
-def test_an_unreadable_checkpoint_is_an_error_record(tmp_path):
-    args = ["schedule=smoke", "schedule.steps=2", f"hydra.run.dir={tmp_path}"]
-    assert run_cli(*args, cwd=ROOT).returncode == 0
+def test_a_run_killed_with_sigkill_and_relaunched_matches_an_uninterrupted_one(tmp_path):
+    """The command line itself, killed by the kernel wherever it is after a checkpoint."""
+    args = resume_args("mobilenet_v3_small", "mixed", "dynamic", ["data.train_samples=12"])
+    reference, killed = tmp_path / "reference", tmp_path / "killed"
+    r = run_cli(*args, f"hydra.run.dir={reference}", cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+    assert kill_after_checkpoint(args, killed, after_rows=5) == -signal.SIGKILL
+    assert read_record(killed)["status"] == "running"
+    r = run_cli(*args, f"hydra.run.dir={killed}", cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "mpt-run: resuming from the checkpoint at step" in r.stdout
+    assert read_record(killed)["resumed_from_step"] in (4, 6)  # mid-epoch, or at an epoch boundary
+    assert_resumed_as_uninterrupted(reference, killed)
+
+
+def test_resume_false_starts_over(tmp_path, in_process):
+    args = [TINY, "schedule=smoke", "schedule.steps=2"]
+    build_run(tmp_path, *args).run()
+    again = build_run(tmp_path, *args)
+    assert again.step == 2 and again.record["resumed_from_step"] == 2
+    fresh = build_run(tmp_path, *args, "resume=false")
+    assert fresh.step == 0 and "resumed_from_step" not in fresh.record
+    assert not (tmp_path / checkpoint.FILENAME).exists()  # the old checkpoint is gone: it cannot be resumed later
+    assert fresh.run()["status"] == "ok" and checkpoint.load(tmp_path)["step"] == 2
+
+
+def test_an_unreadable_checkpoint_is_an_error_record(tmp_path, in_process):
+    args = [TINY, "schedule=smoke", "schedule.steps=2"]
+    build_run(tmp_path, *args).run()
     record = tmp_path / "result.json"
     record.write_text(json.dumps({**json.loads(record.read_text()), "status": "running"}))  # as if killed
     (tmp_path / checkpoint.FILENAME).write_bytes(b"not a checkpoint")
-    r = run_cli(*args, cwd=ROOT)
+    r = run_cli(*args, f"hydra.run.dir={tmp_path}", cwd=ROOT)
     assert r.returncode == 1
     rec = read_record(tmp_path)
-    assert rec["status"] == "error" and "\n" not in rec["message"] and rec["choices"]["model"] == "resnet50"
+    assert rec["status"] == "error" and "\n" not in rec["message"] and rec["choices"]["model"] == "mobilenet_v3_small"
     assert r.stderr.strip().splitlines()[-1] == f"mpt-run: error: {rec['message']}"
 
 

@@ -16,8 +16,12 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from . import preemption
 from .config import GROUPS, ConfigError, as_plain, same_computation, register_configs, validate
+from .distributed import from_env, teardown
+from .files import write_text_atomic
 from .record import write_json_atomic
+from .run_lock import AlreadyRunning, RunLock
 
 log = logging.getLogger("mpt")
 
@@ -123,12 +127,57 @@ def summary_lines(rec: dict) -> list[str]:
 
 @hydra.main(version_base="1.3", config_path="pkg://mpt.configs", config_name="config")
 def run(cfg: DictConfig) -> str:
-    from .train import Run, failure_record  # torch and torchvision load after Hydra has parsed the command line
-
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    preemption.install()
+    if preemption.requested():  # between two runs of a sweep: start no other
+        preemption.hand_over()
+    # Rank 0 owns the folder under torchrun; the other ranks write nothing into it.
+    lock = RunLock(run_dir) if from_env().is_main else None
+    try:
+        took_over = lock.acquire() if lock else None
+    except AlreadyRunning as e:
+        print(f"mpt-run: {run_dir}: already running ({e}); skipped", file=sys.stderr, flush=True)
+        if multirun and not from_env().enabled:
+            return "already running"
+        sys.exit(1)
+    if took_over:
+        print(f"mpt-run: {run_dir}: taking over its lock from {took_over}, which is no longer running", flush=True)
+    file_log = _own_the_folder(cfg, run_dir) if lock else None
+    try:
+        status = _run_locked(cfg, run_dir, multirun)
+    finally:
+        if file_log is not None:
+            logging.getLogger().removeHandler(file_log)
+            file_log.close()
+        if lock:
+            lock.release()
+    if preemption.requested():
+        teardown()  # under torchrun every rank stopped at the same step
+        preemption.hand_over()
+    return status
+
+
+def _own_the_folder(cfg: DictConfig, run_dir: Path) -> logging.Handler:
+    """Hydra's files, written by the lock's holder only (config.yaml has hydra.output_subdir: null
+    and a console-only job log), so a second launch of the run writes nothing into the folder."""
+    hydra_cfg = HydraConfig.instance().cfg
+    saved = run_dir / ".hydra"
+    saved.mkdir(exist_ok=True)
+    write_text_atomic(saved / "config.yaml", OmegaConf.to_yaml(cfg))
+    write_text_atomic(saved / "hydra.yaml", OmegaConf.to_yaml(hydra_cfg))
+    write_text_atomic(saved / "overrides.yaml", OmegaConf.to_yaml(hydra_cfg.hydra.overrides.task))
+    handler = logging.FileHandler(run_dir / f"{HydraConfig.get().job.name}.log")
+    handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+    logging.getLogger().addHandler(handler)
+    return handler
+
+
+def _run_locked(cfg: DictConfig, run_dir: Path, multirun: bool) -> str:
+    from .train import Run, failure_record  # torch and torchvision load after Hydra has parsed the command line
+
     previous = previous_record(run_dir)
-    final = previous.get("status") in ("ok", "diverged")  # results; a failed or unfinished run is redone
+    final = previous.get("status") in ("ok", "diverged")  # results; a failed, preempted or unfinished run is redone
     if final and not cfg.force:
         if same_computation(previous.get("config") or {}, as_plain(cfg)):
             print(f"mpt-run: {run_dir} already has a record with status {previous['status']}; skipped (force=true runs it again)", flush=True)
@@ -146,7 +195,10 @@ def run(cfg: DictConfig) -> str:
         log.exception("setting up the run failed")
         rec = {"schema": 1, "run_dir": str(run_dir), "choices": {g: cfg[g].name for g in GROUPS}, "seed": cfg.seed,
                "config": as_plain(cfg), **failure_record(e, cfg.schedule.batch_size)}
-        write_json_atomic(run_dir / "result.json", rec)
+        try:
+            write_json_atomic(run_dir / "result.json", rec)
+        except OSError as write_error:  # the disk is full: the record on disk stays as it was
+            print(f"mpt-run: error: {write_error}", file=sys.stderr)
         print(f"mpt-run: {rec['status']}: {rec['message']}", file=sys.stderr)
         if multirun:
             return rec["status"]
@@ -220,10 +272,8 @@ def main() -> None:
         print(f"mpt-run: error: {problem}", file=sys.stderr)
         sys.exit(2)
     run()
-    # Only after a run that ended normally: a failed rank exits at once (sys.exit above), since
+    # Only after runs that ended normally: a failed rank exits at once (sys.exit above), since
     # leaving the group would wait for ranks that may be stuck in a collective.
-    from .distributed import teardown
-
     teardown()
 
 

@@ -49,6 +49,10 @@ class Dist:
     def largest(self, value: float, device: torch.device) -> float:
         return self._reduce_number(value, dist.ReduceOp.MAX, device)
 
+    def any(self, flag: bool, device: torch.device) -> bool:
+        """Whether `flag` is true on any rank."""
+        return bool(self._reduce_number(float(flag), dist.ReduceOp.MAX, device))
+
     def _reduce_number(self, value: float, op, device: torch.device) -> float:
         if not self.enabled:
             return value

@@ -6,6 +6,8 @@ import contextlib
 import logging
 import math
 import random
+import signal
+import sys
 import time
 from itertools import islice
 from pathlib import Path
@@ -20,7 +22,7 @@ from ..models import build_task
 from .config import GROUPS, ConfigError, as_plain, same_computation, static_scale_value
 from .optim import effective_lr
 from .precision import PrecisionEngine, autocast, check_device_support, default_channels_last, prepare_model, set_fp32_math, torch_dtype, uses_cpu_fp16_convs
-from . import checkpoint, cpu_lstm
+from . import checkpoint, cpu_lstm, preemption
 from .flops import counting_flops, flops_record, mfu
 from .distributed import Dist, allreduce_in, backend, from_env, setup as setup_distributed
 from .grad_hooks import GradStatsCollector
@@ -114,6 +116,7 @@ class Run:
         self.peak_before_resume = 0
         self.pending: list[dict[str, Any]] = []  # per-step rows whose tensors are not yet on the host
         self.checkpoint_every = s.checkpoint_every
+        self.checkpointed_at: int | None = None
         self.record = self._initial_record()
         saved = checkpoint.load(run_dir) if may_resume else None
         if saved is not None and not same_computation(saved["config"], self.record["config"]):
@@ -242,6 +245,7 @@ class Run:
         state = self._state()  # on every rank: it gathers what each holds alone
         if self.dist.is_main:
             checkpoint.save(self.run_dir, state)
+        self.checkpointed_at = self.step
 
     def _initial_record(self) -> dict:
         cfg = self.cfg
@@ -341,6 +345,10 @@ class Run:
             self._flush(check=False)
             rec.update(status="diverged", message=str(e), diverged_at_step=e.step if e.step is not None else self.step)
             log.warning("diverged at step %s: %s", rec["diverged_at_step"], e)
+        except preemption.Preempted as e:  # resumable, like `running`
+            together = True
+            rec.update(status="preempted", message=str(e), preempted_at_step=e.step)
+            log.warning("%s", e)
         finally:
             together = together or not self.dist.enabled
             rec["steps"], rec["samples"], rec["epochs"] = self.step, self._global_samples(together), self.step / self.data.steps_per_epoch
@@ -377,7 +385,10 @@ class Run:
         except Exception as e:
             log.exception("run failed")
             self.record.update(failure_record(e, self.cfg.schedule.batch_size))
-            self.save_record()
+            try:
+                self.save_record()
+            except OSError as write_error:  # a full disk: the record on disk stays as it last was
+                print(f"mpt-run: error: {write_error}", file=sys.stderr, flush=True)
             return self.record
 
     def steps(self) -> Iterator[int]:
@@ -414,7 +425,17 @@ class Run:
             if self.cfg.checkpoint and ((self.checkpoint_every and self.step % self.checkpoint_every == 0) or self.step == self.total_steps):
                 self.save_checkpoint()
                 self.meter.interrupt()
+            if self.step < self.total_steps and self._preempted():
+                if self.cfg.checkpoint and self.checkpointed_at != self.step:
+                    self.save_checkpoint()
+                raise preemption.Preempted(preemption.requested() or signal.SIGTERM, self.step, checkpointed=self.cfg.checkpoint)
             yield self.step
+
+    def _preempted(self) -> bool:
+        """A preemption signal reached this process (or, under torchrun, any rank: all stop at the
+        same step, since the checkpoint is written together)."""
+        noted = preemption.requested() is not None
+        return self.dist.any(noted, self.device) if self.dist.enabled else noted
 
     def _train_step(self, step: int, batch: Any) -> list[dict]:
         rows = []

@@ -1,0 +1,209 @@
+"""Faults a long run meets: preemption (SIGTERM, submitit's signal), a second launch of the same run,
+and a disk that fills up while a file is written. Nothing already written is lost."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from mpt.runner import checkpoint, preemption
+from mpt.runner.run_lock import AlreadyRunning, RunLock
+
+from .conftest import ROOT, TINY, build_run, read_record, run_cli
+from .test_resume import assert_resumed_as_uninterrupted, log_rows, resume_args
+
+
+@pytest.fixture
+def signals():
+    """Preemption handlers installed for the test, and this process's own put back after it."""
+    preemption.install()
+    yield
+    preemption.uninstall()
+
+
+def signal_at(job, step: int, signum: int) -> None:
+    """Deliver `signum` to this process while `job` runs step `step` (as SLURM would, mid-step)."""
+    losses = job.task.train_losses
+
+    def signalled(batch):
+        if job.step == step:
+            signal.raise_signal(signum)
+        return losses(batch)
+
+    job.task.train_losses = signalled
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR2], ids=["SIGTERM", "SIGUSR2"])
+def test_a_preempted_run_checkpoints_its_step_and_resumes_as_if_uninterrupted(tmp_path, in_process, signals, signum):
+    args = resume_args("mobilenet_v3_small", "mixed", "dynamic", ["data.train_samples=12"])
+    reference, preempted = tmp_path / "reference", tmp_path / "preempted"
+    assert build_run(reference, *args).run()["status"] == "ok"
+
+    job = build_run(preempted, *args)
+    signal_at(job, 5, signum)  # mid-step 5: the step finishes, then the run stops
+    rec = job.run()
+    assert preemption.requested() == signum
+    assert rec["status"] == "preempted" and rec["preempted_at_step"] == 6 and rec["steps"] == 6
+    assert rec["message"] == f"{signal.Signals(signum).name} at step 6: stopped after it, with a checkpoint at that step; run the same command again to resume"
+    assert read_record(preempted)["status"] == "preempted"
+    assert checkpoint.load(preempted)["step"] == 6
+    assert {r["step"] for r in log_rows(preempted) if r["kind"] == "train"} == set(range(6))
+
+    preemption.uninstall()
+    job = build_run(preempted, *args)
+    assert job.record["resumed_from_step"] == 6
+    assert job.run()["status"] == "ok"
+    assert_resumed_as_uninterrupted(reference, preempted)
+
+
+def test_preemption_between_checkpoints_writes_one(tmp_path, in_process, signals):
+    job = build_run(tmp_path, TINY, "schedule=smoke", "schedule.steps=10", "schedule.checkpoint_every=4")
+    signal_at(job, 2, signal.SIGTERM)
+    assert job.run()["status"] == "preempted"
+    assert checkpoint.load(tmp_path)["step"] == 3  # not a checkpoint step: written because of the signal
+
+
+def test_without_checkpoints_a_preempted_run_says_it_starts_over(tmp_path, in_process, signals):
+    job = build_run(tmp_path, TINY, "schedule=smoke", "schedule.steps=10", "checkpoint=false")
+    signal_at(job, 2, signal.SIGTERM)
+    rec = job.run()
+    assert rec["status"] == "preempted" and "no checkpoint (checkpoint=false): a relaunch starts over" in rec["message"]
+    assert not (tmp_path / checkpoint.FILENAME).exists()
+
+
+def test_the_signal_goes_on_to_the_handler_before_ours(signals):
+    """Under submitit, its own handler requeues the job (through hydra-submitit-launcher's checkpoint
+    hook): after the record is written, the signal is handed to it, then the process exits."""
+    preemption.uninstall()
+    seen = []
+    before = signal.signal(signal.SIGUSR2, lambda signum, frame: seen.append(signum))
+    try:
+        preemption.install()
+        signal.raise_signal(signal.SIGUSR2)
+        assert preemption.requested() == signal.SIGUSR2 and seen == []  # noted only: the step goes on
+        with pytest.raises(SystemExit) as exit_:
+            preemption.hand_over()
+        assert seen == [signal.SIGUSR2] and exit_.value.code == 128 + signal.SIGUSR2
+        assert preemption.requested() is None
+        assert signal.getsignal(signal.SIGUSR2) is not preemption._note  # the earlier handler is back
+    finally:
+        signal.signal(signal.SIGUSR2, before)
+
+
+def test_the_command_line_exits_with_the_signals_status_after_writing_the_record(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "mpt.runner.cli", TINY, "schedule=smoke", "schedule.steps=100000", "schedule.log_every=1",
+                             f"hydra.run.dir={tmp_path}"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log, deadline = tmp_path / "metrics.jsonl", time.time() + 300
+    while time.time() < deadline and not (log.exists() and '"train"' in log.read_text()):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    rec = read_record(tmp_path)
+    assert rec["status"] == "preempted" and checkpoint.load(tmp_path)["step"] == rec["steps"]
+    assert "SIGTERM received: stopping after this step" in err and ": preempted" in out
+    assert not (tmp_path / ".lock").read_text()  # released
+
+
+# --- a second launch of the same run -------------------------------------------------------------
+
+
+def hold_lock(run_dir: Path) -> subprocess.Popen:
+    """Another process holding the run folder's lock, as a twin launch that is running."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    code = "import sys, time; from pathlib import Path; from mpt.runner.run_lock import RunLock; RunLock(Path(sys.argv[1])).acquire(); print('held', flush=True); time.sleep(600)"
+    proc = subprocess.Popen([sys.executable, "-c", code, str(run_dir)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_a_second_launch_of_a_running_run_says_so_and_the_sweep_moves_on(tmp_path):
+    sweep = tmp_path / "runs"
+    busy = sweep / "mobilenet_v3_small_fp32_none_synthetic_smoke_cpu_seed0__schedule.steps=1"
+    twin = hold_lock(busy)
+    try:
+        r = run_cli("-m", TINY, "precision=fp32,bf16", "schedule=smoke", "schedule.steps=1", "checkpoint=false", f"hydra.sweep.dir={sweep}", cwd=ROOT)
+    finally:
+        twin.kill()
+        twin.wait()
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"mpt-run: {busy}: already running (pid {twin.pid} on host {os.uname().nodename}); skipped" in r.stderr.splitlines()
+    assert sorted(p.name for p in busy.iterdir()) == [".lock"]  # nothing written beside the twin's files
+    assert read_record(sweep / "mobilenet_v3_small_bf16_none_synthetic_smoke_cpu_seed0__schedule.steps=1")["status"] == "ok"
+
+    r = run_cli(TINY, "precision=fp32", "schedule=smoke", "schedule.steps=1", "checkpoint=false", f"hydra.run.dir='{busy}'", cwd=ROOT)
+    assert r.returncode == 0 and f"taking over its lock from pid {twin.pid} on host" in r.stdout  # the twin died holding it
+    assert read_record(busy)["status"] == "ok"
+
+
+def test_a_lock_is_exclusive_and_a_dead_holders_lock_is_taken_over(tmp_path):
+    twin = hold_lock(tmp_path)
+    with pytest.raises(AlreadyRunning, match=rf"^pid {twin.pid} on host "):
+        RunLock(tmp_path).acquire()
+    twin.send_signal(signal.SIGKILL)
+    twin.wait()
+    lock = RunLock(tmp_path)
+    assert lock.acquire() == f"pid {twin.pid} on host {os.uname().nodename}"
+    assert json.loads((tmp_path / ".lock").read_text())["pid"] == os.getpid()
+    lock.release()
+    assert RunLock(tmp_path).acquire() is None  # released cleanly: nobody to take over from
+
+
+# --- a full disk ----------------------------------------------------------------------------------
+
+
+def fills_the_disk(monkeypatch, after_saves: int) -> None:
+    """torch.save writes part of the file, then the disk is full, from the `after_saves`-th save on."""
+    real, saves = torch.save, []
+
+    def save(obj, f, *args, **kwargs):
+        saves.append(1)
+        if len(saves) <= after_saves:
+            return real(obj, f, *args, **kwargs)
+        f.write(b"\0" * 4096)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(torch, "save", save)
+
+
+def test_a_checkpoint_that_fills_the_disk_leaves_the_previous_one_and_ends_the_run_as_an_error(tmp_path, in_process, monkeypatch):
+    job = build_run(tmp_path, TINY, "schedule=smoke", "schedule.steps=6", "schedule.checkpoint_every=2")
+    fills_the_disk(monkeypatch, after_saves=1)
+    rec = job.run()
+    assert rec["status"] == "error"
+    assert rec["message"] == f"WriteError: could not write {tmp_path / checkpoint.FILENAME}: No space left on device"
+    assert read_record(tmp_path)["status"] == "error"
+    monkeypatch.undo()
+    assert checkpoint.load(tmp_path)["step"] == 2  # the previous checkpoint, whole
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".") and p.name != ".lock") == []  # no temporary left
+    assert {r["step"] for r in log_rows(tmp_path) if r["kind"] == "train"} == set(range(4))
+
+
+def test_a_record_that_cannot_be_written_leaves_the_previous_one_whole(tmp_path, in_process, monkeypatch, capsys):
+    from mpt.runner import files
+
+    job = build_run(tmp_path, TINY, "schedule=smoke", "schedule.steps=2", "checkpoint=false")
+    real = files.os.fsync
+
+    def full(fd):
+        if os.readlink(f"/proc/self/fd/{fd}").split("/")[-1].startswith(".result.json."):
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(fd)
+
+    job.save_record()
+    monkeypatch.setattr(files.os, "fsync", full)
+    rec = job.run()
+    monkeypatch.undo()
+    assert rec["status"] == "error" and rec["message"] == f"WriteError: could not write {tmp_path / 'result.json'}: Input/output error"
+    assert read_record(tmp_path)["status"] == "running"  # the last record written, whole: a relaunch redoes the run
+    assert f"mpt-run: error: could not write {tmp_path / 'result.json'}: Input/output error" in capsys.readouterr().err
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
