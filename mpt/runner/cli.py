@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from . import preemption
 from .config import GROUPS, ConfigError, as_plain, same_computation, register_configs, validate
-from .distributed import from_env, teardown
+from .distributed import from_env, leave, teardown
 from .files import write_text_atomic
 from .record import write_json_atomic
 from .run_lock import AlreadyRunning, RunLock
@@ -271,10 +271,17 @@ def main() -> None:
     if problem:
         print(f"mpt-run: error: {problem}", file=sys.stderr)
         sys.exit(2)
-    run()
-    # Only after runs that ended normally: a failed rank exits at once (sys.exit above), since
-    # leaving the group would wait for ranks that may be stuck in a collective.
+    if not from_env().enabled:
+        run()
+        return
+    try:
+        run()
+    except SystemExit as e:  # a failed rank (no teardown: its peers may be stuck waiting for it), or a preempted one
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+        leave(e.code if isinstance(e.code, int) else 0 if e.code is None else 1)
     teardown()
+    leave(0)
 
 
 if __name__ == "__main__":

@@ -9,8 +9,11 @@ processes share it. Rank 0 alone writes the record, the log and the checkpoints.
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -117,8 +120,28 @@ def setup(d: Dist, device: torch.device) -> None:
 
 
 def teardown() -> None:
-    """Leave the process group once the process's runs are done. Without it gloo's worker threads
-    can outlive the interpreter's teardown and abort the process at exit ("terminate called without
-    an active exception", SIGABRT; pytorch/pytorch#190489), which torchrun reports as a failure."""
+    """Leave the process group once the process's runs are done: the ranks meet once more, so that
+    none closes its connections before its peers have read everything it sent, then the group is
+    destroyed. Only after runs that ended normally: a failed rank must not wait for peers that may
+    be stuck in a collective (torchtitan#1342)."""
     if dist.is_available() and dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
+
+
+def leave(code: int) -> NoReturn:
+    """End a torchrun rank without finalizing its interpreter.
+
+    gloo's worker threads outlive destroy_process_group() (DistributedDataParallel keeps the group
+    alive), and one may still hold the last reference to a collective's tensor, whose Python object
+    it must release under the GIL. If the interpreter is finalizing by then, Python ends the thread
+    inside C++ code that may not unwind, and the process aborts ("terminate called without an
+    active exception", SIGABRT; a core dump shows ProcessGroupGloo::runLoop destroying an
+    AsyncAllreduceWork, in gil_scoped_acquire, while the main thread is in Py_FinalizeEx). On a busy
+    machine that worker can be that late. Everything the run writes is on disk by now (records and
+    checkpoints are fsynced, the log is closed), so the process flushes its streams and exits.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
