@@ -77,8 +77,13 @@ def summary(args: argparse.Namespace, results: list[dict]) -> dict:
 
     import torch
 
+    sys.path.insert(0, str(ROOT))
+    from mpt.runner.record import cpu_name, git_commit
+
     return {
         "command": " ".join(command(Path("<tmp>/run"), args.data)),
+        "git": git_commit(ROOT),
+        "cpu": cpu_name(),
         "busy_processes": args.busy,
         "nice": args.nice,
         "cpus": os.cpu_count(),
