@@ -20,6 +20,15 @@ CPU = torch.device("cpu")
 register_configs()
 
 
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    no_gpu = pytest.mark.skip(reason="needs a CUDA device; none here")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(no_gpu)
+
+
 # The plumbing tests' model (CLI, record, report, sweeps, faults): a real torchvision classifier
 # small enough that a run takes a fraction of a second on a CPU.
 TINY = "model=mobilenet_v3_small"

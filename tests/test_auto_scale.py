@@ -88,6 +88,7 @@ def test_an_overflowing_step_is_skipped_by_the_engine_and_its_weights_kept():
     assert torch.equal(model.w.detach(), before) and engine.scaler.scale <= 512
 
 
+@pytest.mark.slow
 def test_auto_and_dynamic_on_the_same_run_and_in_the_report(tmp_path):
     """The same DCGAN steps with dynamic started high (GradScaler's habit) and with auto: dynamic
     skips steps while it backs off, auto at most one per network (its second step: the generator's

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import ROOT, read_record, run_cli
+from .conftest import ROOT, TINY, read_record, run_cli
 
 PRECISIONS = ["fp32", "fp16", "mixed", "fp16_modmom", "amp", "bf16", "tf32"]
 SCALES = ["none", "static", "dynamic"]
@@ -17,7 +17,7 @@ SCALES = ["none", "static", "dynamic"]
 def sweep(tmp_path_factory) -> dict[tuple[str, str], Path]:
     """One multirun process for all 21 combinations (one interpreter start instead of 21)."""
     out = tmp_path_factory.mktemp("sweep")
-    r = run_cli("-m", "model=resnet50", f"precision={','.join(PRECISIONS)}", f"scale={','.join(SCALES)}", "schedule=smoke",
+    r = run_cli("-m", TINY, f"precision={','.join(PRECISIONS)}", f"scale={','.join(SCALES)}", "schedule=smoke",
                 "checkpoint=false", f"hydra.sweep.dir={out}", cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     runs = {}
@@ -37,7 +37,7 @@ def test_record_is_complete(sweep, precision, scale):
     run_dir = sweep[(precision, scale)]
     rec = read_record(run_dir)
     assert rec["status"] == "ok", rec["message"]
-    assert rec["choices"] == {"model": "resnet50", "precision": precision, "scale": scale, "data": "synthetic", "schedule": "smoke"}
+    assert rec["choices"] == {"model": "mobilenet_v3_small", "precision": precision, "scale": scale, "data": "synthetic", "schedule": "smoke"}
     assert rec["steps"] == rec["total_steps"] == 3
     assert 0 <= rec["metrics"]["top1"] <= 1 and rec["metrics"]["step"] == 3
     assert rec["throughput"]["unit"] == "images/s" and rec["throughput"]["pipeline"] > 0 and rec["throughput"]["compute"] > 0
@@ -63,9 +63,9 @@ def test_record_is_complete(sweep, precision, scale):
 
 
 def test_summary_is_printed(tmp_path):
-    r = run_cli("schedule=smoke", "precision=mixed", "scale=dynamic", f"hydra.run.dir={tmp_path}", cwd=ROOT)
+    r = run_cli(TINY, "schedule=smoke", "precision=mixed", "scale=dynamic", f"hydra.run.dir={tmp_path}", cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
-    for text in ["mpt-run resnet50 precision=mixed scale=dynamic", "metrics:", "throughput:", "memory:", "loss scale:", str(tmp_path / "result.json")]:
+    for text in ["mpt-run mobilenet_v3_small precision=mixed scale=dynamic", "metrics:", "throughput:", "memory:", "loss scale:", str(tmp_path / "result.json")]:
         assert text in r.stdout
     assert read_record(tmp_path)["status"] == "ok"
 
@@ -74,7 +74,7 @@ def test_imagefolder_trains_on_cifar10_mini(tmp_path):
     from .conftest import shared_data
 
     root = shared_data("cifar10-mini")
-    r = run_cli("model=resnet50", "data=imagefolder", f"data.root={root}", "data.val_split=test", "data.num_workers=0",
+    r = run_cli(TINY, "data=imagefolder", f"data.root={root}", "data.val_split=test", "data.num_workers=0",
                 "schedule=smoke", "schedule.eval_batches=null", "schedule.batch_size=50", f"hydra.run.dir={tmp_path}", cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     rec = read_record(tmp_path)
@@ -95,11 +95,12 @@ def test_a_long_variant_names_a_folder_the_file_system_accepts():
     assert folder_name("m_p_s_d_sc_cpu_seed0", "optim.lr=0.2") == "m_p_s_d_sc_cpu_seed0__optim.lr=0.2"
 
 
+@pytest.mark.slow
 def test_a_sweep_runs_through_submitits_local_launcher(tmp_path):
     """hydra/launcher=submitit_local runs each run of the sweep as its own job process, as
     hydra/launcher=slurm does on a cluster; the records are the same kind."""
     sweep = tmp_path / "runs"
-    r = run_cli("-m", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=10", "precision=fp32,mixed", "schedule=smoke",
+    r = run_cli("-m", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=10", TINY, "precision=fp32,mixed", "schedule=smoke",
                 "schedule.steps=1", "checkpoint=false", f"hydra.sweep.dir={sweep}", cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     recs = {read_record(p.parent)["choices"]["precision"]: read_record(p.parent) for p in sweep.rglob("result.json")}

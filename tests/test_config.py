@@ -7,10 +7,10 @@ from omegaconf import OmegaConf
 
 from mpt.runner.config import ConfigError, validate
 
-from .conftest import ROOT, compose_cfg, run_cli
+from .conftest import ROOT, build_run, compose_cfg, run_cli
 
 GROUPS = {
-    "model": ["alexnet", "resnet50", "vgg16", "googlenet", "inception_v3", "ssd", "gnmt", "gnmt_small", "gnmt_nmt_one", "gnmt8", "biglstm", "biglstm_small", "biglstm_tiny", "dcgan", "dcgan64"],
+    "model": ["alexnet", "resnet50", "mobilenet_v3_small", "vgg16", "googlenet", "inception_v3", "ssd", "gnmt", "gnmt_small", "gnmt_nmt_one", "gnmt8", "biglstm", "biglstm_small", "biglstm_tiny", "dcgan", "dcgan64"],
     "precision": ["fp32", "fp16", "mixed", "fp16_modmom", "amp", "bf16", "tf32"],
     "scale": ["none", "static", "dynamic", "auto"],
     "data": ["synthetic", "imagefolder", "voc", "parallel_text", "text_corpus", "image_dir"],
@@ -80,7 +80,7 @@ def test_out_of_range_values_are_rejected_naming_the_key(overrides, named):
 @pytest.mark.parametrize(
     "args,line",
     [
-        (["model=lenet"], "model=lenet: no such option; choose one of alexnet, biglstm, biglstm_small, biglstm_tiny, dcgan, dcgan64, gnmt, gnmt8, gnmt_nmt_one, gnmt_small, googlenet, inception_v3, resnet50, ssd, vgg16"),
+        (["model=lenet"], "model=lenet: no such option; choose one of alexnet, biglstm, biglstm_small, biglstm_tiny, dcgan, dcgan64, gnmt, gnmt8, gnmt_nmt_one, gnmt_small, googlenet, inception_v3, mobilenet_v3_small, resnet50, ssd, vgg16"),
         (["precision=fp8"], "precision=fp8: no such option; choose one of amp, bf16, fp16, fp16_modmom, fp32, mixed, tf32"),
         (["scale=logmax"], "scale=logmax: no such option; choose one of auto, dynamic, none, static"),
         (["schedule.batch_size=abc"], "schedule.batch_size=abc: Value 'abc' of type 'str' could not be converted to Integer"),
@@ -90,22 +90,36 @@ def test_out_of_range_values_are_rejected_naming_the_key(overrides, named):
         (["optim.lr=-1"], "optim.lr=-1.0: must be a positive number"),
         (["schedule.batch_size=0"], "schedule.batch_size=0: must be a positive number"),
         (["scale=static", "scale.value=0.5"], "scale.value=0.5: a static loss scale must be a finite number >= 1"),
-        (["data=imagefolder"], "data.root is not set: give the ImageFolder root, e.g. data.root=/data/imagenet"),
         (["-m", "precision=fp32,fp8"], "precision=fp8: no such option; choose one of amp, bf16, fp16, fp16_modmom, fp32, mixed, tf32"),
         (["-m", "optim.lr=0.1,-1"], "optim.lr=-1.0: must be a positive number"),
     ],
 )
-def test_bad_input_on_the_command_line_is_one_line_naming_it(tmp_path, args, line):
+def test_bad_input_on_the_command_line_is_one_line_naming_it(args, line):
+    """What `mpt-run` prints after 'mpt-run: error: ' (and exits 2), before any run starts."""
+    from mpt.runner.cli import preflight
+
+    assert preflight(args) == line
+
+
+@pytest.mark.parametrize("args", [["model=lenet"], ["-m", "optim.lr=0.1,-1"]], ids=["run", "sweep"])
+def test_the_command_line_prints_that_line_and_starts_nothing(tmp_path, args):
     r = run_cli(*args, f"hydra.run.dir={tmp_path}/run", f"hydra.sweep.dir={tmp_path}/sweep", cwd=ROOT)
     assert r.returncode == 2
-    assert r.stderr.strip() == f"mpt-run: error: {line}"
-    assert not list(tmp_path.rglob("result.json"))  # nothing half-written, no run of a sweep started
+    assert r.stderr.strip() == f"mpt-run: error: {preflight_line(args)}"
+    assert not list(tmp_path.rglob("*"))  # nothing half-written, no run of a sweep started
 
 
-def test_missing_data_root_names_the_path(tmp_path):
+def preflight_line(args: list[str]) -> str:
+    from mpt.runner.cli import preflight
+
+    return preflight(args)
+
+
+def test_missing_data_root_names_the_path(tmp_path, in_process):
+    """Checked where the data source is built, before any record: the command line prints it as above."""
+    with pytest.raises(ConfigError, match="^data.root is not set: give the ImageFolder root, e.g. data.root=/data/imagenet$"):
+        build_run(tmp_path / "run", "data=imagefolder")
     missing = tmp_path / "no-such-imagenet"
-    r = run_cli("data=imagefolder", f"data.root={missing}", f"hydra.run.dir={tmp_path}/run", cwd=ROOT)
-    assert r.returncode == 2
-    assert f"data.root={missing}: no such folder" in r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1
+    with pytest.raises(ConfigError, match=rf"^data.root={missing}: no such folder \(expected train/<class>/<image> and val/<class>/<image>\)$"):
+        build_run(tmp_path / "run", "data=imagefolder", f"data.root={missing}")
     assert not (tmp_path / "run" / "result.json").exists()

@@ -194,6 +194,7 @@ def check_gan_record(run_dir: Path) -> dict:
     return rec
 
 
+@pytest.mark.slow
 def test_every_precision_mode_trains_end_to_end_and_the_report_shows_their_grids(tmp_path):
     sweep = run_tiny(tmp_path / "runs", "precision=fp32,tf32,mixed,amp,bf16", "scale=none,dynamic")
     run_tiny(tmp_path / "runs", "precision=fp16,fp16_modmom", "scale=static", "optim.name=sgd", "optim.momentum=0.5", "optim.lr=0.01")
@@ -252,6 +253,7 @@ def fid_weights(path: Path) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_fid_is_computed_only_from_a_named_local_weights_file(tmp_path):
     weights = fid_weights(tmp_path / "pt_inception.pth")
     run_tiny(tmp_path / "runs", "precision=fp32", f"model.fid_weights={weights}", "model.fid_samples=4", "data.val_samples=4")

@@ -15,7 +15,7 @@ from hydra import compose, initialize_config_module
 from mpt.datasets import build_data
 from mpt.datasets.voc import CorruptAnnotation
 from mpt.runner.config import ConfigError, validate
-from .conftest import CPU, compose_cfg, read_record, run_cli, shared_data
+from .conftest import CPU, build_run, compose_cfg, read_record, run_cli, shared_data
 
 RACCOON = ["data=voc", "data.train_sets=[train_labels.csv]", "data.val_sets=[test_labels.csv]", "data.class_names=[raccoon]", "data.num_workers=0"]
 
@@ -175,6 +175,7 @@ def test_ssd_defaults_and_the_table2_preset():
 MODES = ["fp32", "tf32", "fp16", "mixed", "fp16_modmom", "amp", "bf16"]
 
 
+@pytest.mark.slow
 def test_every_precision_mode_trains_and_evaluates_ssd_on_cpu(tmp_path):
     tiny = ["model=ssd", "scale=static", "schedule=smoke", "schedule.batch_size=1", "schedule.steps=2", "data.train_samples=2",
             "data.val_samples=2", "checkpoint=false", f"hydra.sweep.dir={tmp_path}"]
@@ -193,3 +194,17 @@ def test_every_precision_mode_trains_and_evaluates_ssd_on_cpu(tmp_path):
     assert records["fp16"]["precision"]["cpu_fp16_conv"] == "emulated" and records["amp"]["precision"]["cpu_fp16_conv"] == "emulated"
     assert records["fp32"]["precision"]["cpu_fp16_conv"] is None
     assert read_record(Path(records["mixed"]["run_dir"]))["precision"]["master_weights"] is True
+
+
+def test_ssd_trains_in_the_papers_mode_on_voc_files_and_scores_map(tmp_path, in_process):
+    """The fast tier's end-to-end SSD: mixed precision with the paper's static scale 8, on the
+    raccoon set read in VOC's XML format (every precision mode is the slow test above)."""
+    root = shared_data("raccoon")
+    job = build_run(tmp_path, "model=ssd", "precision=mixed", "scale=static", "data=voc", f"data.root={root}", "data.train_sets=[train_labels.csv]",
+                    "data.val_sets=[test_labels.csv]", "data.class_names=[raccoon]", "data.num_workers=0", "schedule=smoke",
+                    "schedule.batch_size=2", "schedule.steps=2", "schedule.eval_batches=1", "checkpoint=false", "device=cpu")  # fmt: skip
+    rec = job.run()
+    assert rec["status"] == "ok", rec["message"]
+    assert rec["scale_config"]["value"] == 8 and rec["precision"]["master_weights"] is True
+    assert 0 <= rec["metrics"]["map"] <= 1 and rec["metrics"]["val_samples"] == 2
+    assert rec["loss_scale"]["model"]["steps"] == 2

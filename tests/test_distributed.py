@@ -66,6 +66,7 @@ ALEXNET = ["model=alexnet", "model.dropout=0", "schedule=smoke", "schedule.steps
            "optim.lr=0.02", "optim.lr_batch=null", "checkpoint=false"]
 
 
+@pytest.mark.slow
 def test_two_processes_follow_one_process_with_the_same_global_batch_and_fp16_all_reduce_stays_close(tmp_path):
     one, two = one_and_two_processes(ALEXNET, tmp_path)
     a, b = train_losses(one), train_losses(two)
@@ -90,6 +91,7 @@ def test_two_processes_follow_one_process_with_the_same_global_batch_and_fp16_al
     assert read_record(fp16)["distributed"]["allreduce_dtype"] == "float16"
 
 
+@pytest.mark.slow
 def test_an_overflow_on_one_rank_is_skipped_by_every_rank(tmp_path):
     """mixed + dynamic, an infinite loss injected into rank 1's second backward only: both ranks
     skip that step, halve the scale, and end with identical weights, masters and scaler."""
@@ -109,12 +111,14 @@ def test_an_overflow_on_one_rank_is_skipped_by_every_rank(tmp_path):
     assert all(torch.equal(m0, m1) for m0, m1 in zip(s0["masters"], s1["masters"])) and len(s0["masters"]) > 0
 
 
+@pytest.mark.slow
 def test_a_global_batch_that_does_not_divide_is_one_line(tmp_path):
     r = torchrun("schedule=smoke", "schedule.batch_size=5", f"hydra.run.dir={tmp_path}")
     assert r.returncode != 0
     assert "mpt-run: error: schedule.batch_size=5 is the global batch: it does not divide among 2 processes" in r.stderr
 
 
+@pytest.mark.slow
 def test_synchronized_batch_norm_on_cpu_processes_is_one_line(tmp_path):
     r = torchrun("schedule=smoke", "distributed.sync_batchnorm=true", f"hydra.run.dir={tmp_path}")
     assert r.returncode != 0
@@ -124,6 +128,7 @@ def test_synchronized_batch_norm_on_cpu_processes_is_one_line(tmp_path):
 LM = ["model=biglstm_tiny", "model.hidden_size=32", "model.proj_size=8", "model.num_sampled=64", "model.bptt=5", "data.train_samples=40", "schedule=smoke"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", [
     [*ALEXNET, "schedule.steps=8"],
     # Each rank's LSTM state: the checkpoint gathers the global batch's, each rank takes its rows back.
@@ -165,6 +170,7 @@ def test_a_killed_two_process_run_resumes_from_rank_0s_checkpoint(tmp_path, mode
     assert res["samples"] == ref["samples"]
 
 
+@pytest.mark.slow
 def test_dcgan_on_two_processes_keeps_both_networks_identical_across_ranks(tmp_path):
     """Two networks, each in its own DDP wrapper and with its own scaler; the generator's loss goes
     through the discriminator itself (frozen), not its wrapper. An infinite loss on rank 1's second
@@ -189,6 +195,7 @@ def test_dcgan_on_two_processes_keeps_both_networks_identical_across_ranks(tmp_p
         assert len(weights) > 10 and all(torch.equal(s0[net]["model"][k], s1[net]["model"][k]) for k in weights), net
 
 
+@pytest.mark.slow
 def test_the_language_model_on_two_processes_follows_one_process(tmp_path):
     """bigLSTM carries each stream's LSTM state between batches in buffers: each rank keeps its own
     streams' (no buffer broadcast), and both draw the same sampled-softmax negatives, as one process does."""
@@ -200,6 +207,7 @@ def test_the_language_model_on_two_processes_follows_one_process(tmp_path):
     assert read_record(two)["metrics"]["ppl"] == pytest.approx(read_record(one)["metrics"]["ppl"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_gnmt_on_parallel_text_shares_rank_0s_tokenizer(tmp_path):
     from .conftest import shared_data
 

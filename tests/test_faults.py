@@ -207,3 +207,23 @@ def test_a_record_that_cannot_be_written_leaves_the_previous_one_whole(tmp_path,
     assert read_record(tmp_path)["status"] == "running"  # the last record written, whole: a relaunch redoes the run
     assert f"mpt-run: error: could not write {tmp_path / 'result.json'}: Input/output error" in capsys.readouterr().err
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+@pytest.mark.slow
+def test_submitits_preemption_signal_requeues_the_job_which_resumes_the_run(tmp_path):
+    """hydra/launcher=submitit_local, whose jobs requeue as SLURM's do: SIGUSR2 mid-run, the run
+    checkpoints and hands the signal to submitit, whose handler calls the launcher's checkpoint hook
+    and requeues; the requeued job resumes from the checkpoint and ends ok."""
+    sweep, marker = tmp_path / "runs", tmp_path / "preempted"
+    env = {"PYTHONPATH": os.pathsep.join([str(Path(__file__).parent / "preempt_inject"), os.environ.get("PYTHONPATH", "")]),
+           "MPT_TEST_PREEMPTED": str(marker), "MPT_TEST_PREEMPT_AT": "2"}  # fmt: skip
+    r = run_cli("-m", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=60", TINY, "schedule=smoke", "schedule.steps=6",
+                "schedule.log_every=1", f"hydra.sweep.dir={sweep}", cwd=ROOT, env=env)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert marker.exists()  # the signal was sent
+    (run_dir,) = [p.parent for p in sweep.rglob("result.json")]
+    rec = read_record(run_dir)
+    assert rec["status"] == "ok" and rec["resumed_from_step"] == 3 and rec["steps"] == 6
+    assert [r["step"] for r in log_rows(run_dir) if r["kind"] == "train"] == list(range(6))
+    logs = "".join(p.read_text() for p in sorted((sweep / ".submitit").rglob("*_log.*")))
+    assert "this job is preempted" in logs and "Requeued job" in logs  # submitit's own handler did the requeue

@@ -13,7 +13,7 @@ from mpt.report import tables
 from mpt.report.records import record_row
 from mpt.runner.flops import counting_flops, math_of, mfu, peak_tflops
 
-from .conftest import ROOT, compose_cfg, read_record, run_cli
+from .conftest import ROOT, TINY, compose_cfg, read_record, run_cli
 
 
 def lstm_forward_flops(T: int, B: int, I: int, H: int, layers: int) -> int:
@@ -72,13 +72,13 @@ def test_mfu_is_flops_per_sample_times_throughput_over_the_peak_per_gpu():
 
 
 def test_a_run_counts_its_first_steps_flops_as_torch_counts_the_same_model(tmp_path):
-    r = run_cli("model=alexnet", "schedule=smoke", "schedule.count_flops=true", "checkpoint=false", f"hydra.run.dir={tmp_path}", cwd=ROOT)
+    r = run_cli(TINY, "schedule=smoke", "schedule.count_flops=true", "checkpoint=false", f"hydra.run.dir={tmp_path}", cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     rec = read_record(tmp_path)
     cfg = rec["config"]
     batch, size = cfg["schedule"]["batch_size"], cfg["schedule"]["image_size"]
     # The oracle: the same architecture's forward, loss and backward under torch's own counter.
-    model = torchvision.models.alexnet(num_classes=cfg["data"]["num_classes"])
+    model = torchvision.models.mobilenet_v3_small(num_classes=cfg["data"]["num_classes"])
     with FlopCounterMode(display=False) as oracle:
         nn.functional.cross_entropy(model(torch.randn(batch, 3, size, size)), torch.zeros(batch, dtype=torch.long)).backward()
     assert rec["flops"]["per_step"] == oracle.get_total_flops()

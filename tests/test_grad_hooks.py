@@ -107,6 +107,7 @@ def test_the_state_round_trips():
     assert again.summary() == c.summary()
 
 
+@pytest.mark.slow
 def test_runs_count_unscaled_gradients_in_any_precision_and_the_report_draws_them(tmp_path):
     """FP32 with a loss scale of 8 computes exactly 8x FP32's gradients: counted unscaled, its
     histograms equal the unscaled run's bit for bit. Mixed runs record theirs too."""

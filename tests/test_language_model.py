@@ -246,6 +246,7 @@ def test_bad_language_model_config_is_rejected_naming_the_key(overrides, named):
     assert named in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.slow
 def test_every_precision_mode_runs_the_language_model_end_to_end(tmp_path):
     modes = ["fp32", "tf32", "fp16", "mixed", "fp16_modmom", "amp", "bf16"]
     result = run_cli("-m", *TINY, "optim.name=sgd", "optim.lr=0.5", "scale=static", "checkpoint=false", f"precision={','.join(modes)}",
@@ -264,6 +265,7 @@ def test_every_precision_mode_runs_the_language_model_end_to_end(tmp_path):
         assert rec["status"] == "ok" and rec["optim"]["name"] == "adagrad" and math.isfinite(rec["last_finite_train_loss"])
 
 
+@pytest.mark.slow
 def test_perplexity_falls_toward_the_sources_floor(tmp_path):
     args = ["model=biglstm_tiny", "schedule.batch_size=16", "schedule.steps=200", "schedule.eval_every=100", "schedule.eval_batches=null",
             "data.train_samples=4096", "checkpoint=false"]  # fmt: skip

@@ -11,7 +11,7 @@ from mpt.runner.config import as_plain, same_computation, validate
 from mpt.runner.record import write_json_atomic
 from mpt.runner.train import Run
 
-from .conftest import ROOT, compose_cfg, run_cli
+from .conftest import ROOT, TINY, build_run, compose_cfg
 
 
 def test_atomic_write_replaces_whole_and_leaves_no_temporaries(tmp_path):
@@ -25,7 +25,7 @@ def test_atomic_write_replaces_whole_and_leaves_no_temporaries(tmp_path):
 
 
 def test_non_finite_loss_without_scaling_is_recorded_as_diverged(tmp_path):
-    cfg = compose_cfg("precision=fp32", "scale=none", "schedule=smoke", "schedule.steps=6", "schedule.log_every=1", "optim.lr=1e12")
+    cfg = compose_cfg(TINY, "precision=fp32", "scale=none", "schedule=smoke", "schedule.steps=6", "schedule.log_every=1", "optim.lr=1e12")
     validate(cfg)
     rec = Run(cfg, tmp_path).train()
     assert rec["status"] == "diverged"
@@ -39,7 +39,7 @@ def test_non_finite_loss_without_scaling_is_recorded_as_diverged(tmp_path):
 
 
 def test_record_says_running_until_the_run_ends(tmp_path):
-    cfg = compose_cfg("schedule=smoke")
+    cfg = compose_cfg(TINY, "schedule=smoke")
     validate(cfg)
     run = Run(cfg, tmp_path)
     run.save_record()
@@ -49,10 +49,13 @@ def test_record_says_running_until_the_run_ends(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
-def test_asking_for_cuda_without_one_is_one_line(tmp_path):
-    r = run_cli("device=cuda", f"hydra.run.dir={tmp_path}", cwd=ROOT)
-    assert r.returncode == 2
-    assert r.stderr.strip() == "mpt-run: error: device=cuda: no CUDA device is available here (torch.cuda.is_available() is False); use device=cpu or auto"
+def test_asking_for_cuda_without_one_is_one_line(tmp_path, in_process):
+    """A ConfigError while the run is built: mpt-run prints it after 'mpt-run: error: ' and exits 2 (test_config)."""
+    from mpt.runner.config import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        build_run(tmp_path, TINY, "device=cuda")
+    assert str(e.value) == "device=cuda: no CUDA device is available here (torch.cuda.is_available() is False); use device=cpu or auto"
     assert not (tmp_path / "result.json").exists()
 
 
@@ -74,14 +77,18 @@ def test_cpu_peak_memory_is_per_run_not_per_process():
     [
         (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), "oom", "out of memory at schedule.batch_size=4; try a smaller batch"),
         (RuntimeError("something broke\nsecond line"), "error", "RuntimeError: something broke"),
+        (None, "oom", "out of memory at schedule.batch_size=4; try a smaller batch (RuntimeError: [enforce fail at alloc_cpu.cpp"),
     ],
+    ids=["cuda-oom", "error", "cpu-oom"],
 )
 def test_a_failure_is_recorded_not_raised(tmp_path, exc, status, text):
-    cfg = compose_cfg("schedule=smoke", "checkpoint=false")
+    cfg = compose_cfg(TINY, "schedule=smoke", "checkpoint=false")
     validate(cfg)
     run = Run(cfg, tmp_path)
 
     def fails(batch):
+        if exc is None:
+            torch.empty(2**48, dtype=torch.uint8)  # a real allocation failure: 256 TiB is beyond any address space
         raise exc
         yield
 

@@ -176,7 +176,10 @@ def test_an_unreadable_checkpoint_is_an_error_record(tmp_path, in_process):
     assert r.returncode == 1
     rec = read_record(tmp_path)
     assert rec["status"] == "error" and "\n" not in rec["message"] and rec["choices"]["model"] == "mobilenet_v3_small"
+    assert rec["message"].startswith(f"CorruptCheckpoint: {tmp_path / checkpoint.FILENAME} cannot be read (")
+    assert rec["message"].endswith("); resume=false starts the run over")
     assert r.stderr.strip().splitlines()[-1] == f"mpt-run: error: {rec['message']}"
+    assert build_run(tmp_path, *args, "resume=false").run()["status"] == "ok"  # what the message says to do
 
 
 def test_a_kill_while_writing_leaves_the_previous_checkpoint(tmp_path, monkeypatch):

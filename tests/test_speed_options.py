@@ -10,9 +10,9 @@ import pytest
 
 from mpt.runner.config import ConfigError, validate
 
-from .conftest import ROOT, compose_cfg, read_record, run_cli
+from .conftest import ROOT, TINY, compose_cfg, read_record, run_cli
 
-RUN = ["model=alexnet", "schedule=smoke", "checkpoint=false"]
+RUN = [TINY, "schedule=smoke", "checkpoint=false"]
 
 
 def train_losses(run_dir: Path) -> list[float]:
@@ -28,6 +28,7 @@ def eager(tmp_path_factory) -> Path:
     return run_dir
 
 
+@pytest.mark.slow
 def test_compiled_networks_train_as_the_eager_ones(eager, tmp_path):
     # aot_eager: dynamo's graph capture and AOTAutograd's joint forward-backward, without inductor's
     # C++ code generation (minutes on a CPU); inductor differs only in the kernels it emits.

@@ -430,6 +430,7 @@ def test_bleu_scores_each_output_against_its_own_reference(monkeypatch):
     assert task.evaluate(batches, torch.autograd.grad_mode.no_grad)["bleu"] < 10  # each output scored against another sentence
 
 
+@pytest.mark.slow
 def test_multi30k_run_scores_the_test_split_and_keeps_its_tokenizer(tmp_path):
     root = shared_data("multi30k")
     result = run_cli("model=gnmt", "model.hidden_size=16", "model.encoder_layers=2", "model.decoder_layers=2", "model.beam_size=1",

@@ -38,9 +38,17 @@ def save(run_dir: Path, state: dict) -> Path:
     return path
 
 
+class CorruptCheckpoint(Exception):
+    """A checkpoint that cannot be read back; the message names it and how to start over."""
+
+
 def load(run_dir: Path) -> dict | None:
     path = run_dir / FILENAME
     if not path.exists():
         return None
-    # Our own file, written by save(): RNG states and plain Python objects need the full unpickler.
-    return torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        # Our own file, written by save(): RNG states and plain Python objects need the full unpickler.
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # torch.load raises whatever the unpickler or the zip reader met
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise CorruptCheckpoint(f"{path} cannot be read ({type(e).__name__}: {first}); resume=false starts the run over") from e

@@ -57,7 +57,8 @@ def failure_record(e: BaseException, batch_size: int) -> dict:
     if "Original Traceback" in text:  # raised in a data-loader worker: the last line is the error itself
         text = text.splitlines()[-1]
     first = text.splitlines()[0] if text else ""
-    if isinstance(e, (torch.OutOfMemoryError, MemoryError)):
+    # torch's CPU allocator raises a RuntimeError, not torch.OutOfMemoryError
+    if isinstance(e, (torch.OutOfMemoryError, MemoryError)) or "DefaultCPUAllocator: can't allocate memory" in first:
         return {"status": "oom", "message": f"out of memory at schedule.batch_size={batch_size}; try a smaller batch ({type(e).__name__}: {first})"}
     return {"status": "error", "message": first if "Original Traceback" in str(e) else f"{type(e).__name__}: {first}"}
 
