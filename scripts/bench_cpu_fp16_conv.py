@@ -66,8 +66,11 @@ def main() -> None:
     base = build(args.model, args.image_size)
     x = torch.rand(args.batch_size, 3, args.image_size, args.image_size)
     variants = {}
-    for name, dtype, emulate, passes in [("fp32", torch.float32, False, args.passes), ("fp16_emulated", torch.float16, True, args.passes),
-                                         ("fp16_native", torch.float16, False, args.native_passes)]:
+    for name, dtype, emulate, passes in [
+        ("fp32", torch.float32, False, args.passes),
+        ("fp16_emulated", torch.float16, True, args.passes),
+        ("fp16_native", torch.float16, False, args.native_passes),
+    ]:
         net = copy.deepcopy(base).to(dtype=dtype, memory_format=torch.channels_last)
         if emulate:
             emulate_half_convs(net)

@@ -43,14 +43,23 @@ SCALE_FOR = {"fp32": "none", "tf32": "none", "bf16": "none", "amp": "dynamic", "
 
 
 def compose(args) -> DictConfig:
-    from hydra import compose as hydra_compose, initialize_config_module
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
 
     register_configs()
     overrides = [
-        f"model={args.model}", f"precision={args.precision}", f"scale={SCALE_FOR[args.precision]}", "schedule=bench",
-        f"schedule.batch_size={args.batch_size}", f"schedule.image_size={args.image_size}", f"schedule.steps={args.warmup + args.windows * args.window + 1}",
-        f"schedule.throughput_warmup={args.warmup}", f"schedule.throughput_window={args.window}",
-        f"data.train_samples={2 * args.batch_size}", f"data.val_samples={args.batch_size}", f"device={args.device}",
+        f"model={args.model}",
+        f"precision={args.precision}",
+        f"scale={SCALE_FOR[args.precision]}",
+        "schedule=bench",
+        f"schedule.batch_size={args.batch_size}",
+        f"schedule.image_size={args.image_size}",
+        f"schedule.steps={args.warmup + args.windows * args.window + 1}",
+        f"schedule.throughput_warmup={args.warmup}",
+        f"schedule.throughput_window={args.window}",
+        f"data.train_samples={2 * args.batch_size}",
+        f"data.val_samples={args.batch_size}",
+        f"device={args.device}",
     ]
     with initialize_config_module(config_module="mpt.configs", version_base="1.3"):
         cfg = hydra_compose(config_name="config", overrides=overrides)

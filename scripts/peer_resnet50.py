@@ -93,29 +93,80 @@ def main() -> None:
 
     import torch
 
-    comparison = {"batch_size": args.batch, "steps": args.steps, "warmup_steps": args.warmup,
-                  "definition": "images/s per training step, steady state (warm-up steps excluded), median; one GPU",
-                  "device_name": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device",
-                  "torch": torch.__version__, "python": platform.python_version(),
-                  "peer": {"repo": "NVIDIA/DeepLearningExamples", "path": "PyTorch/Classification/ConvNets", "commit": args.peer_commit},
-                  "modes": {}}
+    comparison = {
+        "batch_size": args.batch,
+        "steps": args.steps,
+        "warmup_steps": args.warmup,
+        "definition": "images/s per training step, steady state (warm-up steps excluded), median; one GPU",
+        "device_name": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device",
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "peer": {"repo": "NVIDIA/DeepLearningExamples", "path": "PyTorch/Classification/ConvNets", "commit": args.peer_commit},
+        "modes": {},
+    }
     for mode, recipe in RECIPES.items():
         raport = out / f"dle_{mode}.json"
-        run(f"DLE main.py ({mode})", [sys.executable, "-c", LAUNCH_PEER, "--arch", "resnet50", "--data-backend", "synthetic", "-b", str(args.batch),
-             "--epochs", "1", "--prof", str(args.steps), "--training-only", "--no-checkpoints", "--print-freq", "1",
-             "--workspace", str(out / f"dle_{mode}_workspace"), "--raport-file", str(raport), *recipe, str(out / "no-data")],
-            cwd=args.peer, env=env, log=out / f"dle_{mode}.log")
+        run(
+            f"DLE main.py ({mode})",
+            [
+                sys.executable,
+                "-c",
+                LAUNCH_PEER,
+                "--arch",
+                "resnet50",
+                "--data-backend",
+                "synthetic",
+                "-b",
+                str(args.batch),
+                "--epochs",
+                "1",
+                "--prof",
+                str(args.steps),
+                "--training-only",
+                "--no-checkpoints",
+                "--print-freq",
+                "1",
+                "--workspace",
+                str(out / f"dle_{mode}_workspace"),
+                "--raport-file",
+                str(raport),
+                *recipe,
+                str(out / "no-data"),
+            ],
+            cwd=args.peer,
+            env=env,
+            log=out / f"dle_{mode}.log",
+        )
         peer = dle_ips(raport, args.warmup)
         ours_dir = out / f"mpt_{mode}"
-        run(f"mpt-run ({mode})", [sys.executable, "-m", "mpt.runner.cli", "model=resnet50", "schedule=bench", f"precision={mode}",
-             f"scale={'dynamic' if mode == 'amp' else 'none'}", f"schedule.batch_size={args.batch}", f"schedule.steps={args.steps}",
-             f"schedule.throughput_warmup={args.warmup}", "checkpoint=false", "force=true", f"hydra.run.dir={ours_dir}"],
-            cwd=ROOT, env=env, log=out / f"mpt_{mode}.log")
+        run(
+            f"mpt-run ({mode})",
+            [
+                sys.executable,
+                "-m",
+                "mpt.runner.cli",
+                "model=resnet50",
+                "schedule=bench",
+                f"precision={mode}",
+                f"scale={'dynamic' if mode == 'amp' else 'none'}",
+                f"schedule.batch_size={args.batch}",
+                f"schedule.steps={args.steps}",
+                f"schedule.throughput_warmup={args.warmup}",
+                "checkpoint=false",
+                "force=true",
+                f"hydra.run.dir={ours_dir}",
+            ],
+            cwd=ROOT,
+            env=env,
+            log=out / f"mpt_{mode}.log",
+        )
         rec = json.loads((ours_dir / "result.json").read_text())
         ours = (rec.get("throughput") or {}).get("pipeline")
-        comparison["modes"][mode] = {"dle": {**peer, "args": recipe}, "mpt": {"images_per_s": ours, "record": f"mpt_{mode}/result.json",
-                                                                              "git": rec["git"], "status": rec["status"]},
-                                     "ratio_mpt_over_dle": ours / peer["images_per_s"] if ours else None}
+        comparison["modes"][mode] = {
+            "dle": {**peer, "args": recipe},
+            "mpt": {"images_per_s": ours, "record": f"mpt_{mode}/result.json", "git": rec["git"], "status": rec["status"]},
+            "ratio_mpt_over_dle": ours / peer["images_per_s"] if ours else None,
+        }
         # After each mode: a later failure keeps what was measured.
         (out / "comparison.json").write_text(json.dumps(comparison, indent=2) + "\n")
         print(f"{mode}: DLE {peer['images_per_s']:.1f} images/s, mpt {ours} images/s ({rec['status']})", flush=True)

@@ -56,8 +56,7 @@ def main() -> None:
             with tempfile.TemporaryDirectory() as tmp:
                 t0 = time.time()
                 cmd = ["nice", "-n", str(args.nice), *command(Path(tmp) / "run", args.data)] if args.nice else command(Path(tmp) / "run", args.data)
-                r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
-                                   env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONUNBUFFERED": "1"})
                 row = {"run": i, "returncode": r.returncode, "seconds": round(time.time() - t0, 1)}
                 if r.returncode != 0:
                     row["stderr_tail"] = r.stderr[-20000:]

@@ -94,8 +94,19 @@ def test_auto_and_dynamic_on_the_same_run_and_in_the_report(tmp_path):
     skips steps while it backs off, auto at most one per network (its second step: the generator's
     activation gradients run larger than the weight gradients it watches, and one overflow teaches
     it so). The report's loss-scaling table shows both."""
-    common = ["model=dcgan64", "model.ngf=4", "model.ndf=4", "model.sample_grid=4", "data.train_samples=16", "data.val_samples=4",
-              "schedule=smoke", "schedule.steps=8", "precision=mixed", "checkpoint=false", f"hydra.sweep.dir={tmp_path}/runs"]
+    common = [
+        "model=dcgan64",
+        "model.ngf=4",
+        "model.ndf=4",
+        "model.sample_grid=4",
+        "data.train_samples=16",
+        "data.val_samples=4",
+        "schedule=smoke",
+        "schedule.steps=8",
+        "precision=mixed",
+        "checkpoint=false",
+        f"hydra.sweep.dir={tmp_path}/runs",
+    ]
     for scale in (["scale=dynamic", "scale.init=16777216"], ["scale=auto"]):
         r = run_cli("-m", *common, *scale, cwd=ROOT)
         assert r.returncode == 0, r.stderr[-2000:]

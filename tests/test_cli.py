@@ -17,8 +17,9 @@ SCALES = ["none", "static", "dynamic"]
 def sweep(tmp_path_factory) -> dict[tuple[str, str], Path]:
     """One multirun process for all 21 combinations (one interpreter start instead of 21)."""
     out = tmp_path_factory.mktemp("sweep")
-    r = run_cli("-m", TINY, f"precision={','.join(PRECISIONS)}", f"scale={','.join(SCALES)}", "schedule=smoke",
-                "checkpoint=false", f"hydra.sweep.dir={out}", cwd=ROOT)
+    r = run_cli(
+        "-m", TINY, f"precision={','.join(PRECISIONS)}", f"scale={','.join(SCALES)}", "schedule=smoke", "checkpoint=false", f"hydra.sweep.dir={out}", cwd=ROOT
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     runs = {}
     for record in out.glob("*/result.json"):
@@ -52,9 +53,7 @@ def test_record_is_complete(sweep, precision, scale):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if r["kind"] == "train"]
     assert [r["step"] for r in train] == [0, 1, 2]
-    assert [r["scale"] for r in train] == pytest.approx(
-        {"none": [1.0] * 3, "static": [1000.0] * 3}.get(scale, [r["scale"] for r in train])
-    )
+    assert [r["scale"] for r in train] == pytest.approx({"none": [1.0] * 3, "static": [1000.0] * 3}.get(scale, [r["scale"] for r in train]))
     if scale == "none":
         assert all(r["overflow"] is None for r in train)  # scale=none does not check
     else:
@@ -65,7 +64,14 @@ def test_record_is_complete(sweep, precision, scale):
 def test_summary_is_printed(tmp_path):
     r = run_cli(TINY, "schedule=smoke", "precision=mixed", "scale=dynamic", f"hydra.run.dir={tmp_path}", cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
-    for text in ["mpt-run mobilenet_v3_small precision=mixed scale=dynamic", "metrics:", "throughput:", "memory:", "loss scale:", str(tmp_path / "result.json")]:
+    for text in [
+        "mpt-run mobilenet_v3_small precision=mixed scale=dynamic",
+        "metrics:",
+        "throughput:",
+        "memory:",
+        "loss scale:",
+        str(tmp_path / "result.json"),
+    ]:
         assert text in r.stdout
     assert read_record(tmp_path)["status"] == "ok"
 
@@ -74,8 +80,18 @@ def test_imagefolder_trains_on_cifar10_mini(tmp_path):
     from .conftest import shared_data
 
     root = shared_data("cifar10-mini")
-    r = run_cli(TINY, "data=imagefolder", f"data.root={root}", "data.val_split=test", "data.num_workers=0",
-                "schedule=smoke", "schedule.eval_batches=null", "schedule.batch_size=50", f"hydra.run.dir={tmp_path}", cwd=ROOT)
+    r = run_cli(
+        TINY,
+        "data=imagefolder",
+        f"data.root={root}",
+        "data.val_split=test",
+        "data.num_workers=0",
+        "schedule=smoke",
+        "schedule.eval_batches=null",
+        "schedule.batch_size=50",
+        f"hydra.run.dir={tmp_path}",
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     rec = read_record(tmp_path)
     assert rec["status"] == "ok"
@@ -100,8 +116,18 @@ def test_a_sweep_runs_through_submitits_local_launcher(tmp_path):
     """hydra/launcher=submitit_local runs each run of the sweep as its own job process, as
     hydra/launcher=slurm does on a cluster; the records are the same kind."""
     sweep = tmp_path / "runs"
-    r = run_cli("-m", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=10", TINY, "precision=fp32,mixed", "schedule=smoke",
-                "schedule.steps=1", "checkpoint=false", f"hydra.sweep.dir={sweep}", cwd=ROOT)
+    r = run_cli(
+        "-m",
+        "hydra/launcher=submitit_local",
+        "hydra.launcher.timeout_min=10",
+        TINY,
+        "precision=fp32,mixed",
+        "schedule=smoke",
+        "schedule.steps=1",
+        "checkpoint=false",
+        f"hydra.sweep.dir={sweep}",
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     recs = {read_record(p.parent)["choices"]["precision"]: read_record(p.parent) for p in sweep.rglob("result.json")}
     assert set(recs) == {"fp32", "mixed"} and all(rec["status"] == "ok" for rec in recs.values())
@@ -113,8 +139,9 @@ def test_the_slurm_launcher_config_composes_with_its_defaults():
     from hydra import compose, initialize_config_module
 
     with initialize_config_module(config_module="mpt.configs", version_base="1.3"):
-        cfg = compose(config_name="config", overrides=["hydra/launcher=slurm", "hydra.launcher.partition=gpu", "hydra.launcher.gpus_per_node=8"],
-                      return_hydra_config=True)
+        cfg = compose(
+            config_name="config", overrides=["hydra/launcher=slurm", "hydra.launcher.partition=gpu", "hydra.launcher.gpus_per_node=8"], return_hydra_config=True
+        )
     launcher = cfg.hydra.launcher
     assert launcher._target_.endswith("SlurmLauncher")
     assert (launcher.partition, launcher.gpus_per_node, launcher.tasks_per_node, launcher.timeout_min) == ("gpu", 8, 1, 4320)

@@ -10,7 +10,24 @@ from mpt.runner.config import ConfigError, validate
 from .conftest import ROOT, build_run, compose_cfg, run_cli
 
 GROUPS = {
-    "model": ["alexnet", "resnet50", "mobilenet_v3_small", "vgg16", "googlenet", "inception_v3", "ssd", "gnmt", "gnmt_small", "gnmt_nmt_one", "gnmt8", "biglstm", "biglstm_small", "biglstm_tiny", "dcgan", "dcgan64"],
+    "model": [
+        "alexnet",
+        "resnet50",
+        "mobilenet_v3_small",
+        "vgg16",
+        "googlenet",
+        "inception_v3",
+        "ssd",
+        "gnmt",
+        "gnmt_small",
+        "gnmt_nmt_one",
+        "gnmt8",
+        "biglstm",
+        "biglstm_small",
+        "biglstm_tiny",
+        "dcgan",
+        "dcgan64",
+    ],
     "precision": ["fp32", "fp16", "mixed", "fp16_modmom", "amp", "bf16", "tf32"],
     "scale": ["none", "static", "dynamic", "auto"],
     "data": ["synthetic", "imagefolder", "voc", "parallel_text", "text_corpus", "image_dir"],
@@ -22,13 +39,23 @@ def test_defaults_compose_to_the_main_job():
     cfg = compose_cfg()
     validate(cfg)
     assert (cfg.model.name, cfg.precision.name, cfg.scale.name, cfg.data.name, cfg.schedule.name) == (
-        "resnet50", "fp32", "none", "synthetic", "short",
+        "resnet50",
+        "fp32",
+        "none",
+        "synthetic",
+        "short",
     )
 
 
 @pytest.mark.parametrize("group,option", [(g, o) for g, opts in GROUPS.items() for o in opts])
 def test_every_option_composes_and_validates(group, option):
-    extra = {"imagefolder": ["data.root=/somewhere"], "voc": ["data.root=/somewhere", "model=ssd"], "parallel_text": ["data.root=/somewhere", "model=gnmt"], "text_corpus": ["data.root=/somewhere", "model=biglstm"], "image_dir": ["data.root=/somewhere", "model=dcgan"]}.get(option, [])
+    extra = {
+        "imagefolder": ["data.root=/somewhere"],
+        "voc": ["data.root=/somewhere", "model=ssd"],
+        "parallel_text": ["data.root=/somewhere", "model=gnmt"],
+        "text_corpus": ["data.root=/somewhere", "model=biglstm"],
+        "image_dir": ["data.root=/somewhere", "model=dcgan"],
+    }.get(option, [])
     cfg = compose_cfg(f"{group}={option}", *extra)
     validate(cfg)
     assert cfg[group].name == option
@@ -80,7 +107,10 @@ def test_out_of_range_values_are_rejected_naming_the_key(overrides, named):
 @pytest.mark.parametrize(
     "args,line",
     [
-        (["model=lenet"], "model=lenet: no such option; choose one of alexnet, biglstm, biglstm_small, biglstm_tiny, dcgan, dcgan64, gnmt, gnmt8, gnmt_nmt_one, gnmt_small, googlenet, inception_v3, mobilenet_v3_small, resnet50, ssd, vgg16"),
+        (
+            ["model=lenet"],
+            "model=lenet: no such option; choose one of alexnet, biglstm, biglstm_small, biglstm_tiny, dcgan, dcgan64, gnmt, gnmt8, gnmt_nmt_one, gnmt_small, googlenet, inception_v3, mobilenet_v3_small, resnet50, ssd, vgg16",
+        ),
         (["precision=fp8"], "precision=fp8: no such option; choose one of amp, bf16, fp16, fp16_modmom, fp32, mixed, tf32"),
         (["scale=logmax"], "scale=logmax: no such option; choose one of auto, dynamic, none, static"),
         (["schedule.batch_size=abc"], "schedule.batch_size=abc: Value 'abc' of type 'str' could not be converted to Integer"),

@@ -4,8 +4,6 @@ record naming the kernel."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from torch import nn
@@ -19,7 +17,9 @@ from .conftest import ROOT, compose_cfg, read_record, run_cli
 def onednn_fails(monkeypatch):
     """This process's oneDNN 'cannot' run a low-precision LSTM, as on a CPU without AVX-512 BF16."""
     cpu_lstm.kernels.cache_clear()
-    monkeypatch.setattr(cpu_lstm, "_try_onednn", lambda dtype: ({"training": False, "evaluation": False}, "could not create a primitive descriptor (forced by the test)"))
+    monkeypatch.setattr(
+        cpu_lstm, "_try_onednn", lambda dtype: ({"training": False, "evaluation": False}, "could not create a primitive descriptor (forced by the test)")
+    )
     yield
     cpu_lstm.kernels.cache_clear()
 
@@ -103,8 +103,12 @@ def test_the_record_names_the_lstm_kernel(onednn_fails, tmp_path):
     (tmp_path / "bf16").mkdir()
     rec = Run(cfg, tmp_path / "bf16").run()
     assert rec["status"] == "ok", rec["message"]
-    assert rec["precision"]["cpu_lstm"] == {"dtype": "bfloat16", "training": "native", "evaluation": "native",
-                                            "onednn_error": "could not create a primitive descriptor (forced by the test)"}
+    assert rec["precision"]["cpu_lstm"] == {
+        "dtype": "bfloat16",
+        "training": "native",
+        "evaluation": "native",
+        "onednn_error": "could not create a primitive descriptor (forced by the test)",
+    }
     cfg = compose_cfg(*small, "precision=fp32")
     validate(cfg)
     (tmp_path / "fp32").mkdir()

@@ -65,7 +65,13 @@ def test_the_recipe_is_adam_2e4_beta1_half_for_both_networks():
 def test_the_paper_preset_sweeps_fp32_and_mixed_without_scaling_on_an_image_folder():
     with initialize_config_module(config_module="mpt.configs", version_base="1.3"):
         preset = compose(config_name="config", overrides=["experiment=paper_dcgan", "data.root=/celeba", "schedule=paper"], return_hydra_config=True)
-    assert (preset.model.name, preset.data.name, preset.schedule.image_size, preset.schedule.batch_size, preset.schedule.steps) == ("dcgan", "image_dir", 128, 128, 100_000)
+    assert (preset.model.name, preset.data.name, preset.schedule.image_size, preset.schedule.batch_size, preset.schedule.steps) == (
+        "dcgan",
+        "image_dir",
+        128,
+        128,
+        100_000,
+    )
     assert dict(preset.hydra.sweeper.params) == {"precision": "fp32,mixed", "scale": "none"}
 
 
@@ -218,8 +224,16 @@ def test_every_precision_mode_trains_end_to_end_and_the_report_shows_their_grids
 
 
 def test_a_gans_loss_curves_are_drawn_per_network_never_averaged():
-    curves = pd.DataFrame({"mode": ["Mixed"] * 4, "precision_order": 3, "scale_order": 0, "step": [0, 0, 1, 1],
-                           "group": ["discriminator", "generator"] * 2, "loss": [1.5, 0.6, 1.4, 0.7]})
+    curves = pd.DataFrame(
+        {
+            "mode": ["Mixed"] * 4,
+            "precision_order": 3,
+            "scale_order": 0,
+            "step": [0, 0, 1, 1],
+            "group": ["discriminator", "generator"] * 2,
+            "loss": [1.5, 0.6, 1.4, 0.7],
+        }
+    )
     lines = {label: rows["loss"].tolist() for label, rows in _lines(curves)}
     assert lines == {"Mixed [discriminator]": [1.5, 1.4], "Mixed [generator]": [0.6, 0.7]}
     one = curves[curves["group"] == "generator"]
@@ -237,8 +251,21 @@ def test_the_papers_128px_network_trains_on_real_faces(tmp_path):
                 tar.extract(member, faces, filter="data")
                 if len(list(faces.iterdir())) == 10:
                     break
-    r = run_cli("model=dcgan", "model.ngf=2", "model.ndf=2", "model.d_fc_size=8", "model.sample_grid=4", "schedule=smoke", "device=cpu",
-                "data=image_dir", f"data.root={faces}", "data.val_samples=4", "precision=mixed", f"hydra.run.dir={tmp_path / 'run'}", cwd=ROOT)
+    r = run_cli(
+        "model=dcgan",
+        "model.ngf=2",
+        "model.ndf=2",
+        "model.d_fc_size=8",
+        "model.sample_grid=4",
+        "schedule=smoke",
+        "device=cpu",
+        "data=image_dir",
+        f"data.root={faces}",
+        "data.val_samples=4",
+        "precision=mixed",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     rec = check_gan_record(tmp_path / "run")
     assert rec["data"]["train_samples"] == 10 and rec["metrics"]["val_samples"] == 4

@@ -15,6 +15,7 @@ from hydra import compose, initialize_config_module
 from mpt.datasets import build_data
 from mpt.datasets.voc import CorruptAnnotation
 from mpt.runner.config import ConfigError, validate
+
 from .conftest import CPU, build_run, compose_cfg, read_record, run_cli, shared_data
 
 RACCOON = ["data=voc", "data.train_sets=[train_labels.csv]", "data.val_sets=[test_labels.csv]", "data.class_names=[raccoon]", "data.num_workers=0"]
@@ -177,8 +178,17 @@ MODES = ["fp32", "tf32", "fp16", "mixed", "fp16_modmom", "amp", "bf16"]
 
 @pytest.mark.slow
 def test_every_precision_mode_trains_and_evaluates_ssd_on_cpu(tmp_path):
-    tiny = ["model=ssd", "scale=static", "schedule=smoke", "schedule.batch_size=1", "schedule.steps=2", "data.train_samples=2",
-            "data.val_samples=2", "checkpoint=false", f"hydra.sweep.dir={tmp_path}"]
+    tiny = [
+        "model=ssd",
+        "scale=static",
+        "schedule=smoke",
+        "schedule.batch_size=1",
+        "schedule.steps=2",
+        "data.train_samples=2",
+        "data.val_samples=2",
+        "checkpoint=false",
+        f"hydra.sweep.dir={tmp_path}",
+    ]
     result = run_cli("-m", f"precision={','.join(MODES)}", *tiny, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     records = {r["choices"]["precision"]: r for r in (json.loads(p.read_text()) for p in tmp_path.glob("*/result.json"))}

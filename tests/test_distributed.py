@@ -62,8 +62,17 @@ def train_losses(run_dir: Path) -> list[float]:
 
 # AlexNet without dropout (whose masks depend on how a batch is split) and without batch-norm
 # (whose statistics do): 2 processes on halves of each global batch compute what 1 process does.
-ALEXNET = ["model=alexnet", "model.dropout=0", "schedule=smoke", "schedule.steps=6", "schedule.batch_size=8", "data.train_samples=32",
-           "optim.lr=0.02", "optim.lr_batch=null", "checkpoint=false"]
+ALEXNET = [
+    "model=alexnet",
+    "model.dropout=0",
+    "schedule=smoke",
+    "schedule.steps=6",
+    "schedule.batch_size=8",
+    "data.train_samples=32",
+    "optim.lr=0.02",
+    "optim.lr_batch=null",
+    "checkpoint=false",
+]
 
 
 @pytest.mark.slow
@@ -74,8 +83,14 @@ def test_two_processes_follow_one_process_with_the_same_global_batch_and_fp16_al
     # Stated tolerance: the order of the gradient sums differs (two halves, then all-reduce).
     assert b == pytest.approx(a, rel=1e-5)
     rec1, rec2 = read_record(one), read_record(two)
-    assert rec2["distributed"] == {"world_size": 2, "backend": "gloo", "global_batch_size": 8, "per_process_batch_size": 4,
-                                   "allreduce_dtype": "the gradients' own", "sync_batchnorm": False}
+    assert rec2["distributed"] == {
+        "world_size": 2,
+        "backend": "gloo",
+        "global_batch_size": 8,
+        "per_process_batch_size": 4,
+        "allreduce_dtype": "the gradients' own",
+        "sync_batchnorm": False,
+    }
     assert rec1["distributed"]["world_size"] == 1
     assert rec2["samples"] == rec1["samples"] == 48
     assert rec2["throughput"]["processes"] == 2 and rec2["throughput"]["pipeline"] > rec2["throughput"]["pipeline_per_process"]
@@ -98,8 +113,14 @@ def test_an_overflow_on_one_rank_is_skipped_by_every_rank(tmp_path):
     out = tmp_path / "states"
     out.mkdir()
     run_dir = tmp_path / "run"
-    r = torchrun(*ALEXNET, "precision=mixed", "scale=dynamic", "scale.init=1024", f"hydra.run.dir={run_dir}",
-                 env={"PYTHONPATH": os.pathsep.join([str(INJECT), os.environ.get("PYTHONPATH", "")]), "MPT_TEST_OUT": str(out)})
+    r = torchrun(
+        *ALEXNET,
+        "precision=mixed",
+        "scale=dynamic",
+        "scale.init=1024",
+        f"hydra.run.dir={run_dir}",
+        env={"PYTHONPATH": os.pathsep.join([str(INJECT), os.environ.get("PYTHONPATH", "")]), "MPT_TEST_OUT": str(out)},
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"train"' in line]
     assert [row["overflow"] for row in rows] == [False, True, False, False, False, False]
@@ -141,8 +162,16 @@ def test_a_killed_two_process_run_resumes_from_rank_0s_checkpoint(tmp_path, mode
 
     from mpt.runner import checkpoint
 
-    args = [*model, "scale=dynamic", "scale.init=1024", "scale.interval=2",
-            "checkpoint=true", "schedule.checkpoint_every=2", "schedule.log_every=1", "deterministic=true"]
+    args = [
+        *model,
+        "scale=dynamic",
+        "scale.init=1024",
+        "scale.interval=2",
+        "checkpoint=true",
+        "schedule.checkpoint_every=2",
+        "schedule.log_every=1",
+        "deterministic=true",
+    ]
     reference, killed = tmp_path / "reference", tmp_path / "killed"
     r = torchrun(*args, f"hydra.run.dir={reference}")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -178,9 +207,22 @@ def test_dcgan_on_two_processes_keeps_both_networks_identical_across_ranks(tmp_p
     out = tmp_path / "states"
     out.mkdir()
     run_dir = tmp_path / "run"
-    r = torchrun("model=dcgan64", "model.ngf=4", "model.ndf=4", "model.sample_grid=4", "data.train_samples=16", "data.val_samples=4",
-                 "schedule=smoke", "schedule.steps=4", "precision=mixed", "scale=dynamic", "scale.init=1024", "checkpoint=false",
-                 f"hydra.run.dir={run_dir}", env={"PYTHONPATH": os.pathsep.join([str(INJECT), os.environ.get("PYTHONPATH", "")]), "MPT_TEST_OUT": str(out)})
+    r = torchrun(
+        "model=dcgan64",
+        "model.ngf=4",
+        "model.ndf=4",
+        "model.sample_grid=4",
+        "data.train_samples=16",
+        "data.val_samples=4",
+        "schedule=smoke",
+        "schedule.steps=4",
+        "precision=mixed",
+        "scale=dynamic",
+        "scale.init=1024",
+        "checkpoint=false",
+        f"hydra.run.dir={run_dir}",
+        env={"PYTHONPATH": os.pathsep.join([str(INJECT), os.environ.get("PYTHONPATH", "")]), "MPT_TEST_OUT": str(out)},
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"train"' in line]
     assert [(row["group"], row["overflow"]) for row in rows[:2]] == [("discriminator", False), ("generator", True)]
@@ -199,8 +241,18 @@ def test_dcgan_on_two_processes_keeps_both_networks_identical_across_ranks(tmp_p
 def test_the_language_model_on_two_processes_follows_one_process(tmp_path):
     """bigLSTM carries each stream's LSTM state between batches in buffers: each rank keeps its own
     streams' (no buffer broadcast), and both draw the same sampled-softmax negatives, as one process does."""
-    args = ["model=biglstm_tiny", "model.hidden_size=32", "model.proj_size=8", "model.num_sampled=64", "model.bptt=5", "model.dropout=0",
-            "data.train_samples=40", "schedule=smoke", "schedule.steps=6", "checkpoint=false"]
+    args = [
+        "model=biglstm_tiny",
+        "model.hidden_size=32",
+        "model.proj_size=8",
+        "model.num_sampled=64",
+        "model.bptt=5",
+        "model.dropout=0",
+        "data.train_samples=40",
+        "schedule=smoke",
+        "schedule.steps=6",
+        "checkpoint=false",
+    ]
     one, two = one_and_two_processes(args, tmp_path)
     a, b = train_losses(one), train_losses(two)
     assert len(a) == 6 and b == pytest.approx(a, rel=1e-5)
@@ -213,9 +265,24 @@ def test_gnmt_on_parallel_text_shares_rank_0s_tokenizer(tmp_path):
 
     root = shared_data("multi30k")
     run_dir = tmp_path / "run"
-    r = torchrun("model=gnmt", "model.hidden_size=16", "model.encoder_layers=2", "model.decoder_layers=2", "model.beam_size=1",
-                 "data=parallel_text", f"data.root={root}", "data.val_split=val", "data.vocab_size=500", "data.tokenizer_sentences=2000",
-                 "schedule=smoke", "schedule.batch_size=8", "schedule.steps=2", "schedule.eval_batches=1", "checkpoint=false", f"hydra.run.dir={run_dir}")
+    r = torchrun(
+        "model=gnmt",
+        "model.hidden_size=16",
+        "model.encoder_layers=2",
+        "model.decoder_layers=2",
+        "model.beam_size=1",
+        "data=parallel_text",
+        f"data.root={root}",
+        "data.val_split=val",
+        "data.vocab_size=500",
+        "data.tokenizer_sentences=2000",
+        "schedule=smoke",
+        "schedule.batch_size=8",
+        "schedule.steps=2",
+        "schedule.eval_batches=1",
+        "checkpoint=false",
+        f"hydra.run.dir={run_dir}",
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     rec = read_record(run_dir)
     assert rec["status"] == "ok" and rec["distributed"]["world_size"] == 2

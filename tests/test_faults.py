@@ -100,8 +100,13 @@ def test_the_signal_goes_on_to_the_handler_before_ours(signals):
 
 
 def test_the_command_line_exits_with_the_signals_status_after_writing_the_record(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-m", "mpt.runner.cli", TINY, "schedule=smoke", "schedule.steps=100000", "schedule.log_every=1",
-                             f"hydra.run.dir={tmp_path}"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mpt.runner.cli", TINY, "schedule=smoke", "schedule.steps=100000", "schedule.log_every=1", f"hydra.run.dir={tmp_path}"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     log, deadline = tmp_path / "metrics.jsonl", time.time() + 300
     while time.time() < deadline and not (log.exists() and '"train"' in log.read_text()):
         time.sleep(0.05)

@@ -34,6 +34,7 @@ def _stats(x: np.ndarray | torch.Tensor) -> GaussianStats:
 def _scipy_fid(x: np.ndarray, y: np.ndarray) -> float:
     """The reference formula, as pytorch-fid and the TF code compute it."""
     from scipy import linalg  # a dev dependency: the oracle must run, not skip
+
     mu1, mu2 = x.mean(0), y.mean(0)
     s1, s2 = np.cov(x, rowvar=False), np.cov(y, rowvar=False)
     covmean = linalg.sqrtm(s1 @ s2)
@@ -223,9 +224,9 @@ def test_fid_kind_extracts_fp32_pool3_features_from_resized_unnormalized_input(f
     }
     json.dumps(info)
     net = extractor.net
-    assert [type(getattr(net, f"Mixed_{b}")) for b in ("5b", "5c", "5d", "6b", "6c", "6d", "6e", "7b", "7c")] == [
-        FIDInceptionA
-    ] * 3 + [FIDInceptionC] * 4 + [FIDInceptionE] * 2
+    assert [type(getattr(net, f"Mixed_{b}")) for b in ("5b", "5c", "5d", "6b", "6c", "6d", "6e", "7b", "7c")] == [FIDInceptionA] * 3 + [FIDInceptionC] * 4 + [
+        FIDInceptionE
+    ] * 2
     assert not net.Mixed_7b.max_pool and net.Mixed_7c.max_pool
     extractor.train()  # must stay in eval mode regardless
     assert not any(m.training for m in extractor.modules())

@@ -16,9 +16,9 @@ from mpt.runner.flops import counting_flops, math_of, mfu, peak_tflops
 from .conftest import ROOT, TINY, compose_cfg, read_record, run_cli
 
 
-def lstm_forward_flops(T: int, B: int, I: int, H: int, layers: int) -> int:
+def lstm_forward_flops(T: int, B: int, inputs: int, H: int, layers: int) -> int:
     """2 FLOPs per multiply-add: input-to-gates and hidden-to-gates matmuls of each layer and step."""
-    return sum(2 * T * B * 4 * H * ((I if layer == 0 else H) + H) for layer in range(layers))
+    return sum(2 * T * B * 4 * H * ((inputs if layer == 0 else H) + H) for layer in range(layers))
 
 
 def test_an_lstm_is_counted_through_its_matmuls():
@@ -41,8 +41,9 @@ def test_a_convolutions_forward_and_weight_gradient_are_counted():
     assert counter.get_total_flops() == 2 * forward  # the input needs no gradient: forward and weight gradient
 
 
-@pytest.mark.parametrize("precision, math", [("fp32", "fp32"), ("tf32", "tf32"), ("fp16", "fp16"), ("mixed", "fp16"),
-                                             ("fp16_modmom", "fp16"), ("amp", "fp16"), ("bf16", "bf16")])
+@pytest.mark.parametrize(
+    "precision, math", [("fp32", "fp32"), ("tf32", "tf32"), ("fp16", "fp16"), ("mixed", "fp16"), ("fp16_modmom", "fp16"), ("amp", "fp16"), ("bf16", "bf16")]
+)
 def test_each_mode_is_measured_against_the_peak_of_its_math(precision, math):
     assert math_of(compose_cfg(f"precision={precision}").precision) == math
 
@@ -94,13 +95,23 @@ def test_a_run_counts_its_first_steps_flops_as_torch_counts_the_same_model(tmp_p
 
 def test_the_mfu_table_holds_the_median_per_mode_and_the_flops_per_sample(tmp_path):
     def record(precision: str, value: float) -> dict:
-        return {"status": "ok", "choices": {"model": "resnet50", "precision": precision, "scale": "none", "data": "synthetic", "schedule": "bench"},
-                "precision": {"name": precision}, "throughput": {"pipeline": 100.0, "unit": "images/s"},
-                "flops": {"per_sample": 12.3e9}, "mfu": {"value": value, "math": "fp16" if precision == "amp" else "fp32"},
-                "environment": {"device_name": "NVIDIA H100 80GB HBM3"}, "config": {"schedule": {"batch_size": 256, "image_size": 224}}}
+        return {
+            "status": "ok",
+            "choices": {"model": "resnet50", "precision": precision, "scale": "none", "data": "synthetic", "schedule": "bench"},
+            "precision": {"name": precision},
+            "throughput": {"pipeline": 100.0, "unit": "images/s"},
+            "flops": {"per_sample": 12.3e9},
+            "mfu": {"value": value, "math": "fp16" if precision == "amp" else "fp32"},
+            "environment": {"device_name": "NVIDIA H100 80GB HBM3"},
+            "config": {"schedule": {"batch_size": 256, "image_size": 224}},
+        }
 
-    text_model = {**record("fp32", 0.2), "choices": {"model": "gnmt", "precision": "fp32", "scale": "none", "data": "synthetic", "schedule": "bench"},
-                  "flops": {"per_sample": 4.5e9}, "config": {"schedule": {"batch_size": 128, "image_size": None}}}
+    text_model = {
+        **record("fp32", 0.2),
+        "choices": {"model": "gnmt", "precision": "fp32", "scale": "none", "data": "synthetic", "schedule": "bench"},
+        "flops": {"per_sample": 4.5e9},
+        "config": {"schedule": {"batch_size": 128, "image_size": None}},
+    }
     rows = [record_row(record(p, v), tmp_path / p / "result.json") for p, v in [("fp32", 0.4), ("amp", 0.3), ("amp", 0.5)]]
     runs = pd.DataFrame(rows + [record_row(text_model, tmp_path / "gnmt" / "result.json")])
     runs["precision_order"], runs["scale_order"] = runs.precision.map({"fp32": 0, "amp": 1}), 0

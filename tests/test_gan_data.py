@@ -237,10 +237,8 @@ def test_a_crop_larger_than_an_image_is_named(tmp_path):
     [
         (lambda root: root / "missing", "data.root={root}/missing: no such folder"),
         (lambda root: root, "data.root={root}: no image files at any depth \\(accepted: .jpg .jpeg .png .*any case\\); found no files"),
-        (lambda root: (root / "notes.txt").write_text("x") and root,
-         "data.root={root}: no image files .*; found 1 files, none an image: notes.txt"),
-        (lambda root: [save(root / f"{i}.png") for i in range(3)] and root,
-         "data.root={root}: 3 images, fewer than one batch of schedule.batch_size=4"),
+        (lambda root: (root / "notes.txt").write_text("x") and root, "data.root={root}: no image files .*; found 1 files, none an image: notes.txt"),
+        (lambda root: [save(root / f"{i}.png") for i in range(3)] and root, "data.root={root}: 3 images, fewer than one batch of schedule.batch_size=4"),
     ],
     ids=["missing", "empty", "only_text", "under_a_batch"],
 )

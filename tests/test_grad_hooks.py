@@ -113,10 +113,27 @@ def test_runs_count_unscaled_gradients_in_any_precision_and_the_report_draws_the
     histograms equal the unscaled run's bit for bit. Mixed runs record theirs too."""
     sweep = tmp_path / "runs"
     # DCGAN: two networks, each with its own loss and scaler; batch-norm and in-place activations.
-    r = run_cli("-m", "model=dcgan64", "model.ngf=4", "model.ndf=4", "model.sample_grid=4", "data.train_samples=12", "data.val_samples=4",
-                "schedule=smoke", "schedule.steps=7", "checkpoint=false",
-                "stats.grad_hist=true", "stats.every=3", "schedule.throughput_warmup=1", "schedule.throughput_window=2",
-                "precision=fp32,mixed", "scale=none,static", "scale.value=8", f"hydra.sweep.dir={sweep}", cwd=ROOT)
+    r = run_cli(
+        "-m",
+        "model=dcgan64",
+        "model.ngf=4",
+        "model.ndf=4",
+        "model.sample_grid=4",
+        "data.train_samples=12",
+        "data.val_samples=4",
+        "schedule=smoke",
+        "schedule.steps=7",
+        "checkpoint=false",
+        "stats.grad_hist=true",
+        "stats.every=3",
+        "schedule.throughput_warmup=1",
+        "schedule.throughput_window=2",
+        "precision=fp32,mixed",
+        "scale=none,static",
+        "scale.value=8",
+        f"hydra.sweep.dir={sweep}",
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     recs = {(rec["choices"]["precision"], rec["choices"]["scale"]): rec for rec in map(read_record, (p.parent for p in sweep.rglob("result.json")))}
     assert len(recs) == 4

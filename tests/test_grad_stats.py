@@ -13,8 +13,7 @@ from mpt.runner.grad_stats import GradHistogram, kept_share
 
 
 def test_hand_made_values_land_in_their_buckets():
-    values = torch.tensor([0.0, -0.0, 2.0**-30, -(2.0**-20), 1.0, -3.0, 70000.0, float("inf"), float("nan"), 2.0**-149,
-                           3e-8, 65510.0])
+    values = torch.tensor([0.0, -0.0, 2.0**-30, -(2.0**-20), 1.0, -3.0, 70000.0, float("inf"), float("nan"), 2.0**-149, 3e-8, 65510.0])
     h = GradHistogram()
     h.add(values[:5])  # in two calls: counts accumulate
     h.add(values[5:])

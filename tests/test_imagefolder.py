@@ -76,8 +76,19 @@ def test_a_corrupt_image_fails_the_run_naming_it_and_the_sweep_goes_on(tmp_path)
     bad, good = make_folder(tmp_path / "bad", per_class=4, size=32), make_folder(tmp_path / "good", per_class=4, size=32)
     corrupt = bad / "train" / "dog" / "2.jpg"
     corrupt.write_bytes(b"\xff\xd8\xff\xe0 not a jpeg")
-    r = run_cli("-m", TINY, f"data.root={bad},{good}", "data=imagefolder", "data.num_workers=1", "schedule=smoke", "schedule.batch_size=4",
-                "schedule.steps=4", "checkpoint=false", f"hydra.sweep.dir={tmp_path}/runs", cwd=ROOT)
+    r = run_cli(
+        "-m",
+        TINY,
+        f"data.root={bad},{good}",
+        "data=imagefolder",
+        "data.num_workers=1",
+        "schedule=smoke",
+        "schedule.batch_size=4",
+        "schedule.steps=4",
+        "checkpoint=false",
+        f"hydra.sweep.dir={tmp_path}/runs",
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     records = {rec["config"]["data"]["root"]: rec for rec in (read_record(p.parent) for p in (tmp_path / "runs").glob("*/result.json"))}
     assert records[str(bad)]["status"] == "error"

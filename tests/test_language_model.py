@@ -182,7 +182,14 @@ def test_a_vocabulary_file_and_its_markers(tmp_path):
     (tmp_path / "train.txt").write_text("the cat sat\nthe dog\u00a0barked\n" * 10)  # a no-break space stays inside its token
     (tmp_path / "valid.txt").write_text("the cat barked\n" * 20)
     (tmp_path / "vocab.txt").write_text("<S>\n</S>\n<UNK>\nthe 3\ncat\n")  # One Billion Word's spelling
-    base = ["data=text_corpus", f"data.root={tmp_path}", "data.train_split=train.txt", "data.val_split=valid.txt", "data.test_split=null", "schedule.batch_size=2"]
+    base = [
+        "data=text_corpus",
+        f"data.root={tmp_path}",
+        "data.train_split=train.txt",
+        "data.val_split=valid.txt",
+        "data.test_split=null",
+        "schedule.batch_size=2",
+    ]
     data = build_data(tiny_cfg(*base, f"data.vocab_file={tmp_path / 'vocab.txt'}"), CPU)
     assert data.info["vocab_size"] == 4  # </s>, <unk>, the, cat
     assert data.train.ids[:7].tolist() == [2, 3, 1, EOS, 2, 1, EOS]

@@ -17,11 +17,19 @@ from .conftest import CPU, Vector, compose_cfg
 F16 = torch.float16
 
 
-def make_engine(w: torch.Tensor, precision: str, scale: str = "none", lr: float = 0.01, momentum: float = 0.0,
-                weight_decay: float = 0.0, milestones=(), extra=()):
+def make_engine(
+    w: torch.Tensor, precision: str, scale: str = "none", lr: float = 0.01, momentum: float = 0.0, weight_decay: float = 0.0, milestones=(), extra=()
+):
     # batch_size 256 makes the effective lr equal optim.lr (which is per 256 samples).
-    cfg = compose_cfg(f"precision={precision}", f"scale={scale}", "schedule.batch_size=256", f"optim.lr={lr}",
-                      f"optim.momentum={momentum}", f"optim.weight_decay={weight_decay}", *extra)
+    cfg = compose_cfg(
+        f"precision={precision}",
+        f"scale={scale}",
+        "schedule.batch_size=256",
+        f"optim.lr={lr}",
+        f"optim.momentum={momentum}",
+        f"optim.weight_decay={weight_decay}",
+        *extra,
+    )
     model = prepare_model(Vector(w), cfg.precision, CPU, channels_last=False)
     return model, PrecisionEngine(model, cfg, build_scaler(cfg), list(milestones), CPU)
 
@@ -92,8 +100,7 @@ def test_modified_momentum_is_rescaled_when_the_scale_changes():
     gen = torch.Generator().manual_seed(2)
     w0 = (torch.randn(64, generator=gen) * 1e-2).to(F16).float()  # small weights: fine FP16 spacing
     grads = [torch.randn(64, generator=gen) * 1e-2 for _ in range(5)]
-    model, engine = make_engine(w0, "fp16_modmom", "dynamic", lr=0.1, momentum=0.9,
-                                extra=["scale.init=64", "scale.interval=1", "scale.max=1e6"])
+    model, engine = make_engine(w0, "fp16_modmom", "dynamic", lr=0.1, momentum=0.9, extra=["scale.init=64", "scale.interval=1", "scale.max=1e6"])
     for G in grads:
         assert train_step(model, engine, G)
     scales = [64.0 * 2**i for i in range(5)]
@@ -123,8 +130,7 @@ def test_fp16_updates_clip_the_unscaled_gradient(precision, modified):
     gen = torch.Generator().manual_seed(4)
     w0 = torch.randn(128, generator=gen).to(F16).float()
     grads = [torch.randn(128, generator=gen) * 0.1 for _ in range(4)]  # norm about 1.1, clipped to 0.5
-    model, engine = make_engine(w0, precision, "static", lr=0.1, momentum=0.9,
-                                extra=["scale.value=512", "optim.clip_grad_norm=0.5"])
+    model, engine = make_engine(w0, precision, "static", lr=0.1, momentum=0.9, extra=["scale.value=512", "optim.clip_grad_norm=0.5"])
     for G in grads:
         assert train_step(model, engine, G)
     expected = fp16_oracle(w0, grads, [512.0] * 4, 0.1, 0.9, 0.0, modified, clip=0.5)
@@ -152,8 +158,7 @@ def _momenta(engine) -> list[torch.Tensor]:
 def test_dynamic_scaler_matches_torch_gradscaler_on_a_scripted_sequence():
     overflow = [False, False, True, False, False, False, False, True, True, False, False, False, False, False]
     w0 = torch.linspace(-1, 1, 16)
-    model, engine = make_engine(w0, "fp32", "dynamic", lr=0.1, momentum=0.9,
-                                extra=["scale.init=1024", "scale.interval=3", "scale.min=1"])
+    model, engine = make_engine(w0, "fp32", "dynamic", lr=0.1, momentum=0.9, extra=["scale.init=1024", "scale.interval=3", "scale.min=1"])
     ref = Vector(w0)
     opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     ref_scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=3, growth_factor=2.0, backoff_factor=0.5)
@@ -189,8 +194,7 @@ def test_gradients_are_unscaled_before_clipping(scale, extra):
     gen = torch.Generator().manual_seed(3)
     w0 = torch.randn(32, generator=gen)
     grads = [torch.randn(32, generator=gen) for _ in range(3)]
-    model, engine = make_engine(w0, "fp32", scale, lr=0.1, momentum=0.9, weight_decay=1e-4,
-                                extra=["optim.clip_grad_norm=0.5", *extra])
+    model, engine = make_engine(w0, "fp32", scale, lr=0.1, momentum=0.9, weight_decay=1e-4, extra=["optim.clip_grad_norm=0.5", *extra])
     ref = Vector(w0)
     opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
     for G in grads:
@@ -212,7 +216,7 @@ def test_fp32_engine_matches_torch_sgd_on_a_network():
     model = prepare_model(net, cfg.precision, CPU, channels_last=False)
     engine = PrecisionEngine(model, cfg, build_scaler(cfg), [], CPU)
     opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=cfg.optim.momentum, weight_decay=cfg.optim.weight_decay)
-    for i in range(4):
+    for _ in range(4):
         x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 5, (4,))
         engine.backward(nn.functional.cross_entropy(model(x), y))
         engine.step()

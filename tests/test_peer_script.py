@@ -36,6 +36,10 @@ def test_the_peers_steady_state_is_the_median_of_its_per_iteration_figures_after
 
 
 def test_a_folder_without_the_peers_main_is_named(tmp_path):
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "peer_resnet50.py"), "--peer", str(tmp_path), "--out", str(tmp_path / "o")],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "peer_resnet50.py"), "--peer", str(tmp_path), "--out", str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 1 and f"--peer {tmp_path}: no main.py there" in r.stderr

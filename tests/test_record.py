@@ -109,8 +109,9 @@ def test_a_mode_the_device_cannot_run_is_one_clear_error(monkeypatch):
     check_device_support(compose_cfg("precision=mixed").precision, torch.device("cuda"))  # FP16 modes are fine there
 
 
-@pytest.mark.parametrize("name,overrides", [("resnet50_fp32_none", ["precision=fp32", "scale=none"]),
-                                            ("resnet50_mixed_dynamic", ["precision=mixed", "scale=dynamic"])])
+@pytest.mark.parametrize(
+    "name,overrides", [("resnet50_fp32_none", ["precision=fp32", "scale=none"]), ("resnet50_mixed_dynamic", ["precision=mixed", "scale=dynamic"])]
+)
 def test_records_of_an_older_version_match_the_config_that_computes_the_same(name, overrides):
     # The committed records predate keys added since (data.class_names, emulate_cpu_fp16_conv, ...).
     # A key they lack takes the value that reproduces how they ran: for FP16 convolutions on a CPU,

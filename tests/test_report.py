@@ -92,8 +92,11 @@ def test_accuracy_pivot_holds_the_mean_over_seeds(report, swept):
     recs = records(swept).values()
     for precision in ("fp32", "fp16"):
         for scale in ("none", "dynamic"):
-            top1 = [r["metrics"]["top1"] for r in recs if r["choices"]["precision"] == precision and r["choices"]["scale"] == scale
-                    and r["status"] == "ok" and not r["variant"]]
+            top1 = [
+                r["metrics"]["top1"]
+                for r in recs
+                if r["choices"]["precision"] == precision and r["choices"]["scale"] == scale and r["status"] == "ok" and not r["variant"]
+            ]
             cell = acc[(acc.precision == precision) & (acc.scale == scale) & (acc.variant == "")]
             assert len(cell) == 1 and cell.n.item() == len(top1) == 2
             assert cell["mean"].item() == pytest.approx(statistics.mean(top1))
@@ -103,7 +106,7 @@ def test_accuracy_pivot_holds_the_mean_over_seeds(report, swept):
 
 def test_a_diverged_run_shows_as_diverged(report):
     md = (report / "tables" / "accuracy.md").read_text()
-    line = next(l for l in md.splitlines() if "optim.lr=" in l)
+    line = next(line for line in md.splitlines() if "optim.lr=" in line)
     assert "diverged" in line
     acc = pd.read_csv(report / "tables" / "accuracy.csv")
     assert acc[acc.variant.fillna("").str.contains("optim.lr=")].diverged.item() == 1
@@ -114,8 +117,11 @@ def test_throughput_speedup_is_over_fp32_on_the_same_device(report, swept):
     recs = [r for r in records(swept).values()]
 
     def median(precision, scale):
-        return statistics.median(r["throughput"]["pipeline"] for r in recs if r["choices"]["precision"] == precision
-                                 and r["choices"]["scale"] == scale and r["status"] == "ok" and not r["variant"])
+        return statistics.median(
+            r["throughput"]["pipeline"]
+            for r in recs
+            if r["choices"]["precision"] == precision and r["choices"]["scale"] == scale and r["status"] == "ok" and not r["variant"]
+        )
 
     fp16 = tp[(tp.precision == "fp16") & (tp.scale == "none") & tp.variant.isna()]
     assert fp16.throughput.item() == pytest.approx(median("fp16", "none"))
@@ -132,7 +138,7 @@ def test_paper_comparison_puts_our_cells_next_to_the_published_ones(report):
     ours = acc[(acc.precision == "fp32") & (acc.scale == "none") & (acc.variant == "")]["mean"].item()
     assert row.ours.item() == pytest.approx(100 * ours)
     md = (report / "tables" / "paper_comparison.md").read_text().splitlines()
-    ours_diverged = [l for l in md if "| resnet50 | fp32 |" in l and "optim.lr=" in l]
+    ours_diverged = [line for line in md if "| resnet50 | fp32 |" in line and "optim.lr=" in line]
     assert len(ours_diverged) == 3 and all("| diverged |" in line for line in ours_diverged)  # Table 1 top-1, GTC top-1 and top-5
 
 
@@ -145,7 +151,7 @@ def test_a_report_of_only_diverged_runs_says_so(swept, tmp_path):
             shutil.copytree(rec.parent, only / rec.parent.name)
     r = subprocess.run([sys.executable, "-m", "mpt.report.cli", str(only), "--out", str(tmp_path / "out")], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
-    rows = [l for l in (tmp_path / "out" / "tables" / "accuracy.md").read_text().splitlines() if l.startswith("| resnet50")]
+    rows = [line for line in (tmp_path / "out" / "tables" / "accuracy.md").read_text().splitlines() if line.startswith("| resnet50")]
     assert len(rows) == 1 and rows[0].endswith("| diverged |")
 
 

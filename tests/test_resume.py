@@ -66,8 +66,13 @@ def logged_steps(log: Path) -> set[int]:
 
 def kill_after_checkpoint(args: list[str], run_dir: Path, after_rows: int) -> int:
     """Start the run, SIGKILL it once a checkpoint exists and `after_rows` steps are logged."""
-    proc = subprocess.Popen([sys.executable, "-m", "mpt.runner.cli", *args, f"hydra.run.dir={run_dir}"], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mpt.runner.cli", *args, f"hydra.run.dir={run_dir}"],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     deadline = time.time() + 300
     while proc.poll() is None and time.time() < deadline:
         log = run_dir / "metrics.jsonl"
@@ -91,8 +96,20 @@ SMALL_GAN = ["model.ngf=4", "model.ndf=4", "model.sample_grid=4", "data.train_sa
 
 
 def resume_args(model: str, precision: str, scale: str, extra: list[str]) -> list[str]:
-    return [f"model={model}", f"precision={precision}", f"scale={scale}", "scale.interval=2", *extra, "schedule=smoke", "schedule.steps=8",
-            "schedule.checkpoint_every=2", "schedule.log_every=1", "schedule.eval_every=3", "deterministic=true", "device=cpu"]
+    return [
+        f"model={model}",
+        f"precision={precision}",
+        f"scale={scale}",
+        "scale.interval=2",
+        *extra,
+        "schedule=smoke",
+        "schedule.steps=8",
+        "schedule.checkpoint_every=2",
+        "schedule.log_every=1",
+        "schedule.eval_every=3",
+        "deterministic=true",
+        "device=cpu",
+    ]
 
 
 def assert_resumed_as_uninterrupted(reference: Path, resumed: Path) -> None:

@@ -47,14 +47,17 @@ def test_fused_sgd_trains_as_torchs_default_sgd(eager, tmp_path):
     assert len(train_losses(tmp_path)) == 3
 
 
-@pytest.mark.parametrize("overrides, words", [
-    (["optim.implementation=fast"], "optim.implementation=fast: expected one of default, for_loop, foreach, fused"),
-    (["precision=fp16_modmom", "optim.implementation=fused"], "optim.implementation=fused: precision=fp16_modmom"),
-    (["compile.mode=turbo", "compile.backend=inductor"], "compile.mode=turbo: expected one of"),
-    (["compile.mode=reduce-overhead"], "set compile.backend=inductor"),
-    (["compile.backend=inductor", "stats.grad_hist=true"], "gradient histograms need the eager networks"),
-    (["compile.backend=nope"], "compile.backend=nope: no such torch.compile backend; choose one of .*inductor"),
-])
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        (["optim.implementation=fast"], "optim.implementation=fast: expected one of default, for_loop, foreach, fused"),
+        (["precision=fp16_modmom", "optim.implementation=fused"], "optim.implementation=fused: precision=fp16_modmom"),
+        (["compile.mode=turbo", "compile.backend=inductor"], "compile.mode=turbo: expected one of"),
+        (["compile.mode=reduce-overhead"], "set compile.backend=inductor"),
+        (["compile.backend=inductor", "stats.grad_hist=true"], "gradient histograms need the eager networks"),
+        (["compile.backend=nope"], "compile.backend=nope: no such torch.compile backend; choose one of .*inductor"),
+    ],
+)
 def test_bad_speed_options_are_rejected_naming_the_value(overrides, words):
     with pytest.raises(ConfigError, match=words.replace("(", r"\(")):
         validate(compose_cfg(*overrides))

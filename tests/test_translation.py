@@ -238,7 +238,14 @@ def test_gnmt_lr_schedule_is_nvidias_warmup_multistep():
     for it in list(range(0, 400)) + list(range(3900, 6200, 7)):
         assert math.isclose(lr_factor(it, milestones, 0.5, warmup), nvidia(it, warmup, remain, interval, 4, 0.5), rel_tol=1e-12)
     cfg = compose_cfg("model=gnmt", "schedule=paper")
-    assert (cfg.optim.name, cfg.optim.lr, cfg.optim.lr_batch, cfg.optim.clip_grad_norm, cfg.schedule.batch_size, cfg.schedule.epochs) == ("adam", 2e-3, None, 5.0, 128, 6)
+    assert (cfg.optim.name, cfg.optim.lr, cfg.optim.lr_batch, cfg.optim.clip_grad_norm, cfg.schedule.batch_size, cfg.schedule.epochs) == (
+        "adam",
+        2e-3,
+        None,
+        5.0,
+        128,
+        6,
+    )
     assert (cfg.schedule.lr_warmup_steps, list(cfg.schedule.lr_milestones), cfg.schedule.lr_gamma) == (200, [4.0, 4.5, 5.0, 5.5], 0.5)
 
 
@@ -276,7 +283,7 @@ def test_multi30k_pairs_tokenizer_and_buckets(tmp_path):
     refs = gzip.decompress((shared_data("multi30k") / "val.de.gz").read_bytes()).decode().splitlines()
     val = list(data.val())
     assert sorted(r for b in val for r in b.refs) == sorted(r.strip() for r in refs)
-    decoded = [info["detokenize"](row[:n - 1].tolist()) for b in val for row, n in zip(b.tgt_out, (b.tgt_out != PAD).sum(1))]
+    decoded = [info["detokenize"](row[: n - 1].tolist()) for b in val for row, n in zip(b.tgt_out, (b.tgt_out != PAD).sum(1))]
     exact = sum(d == r for d, r in zip(decoded, (r for b in val for r in b.refs)))
     assert exact / len(decoded) > 0.99  # sentencepiece is lossless up to its NFKC normalization
 

@@ -33,8 +33,17 @@ class DataSource(Protocol):
     def val(self) -> Iterable[Any]: ...
 
 
-SHARDED = {("synthetic", "classification"), ("imagefolder", "classification"), ("voc", "detection"), ("image_dir", "gan"), ("synthetic", "gan"),
-           ("synthetic", "translation"), ("parallel_text", "translation"), ("synthetic", "language_model"), ("text_corpus", "language_model")}
+SHARDED = {
+    ("synthetic", "classification"),
+    ("imagefolder", "classification"),
+    ("voc", "detection"),
+    ("image_dir", "gan"),
+    ("synthetic", "gan"),
+    ("synthetic", "translation"),
+    ("parallel_text", "translation"),
+    ("synthetic", "language_model"),
+    ("text_corpus", "language_model"),
+}
 
 
 def build_data(cfg: DictConfig, device: torch.device, workdir: Optional[Path] = None, resuming: bool = False, shard: Dist = Dist()) -> DataSource:
@@ -42,8 +51,10 @@ def build_data(cfg: DictConfig, device: torch.device, workdir: Optional[Path] = 
     tokenizer); `resuming`: the run continues from a checkpoint there, so it reuses what it made;
     `shard`: this process's place in a torchrun job (it trains on its slice of each global batch)."""
     if shard.enabled and (cfg.data.name, cfg.model.task) not in SHARDED:
-        raise ConfigError(f"data={cfg.data.name} for model={cfg.model.name} does not run under torchrun yet; "
-                          f"data parallel runs take {', '.join(f'data={d} ({t})' for d, t in sorted(SHARDED))}")
+        raise ConfigError(
+            f"data={cfg.data.name} for model={cfg.model.name} does not run under torchrun yet; "
+            f"data parallel runs take {', '.join(f'data={d} ({t})' for d, t in sorted(SHARDED))}"
+        )
     if cfg.data.name == "synthetic" and cfg.model.task == "translation":
         from .translation import synthetic_translation
 
@@ -85,4 +96,3 @@ def build_data(cfg: DictConfig, device: torch.device, workdir: Optional[Path] = 
 
         return ImageDirData(cfg.data, cfg.schedule, seed=cfg.seed, device=device, shard=shard)
     raise ValueError(f"data.name={cfg.data.name}: expected synthetic, imagefolder, voc, image_dir, parallel_text or text_corpus")
-

@@ -72,7 +72,9 @@ class ImageFiles(Dataset):
         w, h = img.size
         side = min(w, h) if self.crop is None else self.crop
         if side > min(w, h):
-            raise CropTooLarge(f"data.crop={self.crop}: larger than image {path} ({w}x{h}); use a crop of at most {min(w, h)} or data.crop=null (the shorter side)")
+            raise CropTooLarge(
+                f"data.crop={self.crop}: larger than image {path} ({w}x{h}); use a crop of at most {min(w, h)} or data.crop=null (the shorter side)"
+            )
         img = TF.center_crop(img, [side, side])
         # PIL's bilinear resize widens its filter when shrinking, i.e. it is antialiased.
         img = TF.resize(img, [self.size, self.size], interpolation=InterpolationMode.BILINEAR, antialias=True)
@@ -111,10 +113,10 @@ class ImageDirData(LoaderData):
         common = dict(num_workers=workers, pin_memory=device.type == "cuda", persistent_workers=workers > 0)
         self.order = torch.Generator().manual_seed(seed)
         self.batches = EpochBatches(len(paths), schedule.batch_size, self.order, shard)
-        self.train_loader = DataLoader(SeededSamples(dataset, seed), batch_sampler=self.batches,
-                                       generator=torch.Generator().manual_seed(seed), **common)
-        self.val_loader = DataLoader(Subset(dataset, reference), batch_size=schedule.batch_size, shuffle=False,
-                                     generator=torch.Generator().manual_seed(seed), **common)
+        self.train_loader = DataLoader(SeededSamples(dataset, seed), batch_sampler=self.batches, generator=torch.Generator().manual_seed(seed), **common)
+        self.val_loader = DataLoader(
+            Subset(dataset, reference), batch_size=schedule.batch_size, shuffle=False, generator=torch.Generator().manual_seed(seed), **common
+        )
         self.steps_per_epoch = len(paths) // schedule.batch_size
         self.info = {"train_samples": len(paths), "val_samples": n_val, "resident": False, "num_workers": workers}
 

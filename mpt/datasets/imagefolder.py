@@ -61,9 +61,7 @@ class ImageFolderData(LoaderData):
         size = schedule.image_size
         normalize = transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)
         train_tf = transforms.Compose([transforms.RandomResizedCrop(size), transforms.RandomHorizontalFlip(), transforms.ToTensor(), normalize])
-        val_tf = transforms.Compose(
-            [transforms.Resize(round(size * data.resize_ratio)), transforms.CenterCrop(size), transforms.ToTensor(), normalize]
-        )
+        val_tf = transforms.Compose([transforms.Resize(round(size * data.resize_ratio)), transforms.CenterCrop(size), transforms.ToTensor(), normalize])
         self.train_set = open_split(root, data.train_split, train_tf)
         self.val_set = open_split(root, data.val_split, val_tf)
         if self.val_set.classes != self.train_set.classes:
@@ -79,10 +77,8 @@ class ImageFolderData(LoaderData):
         common = dict(num_workers=workers, pin_memory=device.type == "cuda", persistent_workers=workers > 0)
         self.order = torch.Generator().manual_seed(seed)
         self.batches = EpochBatches(len(self.train_set), schedule.batch_size, self.order, shard)
-        self.train_loader = DataLoader(SeededSamples(self.train_set, seed), batch_sampler=self.batches,
-                                       generator=torch.Generator().manual_seed(seed), **common)
-        self.val_loader = DataLoader(self.val_set, batch_size=schedule.batch_size, shuffle=False,
-                                     generator=torch.Generator().manual_seed(seed), **common)
+        self.train_loader = DataLoader(SeededSamples(self.train_set, seed), batch_sampler=self.batches, generator=torch.Generator().manual_seed(seed), **common)
+        self.val_loader = DataLoader(self.val_set, batch_size=schedule.batch_size, shuffle=False, generator=torch.Generator().manual_seed(seed), **common)
         self.steps_per_epoch = len(self.train_set) // schedule.batch_size
         self.info = {
             "num_classes": len(self.train_set.classes),

@@ -67,9 +67,9 @@ def read_pairs(root: Path, split: str, src_lang: str, tgt_lang: str) -> tuple[li
 
 
 def train_tokenizer(lines: list[str], vocab_size: int, sentences: int, seed: int) -> bytes:
-    import sentencepiece as spm
-
     import io
+
+    import sentencepiece as spm
 
     spm.set_random_generator_seed(seed)  # the sample of `sentences` lines it trains on
     proto = io.BytesIO()
@@ -94,7 +94,9 @@ def load_tokenizer(proto: bytes, source: str):
         raise ConfigError(f"{source}: not a sentencepiece model ({e})") from None
     ids = (sp.pad_id(), sp.unk_id(), sp.bos_id(), sp.eos_id())
     if ids != (PAD, UNK, BOS, EOS):
-        raise ConfigError(f"{source}: its pad, unk, bos, eos ids are {ids}; this project's batches need {(PAD, UNK, BOS, EOS)} (train it with pad_id=0 unk_id=1 bos_id=2 eos_id=3)")
+        raise ConfigError(
+            f"{source}: its pad, unk, bos, eos ids are {ids}; this project's batches need {(PAD, UNK, BOS, EOS)} (train it with pad_id=0 unk_id=1 bos_id=2 eos_id=3)"
+        )
     return sp
 
 

@@ -76,8 +76,18 @@ def rows_of(stream: np.ndarray, batch_size: int) -> np.ndarray:
 class LMData(EpochOrder):
     """A DataSource of (inputs, targets) windows, each (batch_size, bptt), targets one token ahead."""
 
-    def __init__(self, train: Sentences, val: Sentences, test: Optional[Sentences], info: dict, batch_size: int, bptt: int, seed: int, device: torch.device,
-                 shard: Dist = Dist()):
+    def __init__(
+        self,
+        train: Sentences,
+        val: Sentences,
+        test: Optional[Sentences],
+        info: dict,
+        batch_size: int,
+        bptt: int,
+        seed: int,
+        device: torch.device,
+        shard: Dist = Dist(),
+    ):
         self.shard = shard  # under torchrun: this rank's rows (streams) of each global batch
         self.train, self.val_sentences, self.test_sentences = train, val, test
         self.batch_size, self.bptt, self.device = batch_size, bptt, device
@@ -193,7 +203,9 @@ def text_corpus(cfg: DictConfig, device: torch.device, shard: Dist = Dist()) -> 
         "vocabulary": "from " + (str(d.vocab_file) if d.vocab_file else f"training counts (min_count {d.min_count}, max_vocab {d.max_vocab})"),
         "val_oov_rate": float((val_ids.ids == UNK).mean()),
     }
-    return LMData(train_ids, val_ids, ids(test_files) if test_files is not None else None, info, cfg.schedule.batch_size, cfg.model.bptt, cfg.seed, device, shard)
+    return LMData(
+        train_ids, val_ids, ids(test_files) if test_files is not None else None, info, cfg.schedule.batch_size, cfg.model.bptt, cfg.seed, device, shard
+    )
 
 
 # --- a Markov source with a known entropy rate

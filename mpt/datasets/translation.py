@@ -132,7 +132,9 @@ class TranslationData(EpochOrder):
     def load_state_dict(self, state: dict) -> None:
         saved, now = state.get("tokenizer_sha256"), self.info.get("tokenizer_sha256")
         if saved != now:  # the same ids would mean other subwords: the checkpoint's model cannot go on
-            raise ConfigError(f"the checkpoint was trained with tokenizer sha256 {saved}, this run's is {now} (the text or data.tokenizer_model changed); resume=false starts over")
+            raise ConfigError(
+                f"the checkpoint was trained with tokenizer sha256 {saved}, this run's is {now} (the text or data.tokenizer_model changed); resume=false starts over"
+            )
         super().load_state_dict(state)
 
     def val(self) -> Iterator[TranslationBatch]:

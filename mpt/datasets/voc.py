@@ -114,9 +114,7 @@ def resolve_set(root: Path, name: str) -> tuple[list[str], Path, Path]:
         if not split_file.is_file():
             raise ConfigError(f"data set {name}: no split file {split_file} (a .txt of ids or a .csv with a filename column)")
         return _ids_from_split_file(split_file), root / "annotations", root / "images"
-    raise ConfigError(
-        f"data.root={root}: neither a VOC devkit (VOC2007/Annotations, ...) holding set {name} nor a flat annotations/ + images/ folder pair"
-    )
+    raise ConfigError(f"data.root={root}: neither a VOC devkit (VOC2007/Annotations, ...) holding set {name} nor a flat annotations/ + images/ folder pair")
 
 
 def read_sets(root: Path, names: list[str], class_names: list[str]) -> list[Annotation]:
@@ -156,15 +154,17 @@ class VOCDetection(Dataset):
 
 
 def ssd_train_transform(size: int):
-    return v2.Compose([
-        v2.RandomPhotometricDistort(),
-        v2.RandomZoomOut(fill=[round(255 * m) for m in MEAN_PIXEL_01], side_range=(1.0, 4.0), p=0.5),
-        v2.RandomIoUCrop(),
-        v2.RandomHorizontalFlip(p=0.5),
-        v2.Resize((size, size), antialias=True),
-        v2.SanitizeBoundingBoxes(min_size=1.0),  # boxes the crop cut to slivers go, with their labels
-        v2.ToDtype(torch.float32, scale=True),
-    ])
+    return v2.Compose(
+        [
+            v2.RandomPhotometricDistort(),
+            v2.RandomZoomOut(fill=[round(255 * m) for m in MEAN_PIXEL_01], side_range=(1.0, 4.0), p=0.5),
+            v2.RandomIoUCrop(),
+            v2.RandomHorizontalFlip(p=0.5),
+            v2.Resize((size, size), antialias=True),
+            v2.SanitizeBoundingBoxes(min_size=1.0),  # boxes the crop cut to slivers go, with their labels
+            v2.ToDtype(torch.float32, scale=True),
+        ]
+    )
 
 
 def eval_transform(size: int):

@@ -91,8 +91,7 @@ class Discriminator(nn.Module):
         slope = m.leaky_slope
         if m.arch == "dcgan128":
             widths = [m.ndf * k for k in (1, 2, 4, 8, 16, 16)]  # 64, 32, 16, 8, 4, 2 pixels
-            head = [nn.Flatten(), nn.Linear(widths[-1] * 2 * 2, m.d_fc_size, bias=False), nn.BatchNorm1d(m.d_fc_size), _act(slope),
-                    nn.Linear(m.d_fc_size, 1)]
+            head = [nn.Flatten(), nn.Linear(widths[-1] * 2 * 2, m.d_fc_size, bias=False), nn.BatchNorm1d(m.d_fc_size), _act(slope), nn.Linear(m.d_fc_size, 1)]
         else:  # dcgan64: 32, 16, 8, 4 pixels, then a 4x4 convolution to the logit
             widths = [m.ndf * k for k in (1, 2, 4, 8)]
             head = [nn.Conv2d(widths[-1], 1, 4, 1, 0), nn.Flatten()]
@@ -137,8 +136,11 @@ class GAN:
         self.fid_seed = FID_NOISE_SEED + seed
         self.fid_extractor, self.real_stats = None, None
         if model_cfg.fid_weights is None:
-            fid = {"computed": False, "reason": "model.fid_weights is not set: FID needs a local Inception weights file "
-                   "(pytorch-fid's pt_inception-2015-12-05-6726825d.pth); mpt downloads nothing"}
+            fid = {
+                "computed": False,
+                "reason": "model.fid_weights is not set: FID needs a local Inception weights file "
+                "(pytorch-fid's pt_inception-2015-12-05-6726825d.pth); mpt downloads nothing",
+            }
         else:
             self.fid_extractor, info = load_inception(os.path.expanduser(model_cfg.fid_weights), torch.device("cpu"))
             fid = {"computed": True, **info, "generated_images": model_cfg.fid_samples}
@@ -159,10 +161,16 @@ class GAN:
         fake = G(z)
         d_real, d_fake = D(real), D(fake.detach())
         loss_real, loss_fake = _bce(d_real, 1.0), _bce(d_fake, 0.0)
-        yield LossTerm("discriminator", loss_real + loss_fake, {
-            "loss_real": loss_real.detach(), "loss_fake": loss_fake.detach(),
-            "d_x": torch.sigmoid(d_real.detach().float()).mean(), "d_g_z": torch.sigmoid(d_fake.detach().float()).mean(),
-        })
+        yield LossTerm(
+            "discriminator",
+            loss_real + loss_fake,
+            {
+                "loss_real": loss_real.detach(),
+                "loss_fake": loss_fake.detach(),
+                "d_x": torch.sigmoid(d_real.detach().float()).mean(),
+                "d_g_z": torch.sigmoid(d_fake.detach().float()).mean(),
+            },
+        )
         # The loop has applied D's update (or skipped it); G's loss goes through the updated D.
         # Through D itself, not its data-parallel wrapper: frozen, it has no gradients to all-reduce.
         D = getattr(D, "module", D)

@@ -74,7 +74,9 @@ def load_backbone_weights(path: str) -> nn.Module:
     try:
         state = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise ConfigError(f"model.backbone_weights={path}: not a readable torch state dict ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+        raise ConfigError(
+            f"model.backbone_weights={path}: not a readable torch state dict ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        ) from None
     vgg = torchvision.models.vgg16(weights=None)
     if not isinstance(state, dict) or not any(k.startswith("features.") for k in state):
         raise ConfigError(f"model.backbone_weights={path}: holds no 'features.*' tensors of a torchvision vgg16")
@@ -137,9 +139,7 @@ class Detection(OneNetwork):
             else:
                 matched.append(self.detector.proposal_matcher(box_iou(t["boxes"], anchors)))
         # FP32 whatever the mode: the softmax, the hard-negative ranking and the box targets.
-        losses = self.detector.compute_loss(
-            targets, {"bbox_regression": regression.float(), "cls_logits": logits.float()}, [anchors] * len(targets), matched
-        )
+        losses = self.detector.compute_loss(targets, {"bbox_regression": regression.float(), "cls_logits": logits.float()}, [anchors] * len(targets), matched)
         box, cls = losses["bbox_regression"], losses["classification"]
         yield LossTerm("model", box + cls, {"loss_box": box.detach(), "loss_cls": cls.detach()})
 

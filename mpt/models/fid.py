@@ -40,8 +40,7 @@ from mpt.runner.precision import ieee_fp32
 FID_FILE = "pt_inception-2015-12-05-6726825d.pth"
 TORCHVISION_FILE = "inception_v3_google-0cc3c7bd.pth"
 ACCEPTED = (
-    f"pytorch-fid's {FID_FILE} (the standard FID network) or torchvision's {TORCHVISION_FILE} "
-    "(ImageNet Inception v3, FIDs not comparable with published ones)"
+    f"pytorch-fid's {FID_FILE} (the standard FID network) or torchvision's {TORCHVISION_FILE} (ImageNet Inception v3, FIDs not comparable with published ones)"
 )
 FID_NETWORK = "FID Inception (pytorch-fid pt_inception-2015-12-05)"
 TORCHVISION_NETWORK = "torchvision Inception v3 (ImageNet weights): FIDs not comparable with published ones"
@@ -208,8 +207,7 @@ def load_inception(path: str, device: torch.device) -> tuple[InceptionFeatures, 
         ) from None
     except Exception as e:
         raise ConfigError(
-            f"{where}: cannot be read as a state dict by torch.load(weights_only=True) "
-            f"({type(e).__name__}: {_first_line(e)}); expected {ACCEPTED}"
+            f"{where}: cannot be read as a state dict by torch.load(weights_only=True) ({type(e).__name__}: {_first_line(e)}); expected {ACCEPTED}"
         ) from None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ConfigError(f"{where}: holds a {type(state).__name__}, not a state dict of tensors; expected {ACCEPTED}")

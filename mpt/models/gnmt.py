@@ -209,4 +209,10 @@ class Translation(OneNetwork):
         bleu = sacrebleu.corpus_bleu(hyps, [refs])  # 13a tokenization, case-sensitive: sacrebleu's standard
         # as NVIDIA's GNMT scores itself (sacrebleu --score-only -lc --tokenize intl), for comparing with its published BLEU
         bleu_lc_intl = sacrebleu.corpus_bleu(hyps, [refs], lowercase=True, tokenize="intl")
-        return {"bleu": bleu.score, "bleu_lc_intl": bleu_lc_intl.score, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 700.0)), "val_sentences": len(hyps)}
+        return {
+            "bleu": bleu.score,
+            "bleu_lc_intl": bleu_lc_intl.score,
+            "val_loss": val_loss,
+            "val_ppl": math.exp(min(val_loss, 700.0)),
+            "val_sentences": len(hyps),
+        }

@@ -103,5 +103,8 @@ def voc_map(detections: list[dict], ground_truths: list[dict], num_classes: int,
         recall = ctp / positives
         precision = ctp / torch.clamp(ctp + cfp, min=1e-12)
         per_class[c] = ClassResult(average_precision(recall, precision, True), average_precision(recall, precision, False), positives, len(dets))
-    mean = lambda key: sum(getattr(r, key) for r in per_class.values()) / len(per_class) if per_class else math.nan
+
+    def mean(key: str) -> float:
+        return sum(getattr(r, key) for r in per_class.values()) / len(per_class) if per_class else math.nan
+
     return {"map_11pt": mean("ap_11pt"), "map_all": mean("ap_all"), "per_class": per_class}

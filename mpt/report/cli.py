@@ -48,15 +48,26 @@ def build_report(paths: list[Path], out: Path, published_path: Path | None) -> l
     gs = tables.gradient_stats(runs)
     sections = [
         ("Accuracy", "accuracy", acc, tables.render_accuracy(acc)),
-        ("Throughput (median samples/s; speedup over fp32 on the same device, batch and resolution)", "throughput", tp,
-         tables.render_relative(tp, "throughput", "speedup_vs_fp32", lambda v: f"{v:.4g}", "throughput_unit")),
-        ("Peak memory (MiB; ratio to fp32 on the same device, batch and resolution)", "memory", mem,
-         tables.render_relative(mem, "peak_memory_bytes", "ratio_to_fp32", lambda v: f"{v / 2**20:.0f}", "memory_kind")),
-        ("Model FLOPs utilization (model FLOPs per sample x samples/s over the GPU's dense peak for the mode's math)", "mfu", util,
-         tables.render_mfu(util)),
+        (
+            "Throughput (median samples/s; speedup over fp32 on the same device, batch and resolution)",
+            "throughput",
+            tp,
+            tables.render_relative(tp, "throughput", "speedup_vs_fp32", lambda v: f"{v:.4g}", "throughput_unit"),
+        ),
+        (
+            "Peak memory (MiB; ratio to fp32 on the same device, batch and resolution)",
+            "memory",
+            mem,
+            tables.render_relative(mem, "peak_memory_bytes", "ratio_to_fp32", lambda v: f"{v / 2**20:.0f}", "memory_kind"),
+        ),
+        ("Model FLOPs utilization (model FLOPs per sample x samples/s over the GPU's dense peak for the mode's math)", "mfu", util, tables.render_mfu(util)),
         ("Loss scaling", "loss_scaling", ls, tables.render_loss_scaling(ls)),
-        ("Gradients against FP16's range (shares of non-zero values; % zero of all; unscaled; sampled steps' cost against a plain step)",
-         "gradient_stats", gs, tables.render_gradient_stats(gs)),
+        (
+            "Gradients against FP16's range (shares of non-zero values; % zero of all; unscaled; sampled steps' cost against a plain step)",
+            "gradient_stats",
+            gs,
+            tables.render_gradient_stats(gs),
+        ),
     ]
     if published_path is not None and published_path.exists():
         paper = tables.paper_comparison(runs, pd.read_csv(published_path))

@@ -170,8 +170,17 @@ def _histogram_panel(ax, bins: dict[int, int], zeros: int, shift: int, span: tup
     # bins and the zero bar carries its number.
     top = max([bins[e] / total * 100 for e in exps] or [zero_share]) * 1.25
     ax.set_ylim(0, max(top, 1e-9) if zero_share > top else max(top, zero_share * 1.05))
-    ax.annotate(f"{zero_share:.1f}%", (zero_x + 0.5, min(zero_share, ax.get_ylim()[1])), ha="center", va="bottom" if zero_share <= top else "top", fontsize=7,
-                xytext=(0, 2 if zero_share <= top else -2), textcoords="offset points", color="k" if zero_share <= top else "w", rotation=90)
+    ax.annotate(
+        f"{zero_share:.1f}%",
+        (zero_x + 0.5, min(zero_share, ax.get_ylim()[1])),
+        ha="center",
+        va="bottom" if zero_share <= top else "top",
+        fontsize=7,
+        xytext=(0, 2 if zero_share <= top else -2),
+        textcoords="offset points",
+        color="k" if zero_share <= top else "w",
+        rotation=90,
+    )
     ax.axvspan(lo - 1, FP16_LOST_EXP, color="tab:red", alpha=0.1, label="becomes 0 in FP16 (below $2^{-25}$)")
     ax.axvspan(FP16_LOST_EXP, FP16_NORMAL_EXP, color="tab:orange", alpha=0.15, label="FP16 subnormal")
     ax.axvspan(FP16_NORMAL_EXP, FP16_MAX_LOG2, color="tab:green", alpha=0.08, label="FP16 normal")
@@ -221,7 +230,9 @@ def gradient_histograms(runs: pd.DataFrame, out: Path) -> list[Path]:
                 where = f"{net}, " if len(kinds) and len(stats["networks"]) > 1 else ""
                 fig.suptitle(
                     f"{kind} gradients ({FIGURE_OF_KIND[kind]}), {where}{run['mode']}, seed {run['seed']}, {len(stats['sampled_steps'])} sampled steps;"
-                    f" {t['share_zero'] * 100:.1f}% zeros\n{title}", fontsize=9)
+                    f" {t['share_zero'] * 100:.1f}% zeros\n{title}",
+                    fontsize=9,
+                )
                 tag = f"{zlib.crc32(run['run_dir'].encode()):08x}"
                 written.append(_save(fig, out / f"grads_{kind}_{stem}_{net}_{tag}.png"))
     return written

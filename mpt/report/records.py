@@ -15,7 +15,18 @@ import pandas as pd
 PRECISION_ORDER = ["fp32", "tf32", "fp16", "mixed", "fp16_modmom", "amp", "bf16"]
 SCALE_ORDER = ["none", "static", "dynamic", "auto"]
 # Gradient statistics (record "grad_stats") that become columns grad.<network>.<kind>.<field>.
-GRAD_FIELDS = ["values", "share_zero", "share_lost_fp16", "share_subnormal_fp16", "share_normal_fp16", "share_overflow_fp16", "max_abs", "recommended_scale", "max_safe_scale", "keep"]
+GRAD_FIELDS = [
+    "values",
+    "share_zero",
+    "share_lost_fp16",
+    "share_subnormal_fp16",
+    "share_normal_fp16",
+    "share_overflow_fp16",
+    "max_abs",
+    "recommended_scale",
+    "max_safe_scale",
+    "keep",
+]
 
 
 def mode_label(precision_label: str, scale: str, scale_value: float | None) -> str:
@@ -144,7 +155,9 @@ def load_runs(paths: Iterable[Path]) -> pd.DataFrame:
         return df
     df["precision_order"] = df["precision"].map(lambda p: PRECISION_ORDER.index(p) if p in PRECISION_ORDER else len(PRECISION_ORDER))
     df["scale_order"] = df["scale"].map(lambda s: SCALE_ORDER.index(s) if s in SCALE_ORDER else len(SCALE_ORDER))
-    return df.sort_values(["model", "data", "schedule", "variant", "precision_order", "scale_order", "scale_value", "seed"], na_position="first").reset_index(drop=True)
+    return df.sort_values(["model", "data", "schedule", "variant", "precision_order", "scale_order", "scale_value", "seed"], na_position="first").reset_index(
+        drop=True
+    )
 
 
 def load_curves(runs: pd.DataFrame) -> pd.DataFrame:
@@ -160,7 +173,16 @@ def load_curves(runs: pd.DataFrame) -> pd.DataFrame:
             continue
         for col in ("loss", "scale"):
             train[col] = train[col].map(_number)
-        train = train.assign(model=run.model, data=run.data, schedule=run.schedule, variant=run.variant, mode=run.mode, scale_strategy=run.scale, seed=run.seed, precision_order=run.precision_order, scale_order=run.scale_order)
+        train = train.assign(
+            model=run.model,
+            data=run.data,
+            schedule=run.schedule,
+            variant=run.variant,
+            mode=run.mode,
+            scale_strategy=run.scale,
+            seed=run.seed,
+            precision_order=run.precision_order,
+            scale_order=run.scale_order,
+        )
         frames.append(train)
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
-

@@ -51,9 +51,15 @@ def metric_summary(runs: pd.DataFrame) -> pd.DataFrame:
         for col in columns:
             values = ok[col].dropna() if col in ok else pd.Series(dtype=float)
             values = values[values.map(math.isfinite)]
-            rows.append({**base, "metric": col.removeprefix("metric."), "n": len(values),
-                         "mean": values.mean() if len(values) else math.nan,
-                         "std": values.std(ddof=1) if len(values) > 1 else math.nan})
+            rows.append(
+                {
+                    **base,
+                    "metric": col.removeprefix("metric."),
+                    "n": len(values),
+                    "mean": values.mean() if len(values) else math.nan,
+                    "std": values.std(ddof=1) if len(values) > 1 else math.nan,
+                }
+            )
     return pd.DataFrame(rows, columns=SUMMARY_COLUMNS)
 
 
@@ -103,8 +109,11 @@ def mfu(runs: pd.DataFrame) -> pd.DataFrame:
     if finished.empty:
         return pd.DataFrame()
     keys = [k for k in SAME_SETUP if k in finished.columns]
-    return (finished.groupby([*keys, *MODE_KEYS, "precision_order", "scale_order", "throughput_unit", "mfu_math"], dropna=False, sort=False)
-            .agg(mfu=("mfu", "median"), flops_per_sample=("flops_per_sample", "median"), runs=("mfu", "count")).reset_index())
+    return (
+        finished.groupby([*keys, *MODE_KEYS, "precision_order", "scale_order", "throughput_unit", "mfu_math"], dropna=False, sort=False)
+        .agg(mfu=("mfu", "median"), flops_per_sample=("flops_per_sample", "median"), runs=("mfu", "count"))
+        .reset_index()
+    )
 
 
 def render_mfu(table: pd.DataFrame) -> str:
@@ -112,8 +121,9 @@ def render_mfu(table: pd.DataFrame) -> str:
         return "_no runs with an MFU (schedule=bench on a GPU in the peak table)_"
     keys = [k for k in SAME_SETUP if k in table.columns]
     order = _mode_order(table)
-    table = table.assign(cell=[f"{r.mfu * 100:.1f}% ({r.mfu_math})" for r in table.itertuples()],
-                         gflop_per_sample=[f"{v / 1e9:.4g}" for v in table.flops_per_sample]).fillna({k: "" for k in keys})
+    table = table.assign(
+        cell=[f"{r.mfu * 100:.1f}% ({r.mfu_math})" for r in table.itertuples()], gflop_per_sample=[f"{v / 1e9:.4g}" for v in table.flops_per_sample]
+    ).fillna({k: "" for k in keys})
     # FLOPs per sample are the model's, the same in every mode, up to what autograd skips.
     pivot = table.pivot_table(index=[*keys, "throughput_unit"], columns="mode", values="cell", aggfunc="first")
     flops = table.groupby([*keys, "throughput_unit"], dropna=False)["gflop_per_sample"].first()
@@ -136,8 +146,7 @@ def _relative_to_fp32(runs: pd.DataFrame, value: str, ratio: str, extra: list[st
     )
     baseline = table[(table.precision == "fp32") & (table.scale == "none")].set_index(keys)[value]
     table[ratio] = [
-        row[value] / baseline.loc[tuple(row[k] for k in keys)] if tuple(row[k] for k in keys) in baseline.index else math.nan
-        for _, row in table.iterrows()
+        row[value] / baseline.loc[tuple(row[k] for k in keys)] if tuple(row[k] for k in keys) in baseline.index else math.nan for _, row in table.iterrows()
     ]
     return table
 
@@ -149,15 +158,17 @@ def loss_scaling(runs: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for keys, group in scaled.groupby([*CELL_KEYS, *MODE_KEYS, "precision_order", "scale_order"], dropna=False, sort=False):
         for net in groups:
-            rows.append({
-                **dict(zip([*CELL_KEYS, *MODE_KEYS, "precision_order", "scale_order"], keys)),
-                "network": net,
-                "runs": len(group),
-                "final_scale": group[f"loss_scale.{net}.final"].median(),
-                "min_scale": group[f"loss_scale.{net}.min"].min(),
-                "skipped_steps": group[f"loss_scale.{net}.skipped_steps"].mean(),
-                "steps": group[f"loss_scale.{net}.steps"].mean(),
-            })
+            rows.append(
+                {
+                    **dict(zip([*CELL_KEYS, *MODE_KEYS, "precision_order", "scale_order"], keys)),
+                    "network": net,
+                    "runs": len(group),
+                    "final_scale": group[f"loss_scale.{net}.final"].median(),
+                    "min_scale": group[f"loss_scale.{net}.min"].min(),
+                    "skipped_steps": group[f"loss_scale.{net}.skipped_steps"].mean(),
+                    "steps": group[f"loss_scale.{net}.steps"].mean(),
+                }
+            )
     return pd.DataFrame(rows)
 
 
@@ -169,12 +180,16 @@ def gradient_stats(runs: pd.DataFrame) -> pd.DataFrame:
     for col in cols:
         _, net, kind, _ = col.split(".")
         for _, run in runs[runs[col] > 0].iterrows():  # a network no sampled step reached has nothing to show
-            rows.append({
-                **{k: run[k] for k in [*CELL_KEYS, *MODE_KEYS, "seed", "status"]},
-                "network": net, "kind": kind, "sampled_steps": run["grad_sampled_steps"],
-                **{k: run[f"grad.{net}.{kind}.{k}"] for k in GRAD_FIELDS},
-                "cost_ratio": run["grad_cost_ratio"],
-            })
+            rows.append(
+                {
+                    **{k: run[k] for k in [*CELL_KEYS, *MODE_KEYS, "seed", "status"]},
+                    "network": net,
+                    "kind": kind,
+                    "sampled_steps": run["grad_sampled_steps"],
+                    **{k: run[f"grad.{net}.{kind}.{k}"] for k in GRAD_FIELDS},
+                    "cost_ratio": run["grad_cost_ratio"],
+                }
+            )
     return pd.DataFrame(rows)
 
 
@@ -186,14 +201,34 @@ def paper_comparison(runs: pd.DataFrame, published: pd.DataFrame) -> pd.DataFram
         match = ours[(ours.model == pub.model) & (ours.precision == pub.precision) & (ours.scale == pub.scale) & (ours.metric == pub.metric)]
         if not pd.isna(pub.scale_value):
             match = match[match.scale_value == pub.scale_value]
-        row = {"table": pub.table, "model": pub.model, "precision": pub.precision, "scale": pub.scale, "scale_value": pub.scale_value,
-               "metric": pub.metric, "published": pub.value, "published_status": pub.status, "source": pub.source}
+        row = {
+            "table": pub.table,
+            "model": pub.model,
+            "precision": pub.precision,
+            "scale": pub.scale,
+            "scale_value": pub.scale_value,
+            "metric": pub.metric,
+            "published": pub.value,
+            "published_status": pub.status,
+            "source": pub.source,
+        }
         if match.empty:
             rows.append(row)
         factor = 100 if pub.metric in PERCENT_METRICS else 1
         for m in match.itertuples():  # every cell of ours: the data and schedule say what it can be compared with
-            rows.append({**row, "data": m.data, "schedule": m.schedule, "variant": m.variant, "ours": m.mean * factor,
-                         "ours_std": m.std * factor, "ours_seeds": m.n, "ours_diverged": m.diverged, "ours_runs": m.runs})
+            rows.append(
+                {
+                    **row,
+                    "data": m.data,
+                    "schedule": m.schedule,
+                    "variant": m.variant,
+                    "ours": m.mean * factor,
+                    "ours_std": m.std * factor,
+                    "ours_seeds": m.n,
+                    "ours_diverged": m.diverged,
+                    "ours_runs": m.runs,
+                }
+            )
     return pd.DataFrame(rows)
 
 
@@ -222,9 +257,7 @@ def render_relative(table: pd.DataFrame, value: str, ratio: str, fmt_value, unit
         return "_no runs with this figure_"
     keys = [k for k in SAME_SETUP if k in table.columns]
     order = _mode_order(table)
-    table = table.assign(cell=[
-        f"{fmt_value(r[value])}" + ("" if math.isnan(r[ratio]) else f" ({r[ratio]:.2f}x)") for _, r in table.iterrows()
-    ])
+    table = table.assign(cell=[f"{fmt_value(r[value])}" + ("" if math.isnan(r[ratio]) else f" ({r[ratio]:.2f}x)") for _, r in table.iterrows()])
     pivot = table.fillna({k: "" for k in keys}).pivot_table(index=[*keys, unit_col], columns="mode", values="cell", aggfunc="first")
     pivot = pivot[[m for m in order if m in pivot.columns]].reset_index().fillna("")
     pivot.columns = [str(c).removeprefix("config.schedule.") for c in pivot.columns]
@@ -251,18 +284,22 @@ def render_gradient_stats(table: pd.DataFrame) -> str:
 def _gradient_stats_md(table: pd.DataFrame) -> str:
     pct = lambda v: f"{v * 100:.2f}"  # noqa: E731
     scale = lambda v: "none" if pd.isna(v) else f"{v:g}"  # noqa: E731
-    out = pd.DataFrame({
-        **{k: table[k] for k in [*CELL_KEYS[1:], "mode", "seed", "network", "kind", "sampled_steps"]},
-        "% zero": table.share_zero.map(pct),
-        "% lost in FP16": table.share_lost_fp16.map(pct),
-        "% FP16 subnormal": table.share_subnormal_fp16.map(pct),
-        "% FP16 normal": table.share_normal_fp16.map(pct),
-        "% overflow": table.share_overflow_fp16.map(pct),
-        "max abs": table.max_abs.map(lambda v: f"{v:.3g}"),
-        "recommended scale": [f"none keeps {k * 100:g}%" if pd.isna(r) else f"{r:g} (keeps {k * 100:g}%)" for r, k in zip(table.recommended_scale, table.keep)],
-        "largest safe scale": table.max_safe_scale.map(scale),
-        "sampled step cost": table.cost_ratio.map(lambda v: "" if pd.isna(v) else f"{v:.2f}x"),
-    })
+    out = pd.DataFrame(
+        {
+            **{k: table[k] for k in [*CELL_KEYS[1:], "mode", "seed", "network", "kind", "sampled_steps"]},
+            "% zero": table.share_zero.map(pct),
+            "% lost in FP16": table.share_lost_fp16.map(pct),
+            "% FP16 subnormal": table.share_subnormal_fp16.map(pct),
+            "% FP16 normal": table.share_normal_fp16.map(pct),
+            "% overflow": table.share_overflow_fp16.map(pct),
+            "max abs": table.max_abs.map(lambda v: f"{v:.3g}"),
+            "recommended scale": [
+                f"none keeps {k * 100:g}%" if pd.isna(r) else f"{r:g} (keeps {k * 100:g}%)" for r, k in zip(table.recommended_scale, table.keep)
+            ],
+            "largest safe scale": table.max_safe_scale.map(scale),
+            "sampled step cost": table.cost_ratio.map(lambda v: "" if pd.isna(v) else f"{v:.2f}x"),
+        }
+    )
     return _md(out)
 
 

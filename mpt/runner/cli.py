@@ -17,7 +17,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from . import preemption
-from .config import GROUPS, ConfigError, as_plain, same_computation, register_configs, validate
+from .config import GROUPS, ConfigError, as_plain, register_configs, same_computation, validate
 from .distributed import from_env, leave, teardown
 from .files import write_text_atomic
 from .record import write_json_atomic
@@ -116,7 +116,9 @@ def summary_lines(rec: dict) -> list[str]:
         lines.append(f"  throughput: {tp['pipeline']:.4g} {tp['unit']} (compute only {tp['compute']:.4g}; median of {tp['windows']} windows)")
     util = rec.get("mfu") or {}
     if util.get("value") is not None:
-        lines.append(f"  mfu:        {util['value'] * 100:.1f}% of {util['peak_tflops']:g} TFLOP/s ({util['math']}; {rec['flops']['per_sample'] / 1e9:.4g} GFLOP per {rec['flops']['sample_unit'].removesuffix('s')})")
+        lines.append(
+            f"  mfu:        {util['value'] * 100:.1f}% of {util['peak_tflops']:g} TFLOP/s ({util['math']}; {rec['flops']['per_sample'] / 1e9:.4g} GFLOP per {rec['flops']['sample_unit'].removesuffix('s')})"
+        )
     mem = rec.get("memory") or {}
     lines.append(f"  memory:     {_fmt_bytes(mem.get('peak_bytes'))} peak ({mem.get('kind')}) on {rec['environment']['device_name']}")
     for name, s in (rec.get("loss_scale") or {}).items():
@@ -193,8 +195,14 @@ def _run_locked(cfg: DictConfig, run_dir: Path, multirun: bool) -> str:
         sys.exit(2)
     except Exception as e:  # setting up failed (out of memory moving the model, an unreadable checkpoint): still a record
         log.exception("setting up the run failed")
-        rec = {"schema": 1, "run_dir": str(run_dir), "choices": {g: cfg[g].name for g in GROUPS}, "seed": cfg.seed,
-               "config": as_plain(cfg), **failure_record(e, cfg.schedule.batch_size)}
+        rec = {
+            "schema": 1,
+            "run_dir": str(run_dir),
+            "choices": {g: cfg[g].name for g in GROUPS},
+            "seed": cfg.seed,
+            "config": as_plain(cfg),
+            **failure_record(e, cfg.schedule.batch_size),
+        }
         try:
             write_json_atomic(run_dir / "result.json", rec)
         except OSError as write_error:  # the disk is full: the record on disk stays as it was
@@ -213,8 +221,27 @@ def _run_locked(cfg: DictConfig, run_dir: Path, multirun: bool) -> str:
 
 
 # Flags after which Hydra prints or does something other than train: it gets the command line as is.
-_PASS_THROUGH = {"--help", "-h", "--hydra-help", "--info", "-i", "--cfg", "-c", "--shell-completion", "-sc", "--config-name", "-cn",
-                 "--config-path", "-cp", "--config-dir", "-cd", "--package", "-p", "--experimental-rerun", "--resolve"}
+_PASS_THROUGH = {
+    "--help",
+    "-h",
+    "--hydra-help",
+    "--info",
+    "-i",
+    "--cfg",
+    "-c",
+    "--shell-completion",
+    "-sc",
+    "--config-name",
+    "-cn",
+    "--config-path",
+    "-cp",
+    "--config-dir",
+    "-cd",
+    "--package",
+    "-p",
+    "--experimental-rerun",
+    "--resolve",
+}
 
 
 def preflight(args: list[str]) -> str | None:

@@ -304,7 +304,14 @@ TASKS = ("classification", "detection", "translation", "language_model", "gan")
 IMAGE_TASKS = ("classification", "detection", "gan")
 DETECTION_INPUT_SIZE = 300  # SSD300
 INPUT_CONVENTIONS = ("unit_variance", "caffe")
-DATA_TASKS = {"synthetic": TASKS, "imagefolder": ("classification",), "voc": ("detection",), "parallel_text": ("translation",), "text_corpus": ("language_model",), "image_dir": ("gan",)}  # the batches each source can make
+DATA_TASKS = {
+    "synthetic": TASKS,
+    "imagefolder": ("classification",),
+    "voc": ("detection",),
+    "parallel_text": ("translation",),
+    "text_corpus": ("language_model",),
+    "image_dir": ("gan",),
+}  # the batches each source can make
 OPTIMIZERS = ("sgd", "adam", "adagrad")
 OPTIM_IMPLEMENTATIONS = ("default", "for_loop", "foreach", "fused")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -323,7 +330,15 @@ def validate(cfg: DictConfig) -> None:
     """Range and combination checks, run before anything is built. Raises ConfigError naming the key."""
     for key in ["schedule.batch_size", "schedule.log_every", "schedule.throughput_window", "optim.lr", "optim.eps"]:
         _positive(cfg, key)
-    for key in ["schedule.steps", "schedule.epochs", "schedule.eval_every", "schedule.eval_batches", "schedule.checkpoint_every", "optim.clip_grad_norm", "optim.lr_batch"]:
+    for key in [
+        "schedule.steps",
+        "schedule.epochs",
+        "schedule.eval_every",
+        "schedule.eval_batches",
+        "schedule.checkpoint_every",
+        "optim.clip_grad_norm",
+        "optim.lr_batch",
+    ]:
         _positive(cfg, key, allow_none=True)
     if len(cfg.optim.betas) != 2 or not all(0 <= b < 1 for b in cfg.optim.betas):
         raise ConfigError(f"optim.betas={list(cfg.optim.betas)}: expected two numbers in [0, 1)")
@@ -331,15 +346,15 @@ def validate(cfg: DictConfig) -> None:
         if OmegaConf.select(cfg, key) < 0:
             raise ConfigError(f"{key}={OmegaConf.select(cfg, key)}: must be zero or positive")
     if (cfg.schedule.steps is None) == (cfg.schedule.epochs is None):
-        raise ConfigError(
-            f"schedule: set exactly one of schedule.steps and schedule.epochs (got steps={cfg.schedule.steps}, epochs={cfg.schedule.epochs})"
-        )
+        raise ConfigError(f"schedule: set exactly one of schedule.steps and schedule.epochs (got steps={cfg.schedule.steps}, epochs={cfg.schedule.epochs})")
     if cfg.model.task not in TASKS:
         raise ConfigError(f"model.task={cfg.model.task}: expected one of {', '.join(TASKS)}")
     if cfg.optim.implementation not in OPTIM_IMPLEMENTATIONS:
         raise ConfigError(f"optim.implementation={cfg.optim.implementation}: expected one of {', '.join(OPTIM_IMPLEMENTATIONS)}")
     if cfg.optim.implementation != "default" and Update(cfg.precision.update_rule) != Update.optimizer:
-        raise ConfigError(f"optim.implementation={cfg.optim.implementation}: precision={cfg.precision.name} updates FP16 weights with this project's own FP16 update, not torch's optimizers; leave it at default")
+        raise ConfigError(
+            f"optim.implementation={cfg.optim.implementation}: precision={cfg.precision.name} updates FP16 weights with this project's own FP16 update, not torch's optimizers; leave it at default"
+        )
     if cfg.compile.mode is not None:
         if cfg.compile.mode not in COMPILE_MODES:
             raise ConfigError(f"compile.mode={cfg.compile.mode}: expected one of {', '.join(COMPILE_MODES)}")
@@ -366,9 +381,7 @@ def validate(cfg: DictConfig) -> None:
     if cfg.model.task in IMAGE_TASKS:
         _positive(cfg, "schedule.image_size")
         if cfg.schedule.image_size < cfg.model.small_input_size:
-            raise ConfigError(
-                f"schedule.image_size={cfg.schedule.image_size}: {cfg.model.name} needs at least {cfg.model.small_input_size} pixels"
-            )
+            raise ConfigError(f"schedule.image_size={cfg.schedule.image_size}: {cfg.model.name} needs at least {cfg.model.small_input_size} pixels")
     if cfg.model.task == "translation":
         _validate_translation(cfg)
     if cfg.model.task == "language_model":
@@ -376,7 +389,9 @@ def validate(cfg: DictConfig) -> None:
     if cfg.model.task == "detection":
         if cfg.schedule.image_size != DETECTION_INPUT_SIZE:
             # Its default boxes and feature-map strides are laid out for this one size.
-            raise ConfigError(f"schedule.image_size={cfg.schedule.image_size}: {cfg.model.name} takes {DETECTION_INPUT_SIZE}x{DETECTION_INPUT_SIZE} images only")
+            raise ConfigError(
+                f"schedule.image_size={cfg.schedule.image_size}: {cfg.model.name} takes {DETECTION_INPUT_SIZE}x{DETECTION_INPUT_SIZE} images only"
+            )
         if cfg.model.input_convention not in INPUT_CONVENTIONS:
             raise ConfigError(f"model.input_convention={cfg.model.input_convention}: expected one of {', '.join(INPUT_CONVENTIONS)}")
 
@@ -389,9 +404,7 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"scale.value={value}: a static loss scale must be a finite number >= 1")
     if scale.name == "dynamic":
         if not (1 <= scale.min <= scale.init <= scale.max and math.isfinite(scale.max)):
-            raise ConfigError(
-                f"scale: need 1 <= scale.min <= scale.init <= scale.max (got min={scale.min}, init={scale.init}, max={scale.max})"
-            )
+            raise ConfigError(f"scale: need 1 <= scale.min <= scale.init <= scale.max (got min={scale.min}, init={scale.init}, max={scale.max})")
         if not scale.growth > 1:
             raise ConfigError(f"scale.growth={scale.growth}: must be > 1")
         if not 0 < scale.backoff < 1:
@@ -400,9 +413,7 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"scale.interval={scale.interval}: must be a positive integer")
     if scale.name == "auto":
         if not (0 < scale.min <= scale.init <= scale.max and math.isfinite(scale.max)):
-            raise ConfigError(
-                f"scale: need 0 < scale.min <= scale.init <= scale.max (got min={scale.min}, init={scale.init}, max={scale.max})"
-            )
+            raise ConfigError(f"scale: need 0 < scale.min <= scale.init <= scale.max (got min={scale.min}, init={scale.init}, max={scale.max})")
         for key in ("beta1", "beta2"):
             if not 0 < scale[key] < 1:
                 raise ConfigError(f"scale.{key}={scale[key]}: must be between 0 and 1")
@@ -414,7 +425,9 @@ def validate(cfg: DictConfig) -> None:
     if p.master_weights and p.param_dtype == DType.float32:
         raise ConfigError(f"precision {p.name}: master_weights needs param_dtype float16 or bfloat16, got float32")
     if p.update_rule != Update.optimizer and (p.param_dtype != DType.float16 or p.master_weights):
-        raise ConfigError(f"precision {p.name}: update_rule={p.update_rule.name} updates FP16 weights in place; needs param_dtype=float16 and no master weights")
+        raise ConfigError(
+            f"precision {p.name}: update_rule={p.update_rule.name} updates FP16 weights in place; needs param_dtype=float16 and no master weights"
+        )
     if p.update_rule != Update.optimizer and p.norm_fp32:
         raise ConfigError(f"precision {p.name}: update_rule={p.update_rule.name} updates FP16 weights only; norm_fp32 must be false")
     if p.update_rule != Update.optimizer and cfg.optim.name != "sgd":
@@ -448,7 +461,15 @@ def validate(cfg: DictConfig) -> None:
 
 def _validate_translation(cfg: DictConfig) -> None:
     m, d = cfg.model, cfg.data
-    for key in ["model.hidden_size", "model.encoder_layers", "model.decoder_layers", "model.beam_size", "model.max_decode_len", "model.pad_to_multiple", "model.init_weight"]:
+    for key in [
+        "model.hidden_size",
+        "model.encoder_layers",
+        "model.decoder_layers",
+        "model.beam_size",
+        "model.max_decode_len",
+        "model.pad_to_multiple",
+        "model.init_weight",
+    ]:
         _positive(cfg, key)
     if not 0 <= m.encoder_bidirectional_layers <= m.encoder_layers:
         raise ConfigError(f"model.encoder_bidirectional_layers={m.encoder_bidirectional_layers}: must be between 0 and model.encoder_layers={m.encoder_layers}")
@@ -528,9 +549,17 @@ def static_scale_value(cfg: DictConfig) -> float:
 
 # Settings that change how a run is driven or logged, not what it computes: a checkpoint or record
 # made under other values of these still stands.
-NOT_COMPUTATIONAL = {("force",), ("resume",), ("checkpoint",), ("schedule", "checkpoint_every"), ("schedule", "log_every"),
-                     ("schedule", "throughput_warmup"), ("schedule", "throughput_window"),
-                     ("model", "static_scale_source"), ("model", "recipe", "source")}  # citations, not settings
+NOT_COMPUTATIONAL = {
+    ("force",),
+    ("resume",),
+    ("checkpoint",),
+    ("schedule", "checkpoint_every"),
+    ("schedule", "log_every"),
+    ("schedule", "throughput_warmup"),
+    ("schedule", "throughput_window"),
+    ("model", "static_scale_source"),
+    ("model", "recipe", "source"),
+}  # citations, not settings
 
 
 # Keys added after records were first written, with the value that reproduces how those runs

@@ -28,7 +28,9 @@ class _HalfConvFn(torch.autograd.Function):
         x16, w16 = x.to(half), weight.to(half)
         b16 = None if bias is None else bias.to(half)
         with torch.autocast("cpu", enabled=False):
-            y = torch.ops.aten.convolution(x16.float(), w16.float(), None if b16 is None else b16.float(), stride, padding, dilation, transposed, output_padding, groups)
+            y = torch.ops.aten.convolution(
+                x16.float(), w16.float(), None if b16 is None else b16.float(), stride, padding, dilation, transposed, output_padding, groups
+            )
         ctx.save_for_backward(x16, w16)
         ctx.conv = (stride, padding, dilation, transposed, output_padding, groups)
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
@@ -43,8 +45,16 @@ class _HalfConvFn(torch.autograd.Function):
         out_channels = w16.shape[1] * groups if transposed else w16.shape[0]
         gy = grad_y.float()  # an FP16 tensor: the gradient of an FP16 output
         gx, gw, gb = torch.ops.aten.convolution_backward(
-            gy, x16.float(), w16.float(), [out_channels] if b_dtype is not None else None,
-            list(stride), list(padding), list(dilation), transposed, list(output_padding), groups,
+            gy,
+            x16.float(),
+            w16.float(),
+            [out_channels] if b_dtype is not None else None,
+            list(stride),
+            list(padding),
+            list(dilation),
+            transposed,
+            list(output_padding),
+            groups,
             [needs[0], needs[1], needs[2] and b_dtype is not None],
         )
 

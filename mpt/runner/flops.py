@@ -87,7 +87,7 @@ def flops_record(counter: FlopCounterMode, samples: int, step: int, unit: str) -
         "counted_at_step": step,
         "by_op": by_op,
         "method": "torch.utils.flop_counter over one training step's forward and backward, every network; "
-                  "optimizer and elementwise work not counted; RNNs unfused on that step",
+        "optimizer and elementwise work not counted; RNNs unfused on that step",
     }
 
 
@@ -106,5 +106,11 @@ def mfu(flops: Optional[dict], throughput: dict, p: DictConfig, device: torch.de
         return {**out, "why": source}
     processes = throughput.get("processes", 1)
     achieved = flops["per_sample"] * throughput["pipeline"] / processes
-    return {**out, "value": achieved / (peak * 1e12), "peak_tflops": peak, "peak_source": source,
-            "achieved_tflops": achieved / 1e12, "per": "GPU" if processes == 1 else f"GPU (the job's throughput over {processes} processes)"}
+    return {
+        **out,
+        "value": achieved / (peak * 1e12),
+        "peak_tflops": peak,
+        "peak_source": source,
+        "achieved_tflops": achieved / 1e12,
+        "per": "GPU" if processes == 1 else f"GPU (the job's throughput over {processes} processes)",
+    }

@@ -26,8 +26,8 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from .config import ConfigError, DType, Update
-from .cpu_lstm import low_precision_lstms
 from .cpu_half_conv import emulate_half_convs
+from .cpu_lstm import low_precision_lstms
 from .optim import FP16MomentumSGD, build_torch_optimizer, effective_lr, lr_factor
 from .scaler import LossScaler
 
@@ -60,8 +60,11 @@ def ieee_fp32() -> Iterator[None]:
     """IEEE FP32 matmuls and convolutions inside, whatever the run set outside: a measurement
     (FID's Inception) must not run in TF32 because the mode under test does."""
     new_api = hasattr(torch.backends.cuda.matmul, "fp32_precision")
-    flags = [(torch.backends.cuda.matmul, "fp32_precision"), (torch.backends.cudnn.conv, "fp32_precision"), (torch.backends.cudnn.rnn, "fp32_precision")] \
-        if new_api else [(torch.backends.cuda.matmul, "allow_tf32"), (torch.backends.cudnn, "allow_tf32")]
+    flags = (
+        [(torch.backends.cuda.matmul, "fp32_precision"), (torch.backends.cudnn.conv, "fp32_precision"), (torch.backends.cudnn.rnn, "fp32_precision")]
+        if new_api
+        else [(torch.backends.cuda.matmul, "allow_tf32"), (torch.backends.cudnn, "allow_tf32")]
+    )
     saved = [getattr(obj, name) for obj, name in flags]
     set_fp32_math(False)
     try:
@@ -184,8 +187,15 @@ class _FP16Update:
 class PrecisionEngine:
     """Backward, overflow check, unscale, clip, update, copy back, LR schedule: for one network."""
 
-    def __init__(self, model: nn.Module, cfg: DictConfig, scaler: LossScaler, lr_milestones: list[int], device: torch.device,
-                 reduce_max: Callable[[torch.Tensor], torch.Tensor] = lambda t: t):
+    def __init__(
+        self,
+        model: nn.Module,
+        cfg: DictConfig,
+        scaler: LossScaler,
+        lr_milestones: list[int],
+        device: torch.device,
+        reduce_max: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+    ):
         self.model = model
         # Under torchrun: the maximum over processes, so that every rank skips the same steps and
         # keeps the same scale even where the gradients it holds are not averaged yet.

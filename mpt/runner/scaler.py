@@ -170,8 +170,13 @@ class AutoScaler(LossScaler):
         self.scale = min(max(proposed, self.min), self.max)
 
     def state_dict(self) -> dict:
-        return {"scale": self.scale, "fast_mean": self.fast_mean, "slow_mean": self.slow_mean,
-                "slow_square": self.slow_square, "observations": self.observations}
+        return {
+            "scale": self.scale,
+            "fast_mean": self.fast_mean,
+            "slow_mean": self.slow_mean,
+            "slow_square": self.slow_square,
+            "observations": self.observations,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.scale = float(state["scale"])

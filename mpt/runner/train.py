@@ -19,13 +19,14 @@ from omegaconf import DictConfig
 
 from ..datasets import build_data
 from ..models import build_task
+from . import checkpoint, cpu_lstm, preemption
 from .config import GROUPS, ConfigError, as_plain, same_computation, static_scale_value
+from .distributed import Dist, allreduce_in, backend, from_env
+from .distributed import setup as setup_distributed
+from .flops import counting_flops, flops_record, mfu
+from .grad_hooks import GradStatsCollector
 from .optim import effective_lr
 from .precision import PrecisionEngine, autocast, check_device_support, default_channels_last, prepare_model, set_fp32_math, torch_dtype, uses_cpu_fp16_convs
-from . import checkpoint, cpu_lstm, preemption
-from .flops import counting_flops, flops_record, mfu
-from .distributed import Dist, allreduce_in, backend, from_env, setup as setup_distributed
-from .grad_hooks import GradStatsCollector
 from .record import MetricsLog, NullLog, environment, git_commit, now_iso, write_json_atomic
 from .scaler import Diverged, build_scaler
 from .throughput import ThroughputMeter, peak_memory, reset_peak_memory
@@ -100,8 +101,14 @@ class Run:
 
         self.channels_last = cfg.channels_last if cfg.channels_last is not None else default_channels_last(cfg.precision, self.device)
         self.engines = {
-            name: PrecisionEngine(prepare_model(net, cfg.precision, self.device, self.channels_last, cfg.emulate_cpu_fp16_conv), cfg, build_scaler(cfg), milestones, self.device,
-                                  reduce_max=self.dist.reduce_max)
+            name: PrecisionEngine(
+                prepare_model(net, cfg.precision, self.device, self.channels_last, cfg.emulate_cpu_fp16_conv),
+                cfg,
+                build_scaler(cfg),
+                milestones,
+                self.device,
+                reduce_max=self.dist.reduce_max,
+            )
             for name, net in self.task.networks().items()
         }
         if self.dist.enabled:
@@ -167,7 +174,9 @@ class Run:
         self.record["resumed_from_step"] = saved["step"]
         self.record["started_at"], self.record["resumed_at"] = saved["started_at"], now_iso()
         if saved["git"] != self.record["git"]:
-            print(f"mpt-run: warning: the checkpoint was written by commit {saved['git'].get('commit')}, this is {self.record['git'].get('commit')}", flush=True)
+            print(
+                f"mpt-run: warning: the checkpoint was written by commit {saved['git'].get('commit')}, this is {self.record['git'].get('commit')}", flush=True
+            )
         self.meter.load_state_dict(saved["throughput"])
         self.peak_before_resume = saved["peak_memory_bytes"]
         if saved.get("grad_stats"):  # checkpoints before gradient statistics have none
@@ -280,12 +289,22 @@ class Run:
                 "strategy": cfg.scale.name,
                 "value": static_scale_value(cfg) if cfg.scale.name == "static" else None,
             },
-            "optim": {"name": cfg.optim.name, "lr": effective_lr(cfg), "lr_config": cfg.optim.lr, "lr_batch": cfg.optim.lr_batch, "batch_size": cfg.schedule.batch_size},
+            "optim": {
+                "name": cfg.optim.name,
+                "lr": effective_lr(cfg),
+                "lr_config": cfg.optim.lr,
+                "lr_batch": cfg.optim.lr_batch,
+                "batch_size": cfg.schedule.batch_size,
+            },
             # schedule.batch_size is the global batch; each process trains on its slice of it.
-            "distributed": {"world_size": self.dist.world_size, "backend": backend(self.device) if self.dist.enabled else None,
-                            "global_batch_size": cfg.schedule.batch_size, "per_process_batch_size": cfg.schedule.batch_size // self.dist.world_size,
-                            "allreduce_dtype": cfg.precision.allreduce_dtype.name if cfg.precision.allreduce_dtype else "the gradients' own",
-                            "sync_batchnorm": cfg.distributed.sync_batchnorm},
+            "distributed": {
+                "world_size": self.dist.world_size,
+                "backend": backend(self.device) if self.dist.enabled else None,
+                "global_batch_size": cfg.schedule.batch_size,
+                "per_process_batch_size": cfg.schedule.batch_size // self.dist.world_size,
+                "allreduce_dtype": cfg.precision.allreduce_dtype.name if cfg.precision.allreduce_dtype else "the gradients' own",
+                "sync_batchnorm": cfg.distributed.sync_batchnorm,
+            },
             "data": {k: v for k, v in self.data.info.items() if isinstance(v, (str, int, float, bool, type(None)))},
             "total_steps": self.total_steps,
             "steps": 0,
@@ -359,9 +378,12 @@ class Run:
             if self.cfg.compile.backend is not None:
                 from torch._dynamo.utils import counters
 
-                rec["compile"] = {"backend": self.cfg.compile.backend, "mode": self.cfg.compile.mode,
-                                  "unique_graphs": int(counters["stats"]["unique_graphs"]),  # this run's: reset when it compiled
-                                  "graph_breaks": int(sum(counters["graph_break"].values()))}
+                rec["compile"] = {
+                    "backend": self.cfg.compile.backend,
+                    "mode": self.cfg.compile.mode,
+                    "unique_graphs": int(counters["stats"]["unique_graphs"]),  # this run's: reset when it compiled
+                    "graph_breaks": int(sum(counters["graph_break"].values())),
+                }
             rec["mfu"] = mfu(rec["flops"], rec["throughput"], self.cfg.precision, self.device, rec["environment"]["device_name"])
             rec["memory"] = peak_memory(self.device)
             peak = max(rec["memory"]["peak_bytes"], self.peak_before_resume)
@@ -406,8 +428,10 @@ class Run:
             wait = time.perf_counter() - t0
             # FLOPs once, on this process's first step: in the warm-up, which throughput leaves out.
             counting = self.cfg.schedule.count_flops and self.record["flops"] is None
-            with self.grad_stats.step(self.step) as stats_step, \
-                    counting_flops([e.model for e in self.engines.values()]) if counting else contextlib.nullcontext() as counter:
+            with (
+                self.grad_stats.step(self.step) as stats_step,
+                counting_flops([e.model for e in self.engines.values()]) if counting else contextlib.nullcontext() as counter,
+            ):
                 self.pending.extend(self._train_step(self.step, batch))
             if counting:
                 self.record["flops"] = flops_record(counter, self.task.count_samples(batch), self.step, self.meter.unit)
@@ -497,6 +521,8 @@ class Run:
         self.metrics.write([{"kind": "eval", "step": step, **metrics}])
         if "sample_grids" in self.record and self.dist.is_main:
             path = self.task.save_samples(self.run_dir / "samples" / f"step_{step:06d}.png", self.forward_context)
-            self.record["sample_grids"] = [*(g for g in self.record["sample_grids"] if g["step"] != step),
-                                           {"step": step, "path": path.relative_to(self.run_dir).as_posix()}]
+            self.record["sample_grids"] = [
+                *(g for g in self.record["sample_grids"] if g["step"] != step),
+                {"step": step, "path": path.relative_to(self.run_dir).as_posix()},
+            ]
         log.info("step %d/%d eval %s", step, self.total_steps, {k: round(v, 4) for k, v in metrics.items()})
