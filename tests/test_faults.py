@@ -119,6 +119,28 @@ def test_the_command_line_exits_with_the_signals_status_after_writing_the_record
     assert not (tmp_path / ".lock").read_text()  # released
 
 
+@pytest.mark.slow
+def test_a_sigterm_to_the_whole_job_spares_the_data_loader_workers(tmp_path):
+    """SLURM signals every process of a job: the loader's worker processes ignore it, so the run
+    still stops at a step with a checkpoint instead of failing on a dead worker."""
+    from .test_imagefolder import make_folder
+
+    root = make_folder(tmp_path / "images", per_class=8, size=32)
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "mpt.runner.cli", TINY, "data=imagefolder", f"data.root={root}", "data.num_workers=2",
+                             "schedule=smoke", "schedule.batch_size=4", "schedule.steps=100000", "schedule.log_every=1", f"hydra.run.dir={run_dir}"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    log, deadline = run_dir / "metrics.jsonl", time.time() + 300
+    while time.time() < deadline and not (log.exists() and log.read_text().count('"train"') >= 3):
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGTERM)  # the main process and its two workers
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    rec = read_record(run_dir)
+    assert rec["status"] == "preempted", rec["message"]
+    assert checkpoint.load(run_dir)["step"] == rec["steps"] >= 3
+
+
 # --- a second launch of the same run -------------------------------------------------------------
 
 

@@ -175,3 +175,16 @@ def test_mode_labels_follow_the_paper():
     assert mode_label("FP32", "none", None) == "FP32"
     assert mode_label("Mixed", "static", 8.0) == "Mixed + LS (static 8)"
     assert mode_label("FP16 mod. momentum", "dynamic", None) == "FP16 mod. momentum + LS (dynamic)"
+
+
+def test_a_preempted_run_counts_as_unfinished(swept, tmp_path):
+    import shutil
+
+    src = swept / "resnet50_fp16_dynamic_synthetic_smoke_cpu_seed1"
+    shutil.copytree(src, tmp_path / "runs" / src.name)
+    record = tmp_path / "runs" / src.name / "result.json"
+    record.write_text(json.dumps({**json.loads(record.read_text()), "status": "preempted"}))
+    r = subprocess.run([sys.executable, "-m", "mpt.report.cli", str(tmp_path / "runs"), "--out", str(tmp_path / "out")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    acc = pd.read_csv(tmp_path / "out" / "tables" / "accuracy.csv")
+    assert (acc.ok.item(), acc.failed.item(), acc.diverged.item()) == (0, 1, 0)

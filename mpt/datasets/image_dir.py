@@ -27,7 +27,7 @@ from ..runner.config import ConfigError
 from ..runner.distributed import Dist
 from .discs import to_unit_range
 from .imagefolder import load_image
-from .sampling import EpochBatches, LoaderData, SeededSamples
+from .sampling import EpochBatches, LoaderData, SeededSamples, shielded_worker
 
 SHOWN = 5  # file names an error message lists
 
@@ -110,7 +110,7 @@ class ImageDirData(LoaderData):
         workers = min(8, os.cpu_count() or 1) if data.num_workers == -1 else data.num_workers
         # Loaders get generators of their own, so iterating them never draws from the global RNG:
         # a resumed run's random stream stays the uninterrupted one's.
-        common = dict(num_workers=workers, pin_memory=device.type == "cuda", persistent_workers=workers > 0)
+        common = dict(num_workers=workers, pin_memory=device.type == "cuda", persistent_workers=workers > 0, worker_init_fn=shielded_worker)
         self.order = torch.Generator().manual_seed(seed)
         self.batches = EpochBatches(len(paths), schedule.batch_size, self.order, shard)
         self.train_loader = DataLoader(SeededSamples(dataset, seed), batch_sampler=self.batches, generator=torch.Generator().manual_seed(seed), **common)

@@ -18,7 +18,7 @@ from torchvision import datasets, transforms
 
 from ..runner.config import ConfigError
 from ..runner.distributed import Dist
-from .sampling import EpochBatches, LoaderData, SeededSamples
+from .sampling import EpochBatches, LoaderData, SeededSamples, shielded_worker
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -74,7 +74,7 @@ class ImageFolderData(LoaderData):
         workers = min(8, os.cpu_count() or 1) if data.num_workers == -1 else data.num_workers
         # Loaders get generators of their own, so iterating them never draws from the global RNG
         # that dropout uses: a resumed run's random stream stays the uninterrupted one's.
-        common = dict(num_workers=workers, pin_memory=device.type == "cuda", persistent_workers=workers > 0)
+        common = dict(num_workers=workers, pin_memory=device.type == "cuda", persistent_workers=workers > 0, worker_init_fn=shielded_worker)
         self.order = torch.Generator().manual_seed(seed)
         self.batches = EpochBatches(len(self.train_set), schedule.batch_size, self.order, shard)
         self.train_loader = DataLoader(SeededSamples(self.train_set, seed), batch_sampler=self.batches, generator=torch.Generator().manual_seed(seed), **common)

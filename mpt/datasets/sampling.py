@@ -3,6 +3,7 @@ augmentation an uninterrupted run would have seen."""
 
 from __future__ import annotations
 
+import signal
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -10,12 +11,21 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ..runner.config import ConfigError
 from ..runner.distributed import Dist
+from ..runner.preemption import signals as preemption_signals
 
 
 def require_one_batch(train_samples: int, batch_size: int) -> None:
     """A synthetic source made of fewer samples than a batch could never yield one."""
     if train_samples < batch_size:
         raise ConfigError(f"data.train_samples={train_samples}: fewer than one batch of schedule.batch_size={batch_size}")
+
+
+def shielded_worker(worker_id: int) -> None:
+    """A data-loader worker ignores the preemption signals: SLURM signals every process of a job,
+    and a worker that died of it would fail the run before it could stop at a step with a
+    checkpoint. The main process ends its workers itself (and they end when it dies)."""
+    for sig in preemption_signals():
+        signal.signal(sig, signal.SIG_IGN)
 
 
 class SeededSamples(Dataset):
@@ -74,6 +84,9 @@ class EpochOrder:
     def load_state_dict(self, state: dict) -> None:
         self.order.set_state(state["order"])
 
+    def close(self) -> None:
+        """Release what the source holds beyond memory (worker processes)."""
+
 
 class LoaderData(EpochOrder):
     """A DataSource over two DataLoaders: `train_loader` batched by `batches` (EpochBatches drawing
@@ -94,3 +107,13 @@ class LoaderData(EpochOrder):
 
     def val(self) -> Iterable[Any]:
         return map(self.to_device, self.val_loader)
+
+    def close(self) -> None:
+        """End the persistent workers now: left to the interpreter's exit, multiprocessing would
+        ask them with SIGTERM, which shielded_worker makes them ignore. DataLoader has no public
+        way to end its workers, hence its private iterator."""
+        for loader in (self.train_loader, self.val_loader):
+            iterator = getattr(loader, "_iterator", None)
+            if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+                iterator._shutdown_workers()
+            loader._iterator = None

@@ -37,7 +37,7 @@ from ..models.detection import MEAN_PIXEL_01
 from ..runner.config import ConfigError
 from ..runner.distributed import Dist
 from .imagefolder import load_image
-from .sampling import EpochBatches, LoaderData, SeededSamples
+from .sampling import EpochBatches, LoaderData, SeededSamples, shielded_worker
 
 
 class CorruptAnnotation(RuntimeError):
@@ -192,7 +192,7 @@ class VOCData(LoaderData):
             raise ConfigError(f"data.train_sets={list(data.train_sets)}: {len(train)} images, fewer than one batch of {schedule.batch_size}")
         self.device = device
         workers = min(8, os.cpu_count() or 1) if data.num_workers == -1 else data.num_workers
-        common = dict(num_workers=workers, pin_memory=device.type == "cuda", persistent_workers=workers > 0, collate_fn=collate)
+        common = dict(num_workers=workers, pin_memory=device.type == "cuda", persistent_workers=workers > 0, worker_init_fn=shielded_worker, collate_fn=collate)
         # Loaders get generators of their own, so iterating them never draws from the global RNG.
         self.order = torch.Generator().manual_seed(seed)
         self.batches = EpochBatches(len(train), schedule.batch_size, self.order, shard)

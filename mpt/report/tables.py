@@ -41,7 +41,7 @@ def metric_summary(runs: pd.DataFrame) -> pd.DataFrame:
             runs=len(group),
             ok=len(ok),
             diverged=int((group.status == "diverged").sum()),
-            failed=int(group.status.isin(["error", "oom", "running"]).sum()),
+            failed=int(group.status.isin(["error", "oom", "running", "preempted"]).sum()),  # not finished: no result
             primary=group.primary_metric.iloc[0],
             precision_order=group.precision_order.iloc[0],
             scale_order=group.scale_order.iloc[0],

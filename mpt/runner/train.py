@@ -397,6 +397,7 @@ class Run:
             rec["finished_at"] = now_iso()
             rec["duration_s"] = time.perf_counter() - t_start
             self.metrics.close()
+            self.data.close()
         self.save_record()
         return rec
 

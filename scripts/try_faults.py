@@ -1,0 +1,209 @@
+"""Inflict each fault a long run can meet on real `mpt-run` processes and record what happened:
+the exit code, the record's status and message, what the folder holds afterwards, and whether a
+relaunch of the same command ends as an uninterrupted run does.
+
+    python scripts/try_faults.py --out results/faults        # about 5 minutes on 2 CPU cores
+
+The full-disk case writes into a 20 MiB tmpfs, so it needs `mount` (root, or a user namespace);
+without it that case is recorded as not tried. Every run is the small classifier on synthetic data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from mpt.runner.record import environment, git_commit, now_iso, write_json_atomic  # noqa: E402
+
+RUN = ["model=mobilenet_v3_small", "schedule=smoke", "schedule.steps=40", "schedule.checkpoint_every=5", "schedule.log_every=1",
+       "schedule.eval_every=20", "deterministic=true", "device=cpu"]  # fmt: skip
+
+
+def command(run_dir: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "mpt.runner.cli", *RUN, *extra, f"hydra.run.dir={run_dir}"]
+
+
+def cli(run_dir: Path, *extra: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(command(run_dir, *extra), cwd=ROOT, capture_output=True, text=True, timeout=900, **kw)
+
+
+def train_rows(run_dir: Path) -> list[dict]:
+    rows = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if row["kind"] == "train":
+            rows.append(row)
+    return rows
+
+
+def record(run_dir: Path) -> dict:
+    try:
+        return json.loads((run_dir / "result.json").read_text())
+    except (OSError, ValueError) as e:
+        return {"status": f"unreadable ({e})"}
+
+
+def checkpoint_step(run_dir: Path):
+    from mpt.runner import checkpoint
+
+    try:
+        saved = checkpoint.load(run_dir)
+    except Exception as e:
+        return f"unreadable ({type(e).__name__})"
+    return None if saved is None else saved["step"]
+
+
+def wait_for_steps(proc: subprocess.Popen, run_dir: Path, n: int) -> None:
+    deadline = time.time() + 600
+    while proc.poll() is None and time.time() < deadline:
+        if (run_dir / "metrics.jsonl").exists() and len(train_rows(run_dir)) >= n:
+            return
+        time.sleep(0.05)
+
+
+def state(run_dir: Path) -> dict:
+    rec = record(run_dir)
+    return {"status": rec.get("status"), "message": rec.get("message"), "steps_logged": len(train_rows(run_dir)) if (run_dir / "metrics.jsonl").exists() else 0,
+            "checkpoint_step": checkpoint_step(run_dir), "files": sorted(p.name for p in run_dir.iterdir())}  # fmt: skip
+
+
+def relaunch(run_dir: Path, reference: Path, *extra: str) -> dict:
+    """The same command again: does it end as the uninterrupted run did?"""
+    r = cli(run_dir, *extra)
+    rec = record(run_dir)
+    same = [{k: row[k] for k in ("step", "loss", "scale")} for row in train_rows(run_dir)] == \
+           [{k: row[k] for k in ("step", "loss", "scale")} for row in train_rows(reference)]  # fmt: skip
+    return {"exit_code": r.returncode, "status": rec.get("status"), "resumed_from_step": rec.get("resumed_from_step"),
+            "log_equals_uninterrupted_run": same, "said": [line for line in r.stdout.splitlines() if line.startswith("mpt-run: resuming")]}  # fmt: skip
+
+
+def interrupted(tmp: Path, reference: Path, sig: signal.Signals) -> dict:
+    run_dir = tmp / sig.name.lower()
+    proc = subprocess.Popen(command(run_dir), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_steps(proc, run_dir, 12)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=600)
+    return {"exit_code": proc.returncode, "after": state(run_dir), "stderr_tail": err.strip().splitlines()[-3:], "relaunch": relaunch(run_dir, reference)}
+
+
+def second_launch(tmp: Path) -> dict:
+    run_dir = tmp / "twice"
+    first = subprocess.Popen(command(run_dir), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_steps(first, run_dir, 3)
+    files_before = sorted(p.name for p in run_dir.iterdir())
+    hydra_files = {p.name: p.stat().st_mtime_ns for p in (run_dir / ".hydra").iterdir()}
+    second = cli(run_dir)
+    hydra_untouched = hydra_files == {p.name: p.stat().st_mtime_ns for p in (run_dir / ".hydra").iterdir()}
+    out, err = first.communicate(timeout=600)
+    return {"second_exit_code": second.returncode, "second_said": second.stderr.strip().splitlines(), "first_exit_code": first.returncode,
+            "first_status": record(run_dir).get("status"), "first_pid": first.pid, "files_while_both_ran": files_before, "hydra_files_untouched_by_the_second": hydra_untouched,
+            "first_steps_logged": len(train_rows(run_dir)), "cli_log_lines_from_the_second": sum("already running" in line for line in (run_dir / "cli.log").read_text().splitlines())}  # fmt: skip
+
+
+def full_disk(tmp: Path) -> dict:
+    mount = tmp / "small_disk"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(mount)], capture_output=True).returncode != 0:
+        return {"tried": False, "why": "mount -t tmpfs was refused here"}
+    try:
+        run_dir = mount / "run"
+        r = cli(run_dir)
+        after = state(run_dir)
+        return {"tried": True, "disk": "tmpfs of 20 MiB", "exit_code": r.returncode, "after": after,
+                "temporaries_left": [f for f in after["files"] if f.endswith(".tmp")]}  # fmt: skip
+    finally:
+        subprocess.run(["umount", str(mount)], capture_output=True)
+
+
+def nan_loss(tmp: Path) -> dict:
+    run_dir = tmp / "nan"
+    r = cli(run_dir, "optim.lr=1e12", "scale=none")
+    rec = record(run_dir)
+    return {
+        "exit_code": r.returncode,
+        "after": state(run_dir),
+        "diverged_at_step": rec.get("diverged_at_step"),
+        "last_finite_train_loss": rec.get("last_finite_train_loss"),
+    }
+
+
+def out_of_memory(tmp: Path) -> dict:
+    run_dir = tmp / "oom"
+    r = cli(run_dir, "schedule.image_size=16384", "schedule.batch_size=8", "data.train_samples=8", "data.val_samples=8")
+    return {"exit_code": r.returncode, "after": state(run_dir)}
+
+
+def corrupt_image(tmp: Path) -> dict:
+    from PIL import Image
+
+    root = tmp / "images"
+    for split in ("train", "val"):
+        for c in ("cat", "dog"):
+            (root / split / c).mkdir(parents=True)
+            for i in range(4):
+                Image.new("RGB", (40, 40), (i * 40, 80, 120)).save(root / split / c / f"{i}.jpg")
+    bad = root / "train" / "dog" / "2.jpg"
+    bad.write_bytes(b"\xff\xd8\xff\xe0 not a jpeg")
+    run_dir = tmp / "corrupt_image"
+    r = cli(run_dir, "data=imagefolder", f"data.root={root}", "data.num_workers=1", "schedule.batch_size=4", "schedule.steps=8")
+    return {"exit_code": r.returncode, "corrupted": str(bad), "after": state(run_dir)}
+
+
+def corrupt_checkpoint(tmp: Path, reference: Path) -> dict:
+    run_dir = tmp / "corrupt_checkpoint"
+    proc = subprocess.Popen(command(run_dir), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for_steps(proc, run_dir, 12)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    path = run_dir / "checkpoint.pt"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])  # cut in half, as a disk error or a careless copy would
+    r = cli(run_dir)
+    return {"exit_code": r.returncode, "after": state(run_dir), "stderr_tail": r.stderr.strip().splitlines()[-1:],
+            "relaunch_with_resume_false": relaunch(run_dir, reference, "resume=false")}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as t:
+        tmp = Path(t)
+        reference = tmp / "reference"
+        r = cli(reference)
+        assert r.returncode == 0, r.stderr[-2000:]
+        faults = {
+            "SIGKILL": interrupted(tmp, reference, signal.SIGKILL),
+            "SIGTERM": interrupted(tmp, reference, signal.SIGTERM),
+            "second launch": second_launch(tmp),
+            "full disk": full_disk(tmp),
+            "NaN loss": nan_loss(tmp),
+            "out of memory": out_of_memory(tmp),
+            "corrupt image": corrupt_image(tmp),
+            "corrupt checkpoint": corrupt_checkpoint(tmp, reference),
+        }
+        shutil.rmtree(tmp / "images", ignore_errors=True)
+    import torch
+
+    rec = {"kind": "faults", "command": " ".join(["mpt-run", *RUN]), "faults": faults, "environment": environment(torch.device("cpu")),
+           "git": git_commit(ROOT), "created_at": now_iso()}  # fmt: skip
+    write_json_atomic(args.out / "faults.json", rec)
+    print(json.dumps(faults, indent=2))
+
+
+if __name__ == "__main__":
+    main()
