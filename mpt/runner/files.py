@@ -23,20 +23,45 @@ def failed_write(path: Path, e: OSError) -> WriteError:
     return err
 
 
+class _Recorder:
+    """The file a writer gets: it remembers the first OSError a write met, which a library writing
+    through it may turn into something else (torch.save's zip writer raises a RuntimeError,
+    "unexpected pos ...", when the disk is full)."""
+
+    def __init__(self, f: BinaryIO):
+        self._f, self.error = f, None
+
+    def write(self, data) -> int:
+        try:
+            return self._f.write(data)
+        except OSError as e:
+            self.error = self.error or e
+            raise
+
+    def __getattr__(self, name: str):
+        return getattr(self._f, name)
+
+
 def write_atomic(path: Path, write: Callable[[BinaryIO], object]) -> None:
     """`write(f)` into a temporary file in `path`'s folder, then rename it to `path`."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:
+        raise failed_write(path, e) from e
+    recorder = None
     try:
         with os.fdopen(fd, "wb") as f:
-            write(f)
+            recorder = _Recorder(f)
+            write(recorder)
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide files from the other users of a shared results folder
         os.replace(tmp, path)
     except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
-        if isinstance(e, OSError) and not isinstance(e, WriteError):
-            raise failed_write(path, e) from e
+        cause = recorder.error if recorder is not None and recorder.error is not None else e
+        if isinstance(cause, OSError) and not isinstance(e, WriteError):
+            raise failed_write(path, cause) from e
         raise
 
 
