@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from mpt.runner import checkpoint, preemption
 from mpt.runner.run_lock import AlreadyRunning, RunLock
