@@ -10,7 +10,7 @@ from torch import nn
 
 from mpt.runner import cpu_lstm
 
-from .conftest import ROOT, compose_cfg, read_record, run_cli
+from .conftest import ROOT, build_run, read_record, run_cli
 
 
 @pytest.fixture
@@ -92,27 +92,42 @@ def test_where_onednn_cannot_the_lstm_runs_torchs_own_kernel_in_the_dtype(onednn
         assert "mkldnn_rnn_layer" not in ops_of(lambda: low2(x.to(dtype)))
 
 
-def test_the_record_names_the_lstm_kernel(onednn_fails, tmp_path):
-    from mpt.runner.config import validate
-    from mpt.runner.train import Run
-
+def test_the_record_names_the_kernels_that_ran(onednn_fails, tmp_path, in_process):
     small = ["model=gnmt", "model.hidden_size=16", "model.encoder_layers=2", "model.decoder_layers=2", "schedule=smoke",
              "schedule.batch_size=8", "schedule.steps=2", "schedule.eval_batches=1", "checkpoint=false", "device=cpu"]  # fmt: skip
-    cfg = compose_cfg(*small, "precision=bf16")
-    validate(cfg)
-    (tmp_path / "bf16").mkdir()
-    rec = Run(cfg, tmp_path / "bf16").run()
+    rec = build_run(tmp_path / "bf16", *small, "precision=bf16").run()
     assert rec["status"] == "ok", rec["message"]
-    assert rec["precision"]["cpu_lstm"] == {
-        "dtype": "bfloat16",
-        "training": "native",
-        "evaluation": "native",
-        "onednn_error": "could not create a primitive descriptor (forced by the test)",
-    }
-    cfg = compose_cfg(*small, "precision=fp32")
-    validate(cfg)
-    (tmp_path / "fp32").mkdir()
-    assert Run(cfg, tmp_path / "fp32").record["precision"]["cpu_lstm"] is None
+    assert rec["precision"]["cpu_lstm"] == {"dtype": "bfloat16", "training": ["native"], "evaluation": ["native"],
+                                            "onednn_error": "could not create a primitive descriptor (forced by the test)"}  # fmt: skip
+    assert build_run(tmp_path / "fp32", *small, "precision=fp32").record["precision"]["cpu_lstm"] is None
+
+
+@pytest.mark.parametrize("packed,bidirectional,proj_size", [(False, False, 0), (True, False, 0), (True, True, 0), (False, False, 4)],
+                         ids=["plain", "packed", "packed-bidirectional", "projected"])  # fmt: skip
+def test_the_recorded_kernel_is_the_one_torch_dispatched(packed, bidirectional, proj_size):
+    """torch's choice depends on more than the dtype (it never gives oneDNN an LSTM with projections):
+    the record must say what ran, here read off the dispatched ops."""
+    cpu_lstm.reset_usage()
+    lstm = nn.LSTM(8, 8, batch_first=True, bidirectional=bidirectional, proj_size=proj_size)
+    cpu_lstm.low_precision_lstms(lstm, torch.bfloat16)
+    x = torch.randn(3, 5, 8)
+    inputs = nn.utils.rnn.pack_padded_sequence(x, [5, 4, 2], batch_first=True) if packed else x
+    for _ in range(2):  # the first call of its kind is observed, the second reuses what was seen
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ran = ops_of(lambda: (lstm(inputs)[0].data if packed else lstm(inputs)[0]).float().sum().backward())
+        assert cpu_lstm.describe([lstm])["training"] == ["onednn" if "mkldnn_rnn_layer" in ran else "native"]
+    if proj_size:
+        assert "mkldnn_rnn_layer" not in ran
+
+
+def test_the_lstms_hooks_run_once_per_call():
+    """Activation-gradient statistics hook layer outputs: a cast that re-entered the module would count them twice."""
+    lstm, _ = lstm_pair(torch.bfloat16)
+    calls = []
+    lstm.register_forward_hook(lambda *args: calls.append(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lstm(torch.randn(3, 5, 8))
+    assert calls == [1]
 
 
 def test_bf16_lstms_train_on_a_cpu_whose_onednn_has_no_bf16_lstm(tmp_path):
@@ -124,3 +139,5 @@ def test_bf16_lstms_train_on_a_cpu_whose_onednn_has_no_bf16_lstm(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     rec = read_record(tmp_path)
     assert rec["status"] == "ok" and rec["precision"]["cpu_lstm"]["dtype"] == "bfloat16"
+    # Capped at AVX2, oneDNN has no BF16 LSTM: torch's own kernel ran, by torch's choice or by the fallback.
+    assert rec["precision"]["cpu_lstm"]["training"] == rec["precision"]["cpu_lstm"]["evaluation"] == ["native"]

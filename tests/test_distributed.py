@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .conftest import ROOT, read_record, run_cli
+from .conftest import ROOT, TINY, read_record, run_cli
 
 INJECT = Path(__file__).parent / "distributed_inject"
 
@@ -106,7 +106,6 @@ def test_two_processes_follow_one_process_with_the_same_global_batch_and_fp16_al
     assert read_record(fp16)["distributed"]["allreduce_dtype"] == "float16"
 
 
-@pytest.mark.slow
 def test_an_overflow_on_one_rank_is_skipped_by_every_rank(tmp_path):
     """mixed + dynamic, an infinite loss injected into rank 1's second backward only: both ranks
     skip that step, halve the scale, and end with identical weights, masters and scaler."""
@@ -128,6 +127,9 @@ def test_an_overflow_on_one_rank_is_skipped_by_every_rank(tmp_path):
     assert read_record(run_dir)["loss_scale"]["model"]["skipped_steps"] == 1
     s0, s1 = (torch.load(out / f"rank{i}.pt", weights_only=False)["model"] for i in (0, 1))
     assert s0["scaler"] == s1["scaler"]
+    # Both ranks left without finalizing their interpreters (distributed.leave): gloo's worker
+    # threads, alive after destroy_process_group, could otherwise abort them (SIGABRT).
+    assert not list(out.glob("finalized_rank*"))
     assert all(torch.equal(s0["model"][k], s1["model"][k]) for k in s0["model"])
     assert all(torch.equal(m0, m1) for m0, m1 in zip(s0["masters"], s1["masters"])) and len(s0["masters"]) > 0
 
@@ -197,6 +199,38 @@ def test_a_killed_two_process_run_resumes_from_rank_0s_checkpoint(tmp_path, mode
     a, b = checkpoint.load(reference), checkpoint.load(killed)
     assert all(torch.equal(a["engines"]["model"]["model"][k], b["engines"]["model"]["model"][k]) for k in a["engines"]["model"]["model"])
     assert res["samples"] == ref["samples"]
+
+
+@pytest.mark.slow
+def test_a_preempted_two_process_run_stops_every_rank_at_one_step_and_resumes(tmp_path):
+    """SIGTERM to torchrun, which passes it to both ranks: they agree on the step to stop at (the
+    log's collective carries the flag), write one checkpoint and a `preempted` record, and the
+    relaunched job ends as an uninterrupted one."""
+    import signal
+    import time
+
+    args = [TINY, "schedule=smoke", "schedule.steps=30", "schedule.batch_size=8", "data.train_samples=32", "schedule.checkpoint_every=100",
+            "schedule.log_every=1", "deterministic=true", "scale=dynamic", "precision=mixed"]  # fmt: skip
+    reference, preempted = tmp_path / "reference", tmp_path / "preempted"
+    r = torchrun(*args, f"hydra.run.dir={reference}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "mpt.runner.cli", *args, f"hydra.run.dir={preempted}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log, deadline = preempted / "metrics.jsonl", time.time() + 300
+    while time.time() < deadline and not (log.exists() and log.read_text().count('"train"') >= 4):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    rec = read_record(preempted)
+    assert rec["status"] == "preempted", err[-3000:]
+    from mpt.runner import checkpoint
+
+    assert checkpoint.load(preempted)["step"] == rec["steps"] == rec["preempted_at_step"] < 30
+    assert "SIGABRT" not in err and "terminate called" not in err
+    r = torchrun(*args, f"hydra.run.dir={preempted}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert read_record(preempted)["resumed_from_step"] == rec["steps"]
+    assert train_losses(preempted) == train_losses(reference)
 
 
 @pytest.mark.slow

@@ -23,10 +23,10 @@ from .test_resume import assert_resumed_as_uninterrupted, log_rows, resume_args
 
 @pytest.fixture
 def signals():
-    """Preemption handlers installed for the test, and this process's own put back after it."""
-    preemption.install()
+    """What a test's runs noted of the preemption signals is forgotten after it."""
+    preemption.reset()
     yield
-    preemption.uninstall()
+    preemption.reset()
 
 
 def signal_at(job, step: int, signum: int) -> None:
@@ -57,7 +57,7 @@ def test_a_preempted_run_checkpoints_its_step_and_resumes_as_if_uninterrupted(tm
     assert checkpoint.load(preempted)["step"] == 6
     assert {r["step"] for r in log_rows(preempted) if r["kind"] == "train"} == set(range(6))
 
-    preemption.uninstall()
+    preemption.reset()
     job = build_run(preempted, *args)
     assert job.record["resumed_from_step"] == 6
     assert job.run()["status"] == "ok"
@@ -82,20 +82,49 @@ def test_without_checkpoints_a_preempted_run_says_it_starts_over(tmp_path, in_pr
 def test_the_signal_goes_on_to_the_handler_before_ours(signals):
     """Under submitit, its own handler requeues the job (through hydra-submitit-launcher's checkpoint
     hook): after the record is written, the signal is handed to it, then the process exits."""
-    preemption.uninstall()
     seen = []
     before = signal.signal(signal.SIGUSR2, lambda signum, frame: seen.append(signum))
     try:
-        preemption.install()
-        signal.raise_signal(signal.SIGUSR2)
-        assert preemption.requested() == signal.SIGUSR2 and seen == []  # noted only: the step goes on
+        with preemption.catching():
+            signal.raise_signal(signal.SIGUSR2)
+            assert preemption.requested() == signal.SIGUSR2 and seen == []  # noted only: the step goes on
+        assert signal.getsignal(signal.SIGUSR2) is not preemption._note  # outside training, the earlier handler again
         with pytest.raises(SystemExit) as exit_:
             preemption.hand_over()
         assert seen == [signal.SIGUSR2] and exit_.value.code == 128 + signal.SIGUSR2
         assert preemption.requested() is None
-        assert signal.getsignal(signal.SIGUSR2) is not preemption._note  # the earlier handler is back
     finally:
         signal.signal(signal.SIGUSR2, before)
+
+
+def test_a_second_signal_does_at_once_what_it_would_have_done(signals):
+    seen = []
+    before = signal.signal(signal.SIGUSR2, lambda signum, frame: seen.append(signum))
+    try:
+        with preemption.catching():
+            signal.raise_signal(signal.SIGUSR2)
+            assert seen == []
+            signal.raise_signal(signal.SIGUSR2)  # asked again: no more waiting for the step
+            assert seen == [signal.SIGUSR2]
+    finally:
+        signal.signal(signal.SIGUSR2, before)
+
+
+def test_submitits_signal_is_handed_over_even_after_a_sigterm(signals):
+    """SLURM may send SIGTERM and submitit's USR2 both: the USR2 handler is the one that requeues."""
+    seen = []
+    before = {sig: signal.signal(sig, lambda signum, frame: seen.append(signum)) for sig in (signal.SIGTERM, signal.SIGUSR2)}
+    try:
+        with preemption.catching():
+            signal.raise_signal(signal.SIGTERM)
+            signal.raise_signal(signal.SIGUSR2)  # another kind: noted too, not acted on
+        assert preemption.requested() == signal.SIGUSR2 and seen == []
+        with pytest.raises(SystemExit):
+            preemption.hand_over()
+        assert seen == [signal.SIGUSR2]
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
 
 def test_the_command_line_exits_with_the_signals_status_after_writing_the_record(tmp_path):
@@ -154,10 +183,12 @@ def hold_lock(run_dir: Path) -> subprocess.Popen:
 
 def test_a_second_launch_of_a_running_run_says_so_and_the_sweep_moves_on(tmp_path):
     sweep = tmp_path / "runs"
-    busy = sweep / "mobilenet_v3_small_fp32_none_synthetic_smoke_cpu_seed0__schedule.steps=1"
+    busy = sweep / "mobilenet_v3_small_fp32_none_synthetic_smoke_cpu_seed0__schedule.steps=1"  # device=cpu: the name is the same anywhere
     twin = hold_lock(busy)
     try:
-        r = run_cli("-m", TINY, "precision=fp32,bf16", "schedule=smoke", "schedule.steps=1", "checkpoint=false", f"hydra.sweep.dir={sweep}", cwd=ROOT)
+        r = run_cli(
+            "-m", TINY, "precision=fp32,bf16", "schedule=smoke", "schedule.steps=1", "checkpoint=false", "device=cpu", f"hydra.sweep.dir={sweep}", cwd=ROOT
+        )
     finally:
         twin.kill()
         twin.wait()
@@ -166,7 +197,7 @@ def test_a_second_launch_of_a_running_run_says_so_and_the_sweep_moves_on(tmp_pat
     assert sorted(p.name for p in busy.iterdir()) == [".lock"]  # nothing written beside the twin's files
     assert read_record(sweep / "mobilenet_v3_small_bf16_none_synthetic_smoke_cpu_seed0__schedule.steps=1")["status"] == "ok"
 
-    r = run_cli(TINY, "precision=fp32", "schedule=smoke", "schedule.steps=1", "checkpoint=false", f"hydra.run.dir='{busy}'", cwd=ROOT)
+    r = run_cli(TINY, "precision=fp32", "schedule=smoke", "schedule.steps=1", "checkpoint=false", "device=cpu", f"hydra.run.dir='{busy}'", cwd=ROOT)
     assert r.returncode == 0 and f"taking over its lock from pid {twin.pid} on host" in r.stdout  # the twin died holding it
     assert read_record(busy)["status"] == "ok"
 
@@ -251,3 +282,13 @@ def test_a_record_that_cannot_be_written_leaves_the_previous_one_whole(tmp_path,
     assert read_record(tmp_path)["status"] == "running"  # the last record written, whole: a relaunch redoes the run
     assert f"mpt-run: error: could not write {tmp_path / 'result.json'}: No space left on device" in capsys.readouterr().err
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_a_log_that_fills_the_disk_ends_the_run_as_an_error_naming_it(tmp_path, in_process):
+    job = build_run(tmp_path, TINY, "schedule=smoke", "schedule.steps=3", "schedule.log_every=1", "checkpoint=false")
+    job.metrics._file.close()
+    job.metrics._file = open("/dev/full", "a")  # every flush: No space left on device, and the close after it too
+    rec = job.run()
+    assert rec["status"] == "error"
+    assert rec["message"] == f"WriteError: could not write {tmp_path / 'metrics.jsonl'}: No space left on device"
+    assert read_record(tmp_path)["status"] == "error"

@@ -177,13 +177,15 @@ def test_mode_labels_follow_the_paper():
     assert mode_label("FP16 mod. momentum", "dynamic", None) == "FP16 mod. momentum + LS (dynamic)"
 
 
-def test_a_preempted_run_counts_as_unfinished(swept, tmp_path):
+def test_a_preempted_run_counts_as_unfinished_and_a_cut_log_line_is_left_out(swept, tmp_path):
     import shutil
 
     src = swept / "resnet50_fp16_dynamic_synthetic_smoke_cpu_seed1"
     shutil.copytree(src, tmp_path / "runs" / src.name)
     record = tmp_path / "runs" / src.name / "result.json"
     record.write_text(json.dumps({**json.loads(record.read_text()), "status": "preempted"}))
+    with open(record.parent / "metrics.jsonl", "a") as log:
+        log.write('{"kind": "train", "step": 3, "lo')  # a line cut short by the kill or a full disk
     r = subprocess.run([sys.executable, "-m", "mpt.report.cli", str(tmp_path / "runs"), "--out", str(tmp_path / "out")], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
     acc = pd.read_csv(tmp_path / "out" / "tables" / "accuracy.csv")

@@ -160,6 +160,17 @@ def load_runs(paths: Iterable[Path]) -> pd.DataFrame:
     )
 
 
+def _log_rows(path: Path) -> list[dict]:
+    """A run's metrics.jsonl; a line cut short (a kill or a full disk mid-write) is left out."""
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return rows
+
+
 def load_curves(runs: pd.DataFrame) -> pd.DataFrame:
     """Per-step training rows of every run, with the run's model, mode and seed."""
     frames = []
@@ -167,8 +178,7 @@ def load_curves(runs: pd.DataFrame) -> pd.DataFrame:
         path = Path(run.run_dir) / "metrics.jsonl"
         if not path.exists():
             continue
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        train = pd.DataFrame([r for r in rows if r.get("kind") == "train"])
+        train = pd.DataFrame([r for r in _log_rows(path) if r.get("kind") == "train"])
         if train.empty:
             continue
         for col in ("loss", "scale"):

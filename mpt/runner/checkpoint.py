@@ -49,6 +49,8 @@ def load(run_dir: Path) -> dict | None:
     try:
         # Our own file, written by save(): RNG states and plain Python objects need the full unpickler.
         return torch.load(path, map_location="cpu", weights_only=False)
+    except (OSError, MemoryError):  # the disk or the machine, not the file: a retry may read it
+        raise
     except Exception as e:  # torch.load raises whatever the unpickler or the zip reader met
         first = (str(e).strip().splitlines() or [""])[0]
         raise CorruptCheckpoint(f"{path} cannot be read ({type(e).__name__}: {first}); resume=false starts the run over") from e

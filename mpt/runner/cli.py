@@ -131,9 +131,6 @@ def summary_lines(rec: dict) -> list[str]:
 def run(cfg: DictConfig) -> str:
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    preemption.install()
-    if preemption.requested():  # between two runs of a sweep: start no other
-        preemption.hand_over()
     # Rank 0 owns the folder under torchrun; the other ranks write nothing into it.
     lock = RunLock(run_dir) if from_env().is_main else None
     try:
@@ -145,17 +142,18 @@ def run(cfg: DictConfig) -> str:
         sys.exit(1)
     if took_over:
         print(f"mpt-run: {run_dir}: taking over its lock from {took_over}, which is no longer running", flush=True)
-    file_log = _own_the_folder(cfg, run_dir) if lock else None
+    file_log = None
     try:
-        status = _run_locked(cfg, run_dir, multirun)
+        file_log = _own_the_folder(cfg, run_dir) if lock else None
+        status, stop = _run_locked(cfg, run_dir, multirun)
     finally:
         if file_log is not None:
             logging.getLogger().removeHandler(file_log)
             file_log.close()
         if lock:
             lock.release()
-    if preemption.requested():
-        teardown()  # under torchrun every rank stopped at the same step
+    if stop:  # preempted: the sweep goes no further
+        teardown()  # under torchrun every rank stopped at the same step and takes this path
         preemption.hand_over()
     return status
 
@@ -163,6 +161,8 @@ def run(cfg: DictConfig) -> str:
 def _own_the_folder(cfg: DictConfig, run_dir: Path) -> logging.Handler:
     """Hydra's files, written by the lock's holder only (config.yaml has hydra.output_subdir: null
     and a console-only job log), so a second launch of the run writes nothing into the folder."""
+    for stale in run_dir.glob(".*.tmp"):  # an atomic write cut short by a kill (files.write_atomic)
+        stale.unlink(missing_ok=True)
     hydra_cfg = HydraConfig.instance().cfg
     saved = run_dir / ".hydra"
     saved.mkdir(exist_ok=True)
@@ -175,7 +175,8 @@ def _own_the_folder(cfg: DictConfig, run_dir: Path) -> logging.Handler:
     return handler
 
 
-def _run_locked(cfg: DictConfig, run_dir: Path, multirun: bool) -> str:
+def _run_locked(cfg: DictConfig, run_dir: Path, multirun: bool) -> tuple[str, bool]:
+    """The run's status, and whether a preemption signal asks the process to stop."""
     from .train import Run, failure_record  # torch and torchvision load after Hydra has parsed the command line
 
     previous = previous_record(run_dir)
@@ -183,7 +184,7 @@ def _run_locked(cfg: DictConfig, run_dir: Path, multirun: bool) -> str:
     if final and not cfg.force:
         if same_computation(previous.get("config") or {}, as_plain(cfg)):
             print(f"mpt-run: {run_dir} already has a record with status {previous['status']}; skipped (force=true runs it again)", flush=True)
-            return "skipped"
+            return "skipped", False
         print(f"mpt-run: {run_dir} has a {previous['status']} record of a different config (the config files changed); running again", flush=True)
     try:
         validate(cfg)
@@ -191,7 +192,7 @@ def _run_locked(cfg: DictConfig, run_dir: Path, multirun: bool) -> str:
     except ConfigError as e:  # before any training: one line, no record
         print(f"mpt-run: error: {e}", file=sys.stderr)
         if multirun:
-            return "invalid"
+            return "invalid", False
         sys.exit(2)
     except Exception as e:  # setting up failed (out of memory moving the model, an unreadable checkpoint): still a record
         log.exception("setting up the run failed")
@@ -203,13 +204,14 @@ def _run_locked(cfg: DictConfig, run_dir: Path, multirun: bool) -> str:
             "config": as_plain(cfg),
             **failure_record(e, cfg.schedule.batch_size),
         }
-        try:
-            write_json_atomic(run_dir / "result.json", rec)
-        except OSError as write_error:  # the disk is full: the record on disk stays as it was
-            print(f"mpt-run: error: {write_error}", file=sys.stderr)
+        if from_env().is_main:  # the lock's holder
+            try:
+                write_json_atomic(run_dir / "result.json", rec)
+            except OSError as write_error:  # the disk is full: the record on disk stays as it was
+                print(f"mpt-run: error: {write_error}", file=sys.stderr)
         print(f"mpt-run: {rec['status']}: {rec['message']}", file=sys.stderr)
-        if multirun:
-            return rec["status"]
+        if multirun and not from_env().enabled:
+            return rec["status"], False
         sys.exit(1)
     rec = job.run()  # a crash is recorded as `error` (or `oom`); a sweep goes on to its next run
     if job.dist.is_main:
@@ -217,7 +219,10 @@ def _run_locked(cfg: DictConfig, run_dir: Path, multirun: bool) -> str:
     # Under torchrun a failed rank exits so that torchrun stops the others, which would wait for it.
     if rec["status"] in ("error", "oom") and (not multirun or job.dist.enabled):
         sys.exit(1)
-    return rec["status"]
+    stop = preemption.requested() is not None
+    if job.dist.enabled:  # one decision for all ranks, whichever got the signal
+        stop = job.dist.any(stop, job.device)
+    return rec["status"], stop
 
 
 # Flags after which Hydra prints or does something other than train: it gets the command line as is.

@@ -13,7 +13,7 @@ on CUDA's lower-precision list: input, states and weights cast to the dtype; the
 differentiable, so FP32 weights get their gradients) and lets torch choose its kernel for tensors
 of that dtype, unless a probe of that choice (forward and backward, once per process and dtype)
 failed: then it runs torch's own kernel, matmuls in the dtype, with oneDNN switched off for the
-call. The record says which kernel ran (`describe`).
+call. The record says which kernels ran (`describe`).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from typing import Iterator
 
 import torch
 from torch import nn
-from torch.func import functional_call
 from torch.nn.utils.rnn import PackedSequence
+from torch.nn.utils.stateless import _reparametrize_module  # functional_call's own, without the module's hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 
 LOW = (torch.float16, torch.bfloat16)
@@ -92,19 +92,42 @@ def _compute_dtype(input) -> torch.dtype | None:
     return data.dtype if data.dtype in LOW else None
 
 
+# The kernels low-precision CPU LSTMs ran, by phase, since the last reset (a run's, for its record).
+_used: dict[str, set[str]] = {"training": set(), "evaluation": set()}
+# Which kernel torch chose, by the kind of call: seen once, on the first call of its kind. torch's
+# choice depends on more than the dtype (projections never go to oneDNN; a packed sequence does
+# when unidirectional), so it is observed rather than predicted.
+_chosen: dict[tuple, str] = {}
+
+
+def reset_usage() -> None:
+    for kinds in _used.values():
+        kinds.clear()
+
+
 class CpuLowPrecisionLSTM(nn.LSTM):
     def forward(self, input, hx=None):
         dtype = _compute_dtype(input)
         if dtype is None:
             return super().forward(input, hx)
         native = kernels(dtype)["onednn_error"] is not None
+        phase = "training" if torch.is_grad_enabled() else "evaluation"
+        packed = isinstance(input, PackedSequence)
+        kind = (dtype, phase, packed, self.bidirectional, self.proj_size, native or not torch._C._get_mkldnn_enabled())
         with torch.autocast("cpu", enabled=False), _onednn_off() if native else contextlib.nullcontext():
-            input = input._replace(data=input.data.to(dtype)) if isinstance(input, PackedSequence) else input.to(dtype)
+            input = input._replace(data=input.data.to(dtype)) if packed else input.to(dtype)
             hx = None if hx is None else tuple(h.to(dtype) for h in hx)
-            if all(p.dtype == dtype for p in self.parameters()):
-                return super().forward(input, hx)
-            cast = {name: p.to(dtype) for name, p in self.named_parameters()}
-            return functional_call(self, cast, (input, hx))  # back into forward, which then takes the branch above
+            seen = _SeenOps() if kind not in _chosen else contextlib.nullcontext()
+            with seen:
+                if all(p.dtype == dtype for p in self.parameters()):
+                    out = super().forward(input, hx)
+                else:  # the weights cast for this call only, without re-entering the module (its hooks ran once)
+                    with _reparametrize_module(self, {name: p.to(dtype) for name, p in self.named_parameters()}):
+                        out = super().forward(input, hx)
+        if kind not in _chosen:
+            _chosen[kind] = "onednn" if "mkldnn_rnn_layer" in seen.names else "native"
+        _used[phase].add(_chosen[kind])
+        return out
 
 
 def low_precision_lstms(model: nn.Module, dtype: torch.dtype) -> None:
@@ -116,9 +139,11 @@ def low_precision_lstms(model: nn.Module, dtype: torch.dtype) -> None:
 
 
 def describe(models: list[nn.Module]) -> dict | None:
-    """For the record: the kernels the models' low-precision CPU LSTMs run, or None if they have none."""
+    """For the record: the kernels the models' low-precision CPU LSTMs ran since reset_usage(), by
+    phase, and the probe's error if oneDNN failed it; None if the models have no such LSTM."""
     dtypes = {m.low_precision_dtype for model in models for m in model.modules() if isinstance(m, CpuLowPrecisionLSTM)}
     if not dtypes:
         return None
     (dtype,) = dtypes  # one mode, one dtype
-    return kernels(dtype)
+    probe = kernels(dtype)
+    return {"dtype": probe["dtype"], "training": sorted(_used["training"]), "evaluation": sorted(_used["evaluation"]), "onednn_error": probe["onednn_error"]}

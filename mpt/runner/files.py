@@ -57,12 +57,27 @@ def write_atomic(path: Path, write: Callable[[BinaryIO], object]) -> None:
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide files from the other users of a shared results folder
         os.replace(tmp, path)
+        _fsync_dir(path.parent)
     except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
         cause = recorder.error if recorder is not None and recorder.error is not None else e
         if isinstance(cause, OSError) and not isinstance(e, WriteError):
             raise failed_write(path, cause) from e
         raise
+
+
+def _fsync_dir(folder: Path) -> None:
+    """The rename itself on disk (a crash right after it would otherwise find the old file)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems cannot sync a folder; the rename is still atomic
+    finally:
+        os.close(fd)
 
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:

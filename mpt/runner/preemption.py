@@ -1,68 +1,90 @@
 """Preemption: SLURM's SIGTERM, or submitit's preemption signal (SIGUSR2 unless
 SUBMITIT_PREEMPT_SIGNAL says otherwise), turned into a clean stop at a step boundary.
 
-The handler only notes the signal. The loop finishes its step, writes a checkpoint and a record
-with status `preempted`, and the command line then hands the signal to whoever handled it before
-(submitit's handler calls hydra-submitit-launcher's `checkpoint` hook, which requeues the job) or
-exits with 128 + the signal's number. A relaunch resumes from the checkpoint.
+While a run trains (`catching()`), the handler only notes the signal: the loop finishes its step,
+writes a checkpoint and a record with status `preempted`, and the command line then hands the
+signal to whoever handled it before (submitit's handler calls hydra-submitit-launcher's
+`checkpoint` hook, which requeues the job) or exits with 128 + the signal's number. A second signal
+of the same kind does at once what it would have done without us, and outside training (setting a run up, between
+the runs of a sweep) the signals keep their usual effect: there is no step to finish there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import threading
-from typing import NoReturn
+from typing import Iterator, NoReturn
 
-_received: int | None = None
+_received: list[int] = []
 _previous: dict[int, object] = {}
 
 
+def submitit_signal() -> signal.Signals:
+    return getattr(signal, "SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2"), signal.SIGUSR2)
+
+
 def signals() -> list[signal.Signals]:
-    name = os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2")
-    return sorted({signal.SIGTERM, getattr(signal, "SIG" + name, signal.SIGUSR2)})
+    return sorted({signal.SIGTERM, submitit_signal()})
+
+
+def _restore() -> None:
+    for sig, handler in _previous.items():
+        # None: a handler installed outside Python, which cannot be put back from here
+        signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 def _note(signum: int, frame) -> None:
-    global _received
-    if _received is None:
-        _received = signum
-        # os.write: a print could interrupt a print of the main thread's
-        os.write(2, f"mpt-run: {signal.Signals(signum).name} received: stopping after this step, with a checkpoint\n".encode())
+    if signum in _received:  # asked twice: no more waiting for the step
+        _restore()
+        previous = _previous.get(signum)
+        if callable(previous):
+            previous(signum, frame)
+            return
+        os.kill(os.getpid(), signum)
+        return
+    _received.append(signum)
+    # os.write: a print could interrupt a print of the main thread's
+    os.write(2, f"mpt-run: {signal.Signals(signum).name} received: stopping after this step, with a checkpoint\n".encode())
 
 
-def install() -> None:
-    """Catch the preemption signals (once per process; signals reach only the main thread)."""
+@contextlib.contextmanager
+def catching() -> Iterator[None]:
+    """Note the preemption signals while the block runs (signals reach only the main thread)."""
     if threading.current_thread() is not threading.main_thread():
+        yield
         return
     for sig in signals():
-        if sig not in _previous:
-            _previous[sig] = signal.signal(sig, _note)
+        _previous[sig] = signal.signal(sig, _note)
+    try:
+        yield
+    finally:
+        _restore()
 
 
 def requested() -> int | None:
-    """The signal received since install(), if any."""
-    return _received
+    """The signal to hand over: submitit's if it came (its handler requeues), else the first one."""
+    if not _received:
+        return None
+    return submitit_signal() if submitit_signal() in _received else _received[0]
 
 
-def hand_over() -> NoReturn:
-    """After the record is written: what the signal would have done without us."""
-    signum = _received
-    assert signum is not None
+def hand_over(default: int = signal.SIGTERM) -> NoReturn:
+    """After the record is written: what the signal would have done without us. `default`: the
+    signal to act on where this process got none (a torchrun rank whose peer got it)."""
+    signum = requested() or default
     previous = _previous.get(signum)
-    uninstall()
+    reset()
     if callable(previous):  # submitit's: requeues the job through the launcher's checkpoint hook, then exits
         previous(signum, None)
     sys.exit(128 + signum)
 
 
-def uninstall() -> None:
-    global _received
-    for sig, handler in _previous.items():
-        signal.signal(sig, handler)
+def reset() -> None:
+    _received.clear()
     _previous.clear()
-    _received = None
 
 
 class Preempted(Exception):

@@ -80,7 +80,10 @@ class MetricsLog:
             raise failed_write(self.path, e) from e
 
     def close(self) -> None:
-        self._file.close()
+        try:
+            self._file.close()  # flushes what a failed write left in the buffer: it can fail again
+        except OSError as e:
+            raise failed_write(self.path, e) from e
 
 
 @functools.lru_cache(maxsize=None)

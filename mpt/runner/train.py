@@ -100,6 +100,7 @@ class Run:
         self.eval_every = s.eval_every if s.eval_every is not None else (per_epoch if s.epochs is not None else self.total_steps)
 
         self.channels_last = cfg.channels_last if cfg.channels_last is not None else default_channels_last(cfg.precision, self.device)
+        cpu_lstm.reset_usage()  # the kernels this run's LSTMs run, for its record
         self.engines = {
             name: PrecisionEngine(
                 prepare_model(net, cfg.precision, self.device, self.channels_last, cfg.emulate_cpu_fp16_conv),
@@ -125,6 +126,7 @@ class Run:
         self.pending: list[dict[str, Any]] = []  # per-step rows whose tensors are not yet on the host
         self.checkpoint_every = s.checkpoint_every
         self.checkpointed_at: int | None = None
+        self.peers_preempted = False  # under torchrun: a rank got a preemption signal (as of the last flush)
         self.record = self._initial_record()
         saved = checkpoint.load(run_dir) if may_resume else None
         if saved is not None and not same_computation(saved["config"], self.record["config"]):
@@ -283,7 +285,7 @@ class Run:
                 "tf32_active": bool(cfg.precision.tf32 and self.device.type == "cuda"),  # TF32 exists only on CUDA
                 "channels_last": self.channels_last,
                 "cpu_fp16_conv": ("emulated" if cfg.emulate_cpu_fp16_conv else "native") if uses_cpu_fp16_convs(cfg.precision, self.device) else None,
-                "cpu_lstm": cpu_lstm.describe([e.model for e in self.engines.values()]),  # which kernel FP16/BF16 LSTMs run on a CPU
+                "cpu_lstm": cpu_lstm.describe([e.model for e in self.engines.values()]),  # the kernels FP16/BF16 LSTMs ran on a CPU (at the end)
             },
             "scale_config": {
                 "strategy": cfg.scale.name,
@@ -356,8 +358,9 @@ class Run:
         # meet in the collectives below; a rank leaving on an exception is alone and skips them.
         together = False
         try:
-            for _ in self.steps():
-                pass
+            with preemption.catching():
+                for _ in self.steps():
+                    pass
             rec["status"] = "ok"
             together = True
         except Diverged as e:
@@ -393,11 +396,14 @@ class Run:
             if self.grad_stats.sampled_steps:
                 rec["memory"]["note"] = self.grad_stats.MEMORY_NOTE
             rec["loss_scale"] = {name: e.scaler.summary() for name, e in self.engines.items()}
+            rec["precision"]["cpu_lstm"] = cpu_lstm.describe([e.model for e in self.engines.values()])
             rec["grad_stats"] = self.grad_stats.summary()
             rec["finished_at"] = now_iso()
             rec["duration_s"] = time.perf_counter() - t_start
-            self.metrics.close()
-            self.data.close()
+            try:
+                self.metrics.close()
+            finally:
+                self.data.close()
         self.save_record()
         return rec
 
@@ -458,10 +464,10 @@ class Run:
             yield self.step
 
     def _preempted(self) -> bool:
-        """A preemption signal reached this process (or, under torchrun, any rank: all stop at the
-        same step, since the checkpoint is written together)."""
-        noted = preemption.requested() is not None
-        return self.dist.any(noted, self.device) if self.dist.enabled else noted
+        """Whether to stop here for a preemption signal. Under torchrun, whether any rank got one, as
+        of the last flush of the log (its collective carries the flag, so every rank stops at the
+        same step, and no step waits for a collective of its own)."""
+        return self.peers_preempted if self.dist.enabled else preemption.requested() is not None
 
     def _train_step(self, step: int, batch: Any) -> list[dict]:
         rows = []
@@ -485,11 +491,16 @@ class Run:
         """Bring the logged tensors to the host in one sync, write them, and watch for divergence."""
         rows, self.pending = self.pending, []
         slots = [(r, k) for r in rows for k, v in r.items() if isinstance(v, torch.Tensor)]
-        if slots:
+        values = [r[k].float().reshape(()) for r, k in slots]
+        if self.dist.enabled:  # the preemption flag rides along: positive if any rank got a signal
+            values.append(torch.tensor(float(preemption.requested() is not None), device=self.device))
+        if values:
             # Under torchrun, each value is the mean over ranks: the global batch's loss, and one
             # divergence decision for all of them.
-            values = self.dist.reduce_mean(torch.stack([r[k].float() for r, k in slots]))
-            for (r, k), value in zip(slots, values.tolist()):
+            means = self.dist.reduce_mean(torch.stack(values)).tolist()
+            if self.dist.enabled:
+                self.peers_preempted = self.peers_preempted or means.pop() > 0
+            for (r, k), value in zip(slots, means):
                 r[k] = value
         self.metrics.write(rows)
         for r in rows:

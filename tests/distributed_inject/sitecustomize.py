@@ -1,11 +1,16 @@
 """Loaded by every Python process of tests/test_distributed.py's torchrun job (PYTHONPATH): on
 rank 1 only, the second backward of the run gets an infinite loss; every rank saves its networks
-and scaler at the end, for the test to compare across ranks."""
+and scaler at the end, for the test to compare across ranks; and a rank whose interpreter ran its
+exit handlers (finalized, as it must not while gloo's threads live) leaves a file saying so."""
 
 import os
 
 if os.environ.get("MPT_TEST_OUT") and "RANK" in os.environ:
+    import atexit
+
     import torch
+
+    atexit.register(lambda: open(os.path.join(os.environ["MPT_TEST_OUT"], f"finalized_rank{os.environ['RANK']}"), "w").close())
 
     from mpt.runner import precision, train
 
