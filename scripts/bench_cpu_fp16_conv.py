@@ -22,7 +22,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mpt.runner.cpu_half_conv import emulate_half_convs  # noqa: E402
+from mpt.precision.cpu_half_conv import emulate_half_convs  # noqa: E402
 from mpt.runner.record import environment, git_commit, now_iso, write_json_atomic  # noqa: E402
 
 

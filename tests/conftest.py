@@ -11,7 +11,7 @@ import torch
 from hydra import compose, initialize_config_module
 from torch import nn
 
-from mpt.runner.config import register_configs
+from mpt.config import register_configs
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / "shared" / "data"
@@ -51,7 +51,7 @@ def in_process():
 
 def build_run(run_dir: Path, *overrides: str):
     """The Run `mpt-run` would build for these overrides, writing into `run_dir`."""
-    from mpt.runner.config import validate
+    from mpt.config import validate
     from mpt.runner.train import Run
 
     cfg = compose_cfg(*overrides)

@@ -11,8 +11,8 @@ import pandas as pd
 import pytest
 import torch
 
+from mpt.precision.scaler import AutoScaler, Diverged, DynamicScaler, build_scaler
 from mpt.report.cli import build_report
-from mpt.runner.scaler import AutoScaler, Diverged, DynamicScaler, build_scaler
 
 from .conftest import ROOT, compose_cfg, read_record, run_cli
 from .test_numerics import make_engine, train_step

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from mpt.runner.config import ConfigError, validate
+from mpt.config import ConfigError, validate
 
 from .conftest import ROOT, build_run, compose_cfg, run_cli
 

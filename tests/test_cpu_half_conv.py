@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mpt.runner.cpu_half_conv import HalfConv2d, HalfConvTranspose2d, emulate_half_convs
+from mpt.precision.cpu_half_conv import HalfConv2d, HalfConvTranspose2d, emulate_half_convs
 
 F16 = torch.float16
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from mpt.runner import cpu_lstm
+from mpt.precision import cpu_lstm
 
 from .conftest import ROOT, build_run, read_record, run_cli
 

@@ -16,10 +16,10 @@ from hydra import compose, initialize_config_module
 from PIL import Image
 from torch import nn
 
+from mpt.config import ConfigError, validate
 from mpt.models.dcgan import GAN, Discriminator, Generator
 from mpt.report.cli import build_report
 from mpt.report.figures import _lines
-from mpt.runner.config import ConfigError, validate
 from mpt.runner.train import Run
 
 from .conftest import ROOT, compose_cfg, read_record, run_cli, shared_data

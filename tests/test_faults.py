@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from mpt.runner import checkpoint, preemption
+from mpt import preemption
+from mpt.runner import checkpoint
 from mpt.runner.run_lock import AlreadyRunning, RunLock
 
 from .conftest import ROOT, TINY, build_run, read_record, run_cli

@@ -19,8 +19,8 @@ import torchvision
 from torch import nn
 from torchvision.models import inception as tv_inception
 
+from mpt.config import ConfigError
 from mpt.models.fid import FIDInceptionA, FIDInceptionC, FIDInceptionE, GaussianStats, fid_inception_v3, frechet_distance, load_inception
-from mpt.runner.config import ConfigError
 
 CPU = torch.device("cpu")
 
@@ -336,7 +336,7 @@ def _matmul_fp32_math() -> str:
 
 
 def test_the_extractor_runs_in_ieee_fp32_even_when_the_run_allows_tf32(fid_weights: Path) -> None:
-    from mpt.runner.precision import set_fp32_math
+    from mpt.precision.engine import set_fp32_math
 
     extractor, _ = load_inception(str(fid_weights), CPU)
     seen = []

@@ -13,10 +13,10 @@ from PIL import Image
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms import functional as TF
 
+from mpt.config import ConfigError, DataConfig
 from mpt.datasets.discs import SyntheticDiscs
 from mpt.datasets.image_dir import CropTooLarge, ImageDirData
 from mpt.datasets.imagefolder import CorruptImage
-from mpt.runner.config import ConfigError, DataConfig
 
 from .conftest import CPU, shared_data
 

@@ -8,9 +8,9 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
+from mpt.precision.grad_histogram import GradHistogram
 from mpt.report.cli import build_report
-from mpt.runner.grad_hooks import GradStatsCollector
-from mpt.runner.grad_stats import GradHistogram
+from mpt.runner.grad_collector import GradStatsCollector
 
 from .conftest import CPU, ROOT, read_record, run_cli
 

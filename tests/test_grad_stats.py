@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from mpt.runner import grad_stats
-from mpt.runner.grad_stats import GradHistogram, kept_share
+from mpt.precision import grad_histogram as grad_stats
+from mpt.precision.grad_histogram import GradHistogram, kept_share
 
 
 def test_hand_made_values_land_in_their_buckets():
@@ -76,7 +76,7 @@ def test_the_recommended_scale_keeps_the_stated_share_and_half_of_it_does_not(ke
 
 
 def test_a_channels_last_gradient_is_counted_without_a_copy():
-    from mpt.runner.grad_stats import flat_view
+    from mpt.precision.grad_histogram import flat_view
 
     g = torch.randn(2, 3, 4, 5).contiguous(memory_format=torch.channels_last)
     assert flat_view(g).data_ptr() == g.data_ptr() and flat_view(g).numel() == g.numel()

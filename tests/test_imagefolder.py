@@ -6,8 +6,8 @@ import pytest
 import torch
 from PIL import Image
 
+from mpt.config import ConfigError
 from mpt.datasets.imagefolder import ImageFolderData
-from mpt.runner.config import ConfigError
 
 from .conftest import CPU, compose_cfg, shared_data
 

@@ -12,13 +12,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from mpt.config import ConfigError, validate
 from mpt.datasets import build_data
 from mpt.datasets.text_corpus import EOS, UNK, MarkovSource, Sentences, rows_of
 from mpt.models import biglstm
 from mpt.models.biglstm import BigLSTM, log_uniform_log_prob, log_uniform_sample, sampled_softmax_loss
-from mpt.runner.config import ConfigError, validate
-from mpt.runner.precision import PrecisionEngine, prepare_model
-from mpt.runner.scaler import build_scaler
+from mpt.precision.engine import PrecisionEngine, prepare_model
+from mpt.precision.scaler import build_scaler
 
 from .conftest import CPU, compose_cfg, read_record, run_cli, shared_data
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from mpt.runner.precision import PrecisionEngine, prepare_model, set_fp32_math
-from mpt.runner.scaler import Diverged, build_scaler
+from mpt.precision.engine import PrecisionEngine, prepare_model, set_fp32_math
+from mpt.precision.scaler import Diverged, build_scaler
 
 from .conftest import CPU, Vector, compose_cfg
 

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from mpt.runner.config import as_plain, same_computation, validate
+from mpt.config import as_plain, same_computation, validate
 from mpt.runner.record import write_json_atomic
 from mpt.runner.train import Run
 
@@ -51,7 +51,7 @@ def test_record_says_running_until_the_run_ends(tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
 def test_asking_for_cuda_without_one_is_one_line(tmp_path, in_process):
     """A ConfigError while the run is built: mpt-run prints it after 'mpt-run: error: ' and exits 2 (test_config)."""
-    from mpt.runner.config import ConfigError
+    from mpt.config import ConfigError
 
     with pytest.raises(ConfigError) as e:
         build_run(tmp_path, TINY, "device=cuda")
@@ -99,8 +99,8 @@ def test_a_failure_is_recorded_not_raised(tmp_path, exc, status, text):
 
 
 def test_a_mode_the_device_cannot_run_is_one_clear_error(monkeypatch):
-    from mpt.runner.config import ConfigError
-    from mpt.runner.precision import check_device_support
+    from mpt.config import ConfigError
+    from mpt.precision.engine import check_device_support
 
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla V100-SXM2-16GB")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mpt.runner.config import ConfigError, validate
+from mpt.config import ConfigError, validate
 
 from .conftest import ROOT, TINY, compose_cfg, read_record, run_cli
 
@@ -72,7 +72,7 @@ def test_an_unknown_compile_backend_in_a_sweep_stops_it_before_any_run(tmp_path)
 
 
 def test_an_older_bench_record_without_flops_counts_as_another_computation():
-    from mpt.runner.config import as_plain, same_computation
+    from mpt.config import as_plain, same_computation
 
     current = as_plain(compose_cfg("schedule=bench"))
     old = {**current, "schedule": {k: v for k, v in current["schedule"].items() if k != "count_flops"}}

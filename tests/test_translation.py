@@ -15,14 +15,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from mpt.config import ConfigError, validate
 from mpt.datasets import build_data
 from mpt.datasets.translation import BOS, EOS, FIRST_WORD, PAD, SyntheticLanguagePair, collate
 from mpt.models import build_task
 from mpt.models.beam_search import beam_search
 from mpt.models.gnmt import GNMT
-from mpt.runner.config import ConfigError, validate
-from mpt.runner.cpu_lstm import low_precision_lstms
-from mpt.runner.optim import lr_factor
+from mpt.precision.cpu_lstm import low_precision_lstms
+from mpt.precision.optim import lr_factor
 
 from .conftest import CPU, compose_cfg, read_record, run_cli, shared_data
 

@@ -16,8 +16,8 @@ from typing import Any, Iterable, Iterator, Optional, Protocol
 import torch
 from omegaconf import DictConfig
 
-from ..runner.config import ConfigError
-from ..runner.distributed import Dist
+from ..config import ConfigError
+from ..distributed import Dist
 
 
 class DataSource(Protocol):

@@ -15,7 +15,7 @@ from typing import Iterator
 import torch
 from omegaconf import DictConfig
 
-from ..runner.distributed import Dist
+from ..distributed import Dist
 from .sampling import EpochOrder, require_one_batch
 
 CHUNK = 256  # images generated at once: bounds the float working memory at 128x128

@@ -23,8 +23,8 @@ from torchvision.datasets.folder import IMG_EXTENSIONS
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms import functional as TF
 
-from ..runner.config import ConfigError
-from ..runner.distributed import Dist
+from ..config import ConfigError
+from ..distributed import Dist
 from .discs import to_unit_range
 from .imagefolder import load_image
 from .sampling import EpochBatches, LoaderData, SeededSamples, shielded_worker

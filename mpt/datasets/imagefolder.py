@@ -16,8 +16,8 @@ from PIL import Image
 from torch.utils.data import DataLoader
 from torchvision import datasets, transforms
 
-from ..runner.config import ConfigError
-from ..runner.distributed import Dist
+from ..config import ConfigError
+from ..distributed import Dist
 from .sampling import EpochBatches, LoaderData, SeededSamples, shielded_worker
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)

@@ -21,9 +21,9 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
-from ..runner.config import ConfigError
-from ..runner.distributed import Dist
-from ..runner.files import write_bytes_atomic
+from ..config import ConfigError
+from ..distributed import Dist
+from ..files import write_bytes_atomic
 from .translation import BOS, EOS, PAD, UNK, TranslationData
 
 TOKENIZER_FILE = "tokenizer.model"

@@ -9,9 +9,9 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from ..runner.config import ConfigError
-from ..runner.distributed import Dist
-from ..runner.preemption import signals as preemption_signals
+from ..config import ConfigError
+from ..distributed import Dist
+from ..preemption import signals as preemption_signals
 
 
 def require_one_batch(train_samples: int, batch_size: int) -> None:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
 
-from ..runner.distributed import Dist
+from ..distributed import Dist
 from .sampling import EpochOrder, require_one_batch
 
 

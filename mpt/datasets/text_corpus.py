@@ -19,8 +19,8 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
-from ..runner.config import ConfigError
-from ..runner.distributed import Dist
+from ..config import ConfigError
+from ..distributed import Dist
 from .parallel_text import read_lines
 from .sampling import EpochOrder
 

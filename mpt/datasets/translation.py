@@ -14,8 +14,8 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
-from ..runner.config import ConfigError
-from ..runner.distributed import Dist
+from ..config import ConfigError
+from ..distributed import Dist
 from .sampling import EpochOrder
 
 PAD, UNK, BOS, EOS = 0, 1, 2, 3

@@ -33,11 +33,14 @@ from torch.utils.data import DataLoader, Dataset
 from torchvision import tv_tensors
 from torchvision.transforms import v2
 
-from ..models.detection import MEAN_PIXEL_01
-from ..runner.config import ConfigError
-from ..runner.distributed import Dist
+from ..config import ConfigError
+from ..distributed import Dist
 from .imagefolder import load_image
 from .sampling import EpochBatches, LoaderData, SeededSamples, shielded_worker
+
+# Caffe's input convention, which torchvision's SSD and its VGG16_Weights.IMAGENET1K_FEATURES use:
+# RGB in 0-255 minus the mean pixel (models/detection.py); also the zoom-out's fill.
+MEAN_PIXEL_01 = (0.48235, 0.45882, 0.40784)
 
 
 class CorruptAnnotation(RuntimeError):

@@ -42,7 +42,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from ..runner.distributed import Dist
+from ..distributed import Dist
 
 
 @dataclass

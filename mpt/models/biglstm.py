@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 
-from ..runner.distributed import Dist
+from ..distributed import Dist
 from . import LossTerm, OneNetwork
 
 EVAL_LOGITS = 2**26  # full-softmax logits per evaluation chunk (256 MiB in FP32)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import torchvision
 from omegaconf import DictConfig
 
-from ..runner.config import ConfigError
+from ..config import ConfigError
 from . import LossTerm, OneNetwork
 
 # Architectures whose constructors need extra arguments to build without pretrained weights.

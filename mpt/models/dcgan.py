@@ -36,8 +36,8 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 
-from ..runner.distributed import Dist
-from ..runner.files import write_atomic
+from ..distributed import Dist
+from ..files import write_atomic
 from . import LossTerm
 from .fid import GaussianStats, frechet_distance, load_inception
 

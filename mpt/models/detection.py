@@ -27,13 +27,11 @@ from torchvision.models.detection.anchor_utils import DefaultBoxGenerator
 from torchvision.models.detection.image_list import ImageList
 from torchvision.ops import box_iou
 
-from ..runner.config import ConfigError
+from ..config import ConfigError
+from ..datasets.voc import MEAN_PIXEL_01
 from . import LossTerm, OneNetwork
 from .voc_map import voc_map
 
-# Caffe's input convention, which torchvision's SSD and its VGG16_Weights.IMAGENET1K_FEATURES use:
-# RGB in 0-255 minus the mean pixel.
-MEAN_PIXEL_01 = (0.48235, 0.45882, 0.40784)
 # The ImageNet convention of torchvision's other weights: RGB in [0, 1], minus mean, over std.
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 

@@ -34,8 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 from torchvision.models import inception as tv_inception
 
-from mpt.runner.config import ConfigError
-from mpt.runner.precision import ieee_fp32
+from mpt.config import ConfigError
+from mpt.precision.engine import ieee_fp32
 
 FID_FILE = "pt_inception-2015-12-05-6726825d.pth"
 TORCHVISION_FILE = "inception_v3_google-0cc3c7bd.pth"

@@ -152,7 +152,7 @@ def sample_grids(runs: pd.DataFrame, out: Path) -> list[Path]:
 
 
 # Below 2^-25 a value becomes zero in FP16 (from 2^-25 it rounds up to the smallest subnormal,
-# 2^-24); from 2^-14 it is normal; from 65520 it is inf (runner/grad_stats.py).
+# 2^-24); from 2^-14 it is normal; from 65520 it is inf (precision/grad_histogram.py).
 FP16_LOST_EXP, FP16_NORMAL_EXP, FP16_MAX_LOG2 = -25, -14, math.log2(65520)
 FIGURE_OF_KIND = {"activation": "the paper's Figure 3", "weight": "the paper's Figure 2b"}
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .files import write_atomic
+from ..files import write_atomic
 
 FILENAME = "checkpoint.pt"
 

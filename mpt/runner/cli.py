@@ -16,10 +16,10 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from . import preemption
-from .config import GROUPS, ConfigError, as_plain, register_configs, same_computation, validate
-from .distributed import from_env, leave, teardown
-from .files import write_text_atomic
+from .. import preemption
+from ..config import GROUPS, ConfigError, as_plain, register_configs, same_computation, validate
+from ..distributed import from_env, leave, teardown
+from ..files import write_text_atomic
 from .record import write_json_atomic
 from .run_lock import AlreadyRunning, RunLock
 

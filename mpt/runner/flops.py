@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from .config import DType
+from ..config import DType
 
 # (a substring of torch.cuda.get_device_name(), dense peak TFLOP/s per math), most specific first.
 # Sources: NVIDIA's H100 and H200 datasheets (their tensor-core figures are "with sparsity", halved

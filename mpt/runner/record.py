@@ -19,7 +19,7 @@ from typing import Any, TextIO
 
 import torch
 
-from .files import failed_write, write_bytes_atomic, write_text_atomic
+from ..files import failed_write, write_bytes_atomic, write_text_atomic
 
 SCHEMA_VERSION = 1
 

@@ -17,18 +17,29 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
+from .. import preemption
+from ..config import GROUPS, ConfigError, as_plain, same_computation, static_scale_value
 from ..datasets import build_data
+from ..distributed import Dist, allreduce_in, backend, from_env
+from ..distributed import setup as setup_distributed
 from ..models import build_task
-from . import checkpoint, cpu_lstm, preemption
-from .config import GROUPS, ConfigError, as_plain, same_computation, static_scale_value
-from .distributed import Dist, allreduce_in, backend, from_env
-from .distributed import setup as setup_distributed
+from ..precision import cpu_lstm
+from ..precision.engine import (
+    PrecisionEngine,
+    autocast,
+    check_device_support,
+    default_channels_last,
+    prepare_model,
+    set_fp32_math,
+    torch_dtype,
+    uses_cpu_fp16_convs,
+)
+from ..precision.optim import effective_lr
+from ..precision.scaler import Diverged, build_scaler
+from . import checkpoint
 from .flops import counting_flops, flops_record, mfu
-from .grad_hooks import GradStatsCollector
-from .optim import effective_lr
-from .precision import PrecisionEngine, autocast, check_device_support, default_channels_last, prepare_model, set_fp32_math, torch_dtype, uses_cpu_fp16_convs
+from .grad_collector import GradStatsCollector
 from .record import MetricsLog, NullLog, environment, git_commit, now_iso, write_json_atomic
-from .scaler import Diverged, build_scaler
 from .throughput import ThroughputMeter, peak_memory, reset_peak_memory
 
 log = logging.getLogger("mpt")

@@ -12,7 +12,8 @@ if os.environ.get("MPT_TEST_OUT") and "RANK" in os.environ:
 
     atexit.register(lambda: open(os.path.join(os.environ["MPT_TEST_OUT"], f"finalized_rank{os.environ['RANK']}"), "w").close())
 
-    from mpt.runner import precision, train
+    from mpt.precision import engine as precision
+    from mpt.runner import train
 
     calls = {"backward": 0}
     _backward = precision.PrecisionEngine.backward

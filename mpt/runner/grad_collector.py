@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from .grad_stats import CHUNK, GradHistogram
+from ..precision.grad_histogram import CHUNK, GradHistogram
 from .throughput import synchronize
 
 KINDS = ("activation", "weight")

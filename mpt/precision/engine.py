@@ -25,7 +25,7 @@ from omegaconf import DictConfig
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from .config import ConfigError, DType, Update
+from ..config import ConfigError, DType, Update
 from .cpu_half_conv import emulate_half_convs
 from .cpu_lstm import low_precision_lstms
 from .optim import FP16MomentumSGD, build_torch_optimizer, effective_lr, lr_factor

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 from omegaconf import DictConfig
 
-from .config import static_scale_value
-from .grad_stats import FP16_MAX
+from ..config import static_scale_value
+from .grad_histogram import FP16_MAX
 
 
 class Diverged(RuntimeError):

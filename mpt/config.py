@@ -234,7 +234,7 @@ class OptimConfig:
 
 @dataclass
 class StatsConfig:
-    """Gradient statistics (runner/grad_hooks.py): histograms of log2|g| of activation gradients
+    """Gradient statistics (runner/grad_collector.py): histograms of log2|g| of activation gradients
     (each parameterized layer's output) and weight gradients, per layer and in total."""
 
     grad_hist: bool = False  # on: sample every `every`-th step; off: no hook is ever installed
@@ -252,7 +252,7 @@ class CompileConfig:
 
 @dataclass
 class DistributedConfig:
-    """Settings that matter only under torchrun (runner/distributed.py)."""
+    """Settings that matter only under torchrun (distributed.py)."""
 
     sync_batchnorm: bool = False  # batch-norm statistics over the global batch (torch's SyncBatchNorm: CUDA only)
 

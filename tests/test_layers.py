@@ -1,0 +1,82 @@
+"""The package's layering: each module imports only its own layer and the ones below it."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import mpt
+
+PACKAGE = Path(mpt.__file__).parent
+
+# Bottom first. A module may import its own layer and any below; never one above.
+LAYERS = [
+    {"mpt.config", "mpt.distributed", "mpt.files", "mpt.preemption"},
+    {"mpt.precision"},
+    {"mpt.datasets"},
+    {"mpt.models"},
+    {"mpt.runner"},
+    {"mpt.report"},
+]
+
+
+def layer_of(module: str) -> int:
+    for i, members in enumerate(LAYERS):
+        if any(module == m or module.startswith(m + ".") for m in members):
+            return i
+    raise AssertionError(f"{module}: in no layer of tests/test_layers.py")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported(path: Path, source: str | None = None) -> set[str]:
+    """Every mpt module the file imports, at the top or inside a function."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text() if source is None else source)):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("mpt")}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if not target.startswith("mpt"):
+                continue
+            if node.module is None or target in ("mpt", "mpt.precision"):  # `from . import x`: x may be a module
+                out |= {f"{target}.{a.name}" for a in node.names}
+            else:
+                out.add(target)
+    return out
+
+
+def modules() -> list[Path]:
+    # The top package's __init__ is empty; configs/ holds no code.
+    return sorted(p for p in PACKAGE.rglob("*.py") if "configs" not in p.relative_to(PACKAGE).parts and p != PACKAGE / "__init__.py")
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    upward = []
+    for path in modules():
+        own = layer_of(module_name(path))
+        for target in imported(path):
+            if target != "mpt" and layer_of(target) > own:
+                upward.append(f"{module_name(path)} imports {target}")
+    assert upward == []
+
+
+def test_the_check_resolves_relative_and_nested_imports():
+    probe = PACKAGE / "datasets" / "probe.py"
+    source = "from ..runner.record import now_iso\ndef f():\n    from .. import preemption\n    from ..precision import cpu_lstm\n"
+    assert imported(probe, source) == {"mpt.runner.record", "mpt.preemption", "mpt.precision.cpu_lstm"}
+    assert layer_of("mpt.runner.record") > layer_of(module_name(probe))
+
+
+def test_every_module_is_in_a_layer():
+    for path in modules():
+        layer_of(module_name(path))
