@@ -21,6 +21,24 @@ class ConfigError(ValueError):
     """A bad configuration value, reported as one line before any training starts."""
 
 
+class Choice(str, Enum):
+    """A setting with a fixed set of names: OmegaConf rejects any other while composing. It
+    compares equal to its name and prints as it."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
+
+
+class Task(Choice):
+    classification = "classification"
+    detection = "detection"
+    translation = "translation"
+    language_model = "language_model"
+    gan = "gan"
+
+
 class DType(Enum):
     float32 = "float32"
     float16 = "float16"
@@ -60,7 +78,7 @@ class PaperRecipe:
 @dataclass
 class ModelConfig:
     name: str = MISSING
-    task: str = "classification"  # classification | detection | translation | language_model | gan
+    task: Task = Task.classification
     arch: str = MISSING  # torchvision builder name, or the architecture's own name
     input_size: Optional[int] = 224  # the paper's resolution (schedule=paper and bench); null: the model takes no images
     small_input_size: Optional[int] = 32  # smallest size the architecture accepts (schedule=short and smoke)
@@ -218,7 +236,7 @@ class ScheduleConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = "sgd"  # sgd | adam
+    name: str = "sgd"  # sgd | adam | adagrad
     lr: float = 0.1  # at a batch of lr_batch samples
     lr_batch: Optional[int] = 256  # lr scales linearly with schedule.batch_size / lr_batch; null: used as given
     momentum: float = 0.9  # sgd
@@ -300,25 +318,15 @@ def register_configs() -> None:
 
 GROUPS = ("model", "precision", "scale", "data", "schedule")  # the config groups that make a run's choices
 SCALE_NAMES = ("none", "static", "dynamic", "auto")
-TASKS = ("classification", "detection", "translation", "language_model", "gan")
-IMAGE_TASKS = ("classification", "detection", "gan")
-DETECTION_INPUT_SIZE = 300  # SSD300
-INPUT_CONVENTIONS = ("unit_variance", "caffe")
-DATA_TASKS = {
-    "synthetic": TASKS,
-    "imagefolder": ("classification",),
-    "voc": ("detection",),
-    "parallel_text": ("translation",),
-    "text_corpus": ("language_model",),
-    "image_dir": ("gan",),
-}  # the batches each source can make
+# Checked in validate, not typed as Choice: a bad value is then a ConfigError naming it, from the
+# command line and from a composed config alike (compile.mode's names are not identifiers anyway).
 OPTIMIZERS = ("sgd", "adam", "adagrad")
 OPTIM_IMPLEMENTATIONS = ("default", "for_loop", "foreach", "fused")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-LOSS_REDUCTIONS = ("mean", "sum")
 
 
-def _positive(cfg: DictConfig, key: str, allow_none: bool = False) -> None:
+def positive(cfg: DictConfig, key: str, allow_none: bool = False) -> None:
+    """`key` holds a finite number above zero (or None, where allowed)."""
     value = OmegaConf.select(cfg, key)
     if value is None and allow_none:
         return
@@ -327,9 +335,11 @@ def _positive(cfg: DictConfig, key: str, allow_none: bool = False) -> None:
 
 
 def validate(cfg: DictConfig) -> None:
-    """Range and combination checks, run before anything is built. Raises ConfigError naming the key."""
+    """Range and combination checks of the settings every run has, run before anything is built.
+    Raises ConfigError naming the key. Each task and data source checks its own settings beside its
+    builder (models.validate, datasets.validate)."""
     for key in ["schedule.batch_size", "schedule.log_every", "schedule.throughput_window", "optim.lr", "optim.eps"]:
-        _positive(cfg, key)
+        positive(cfg, key)
     for key in [
         "schedule.steps",
         "schedule.epochs",
@@ -339,7 +349,7 @@ def validate(cfg: DictConfig) -> None:
         "optim.clip_grad_norm",
         "optim.lr_batch",
     ]:
-        _positive(cfg, key, allow_none=True)
+        positive(cfg, key, allow_none=True)
     if len(cfg.optim.betas) != 2 or not all(0 <= b < 1 for b in cfg.optim.betas):
         raise ConfigError(f"optim.betas={list(cfg.optim.betas)}: expected two numbers in [0, 1)")
     for key in ["optim.momentum", "optim.weight_decay", "optim.initial_accumulator", "schedule.throughput_warmup", "schedule.lr_warmup_steps"]:
@@ -347,8 +357,6 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"{key}={OmegaConf.select(cfg, key)}: must be zero or positive")
     if (cfg.schedule.steps is None) == (cfg.schedule.epochs is None):
         raise ConfigError(f"schedule: set exactly one of schedule.steps and schedule.epochs (got steps={cfg.schedule.steps}, epochs={cfg.schedule.epochs})")
-    if cfg.model.task not in TASKS:
-        raise ConfigError(f"model.task={cfg.model.task}: expected one of {', '.join(TASKS)}")
     if cfg.optim.implementation not in OPTIM_IMPLEMENTATIONS:
         raise ConfigError(f"optim.implementation={cfg.optim.implementation}: expected one of {', '.join(OPTIM_IMPLEMENTATIONS)}")
     if cfg.optim.implementation != "default" and Update(cfg.precision.update_rule) != Update.optimizer:
@@ -371,29 +379,6 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"compile.backend={cfg.compile.backend} with stats.grad_hist=true: gradient histograms need the eager networks; set one of them off")
     if cfg.optim.name not in OPTIMIZERS:
         raise ConfigError(f"optim.name={cfg.optim.name}: expected one of {', '.join(OPTIMIZERS)}")
-    if cfg.data.name not in DATA_TASKS:
-        raise ConfigError(f"data.name={cfg.data.name}: expected one of {', '.join(DATA_TASKS)}")
-    if cfg.model.task not in DATA_TASKS[cfg.data.name]:
-        fits = [d for d, tasks in DATA_TASKS.items() if cfg.model.task in tasks]
-        raise ConfigError(f"data={cfg.data.name} has no {cfg.model.task} data for model={cfg.model.name}; use data={' or data='.join(fits)}")
-    if cfg.model.task == "gan":  # first: its one size says more than "at least"
-        _validate_gan(cfg)
-    if cfg.model.task in IMAGE_TASKS:
-        _positive(cfg, "schedule.image_size")
-        if cfg.schedule.image_size < cfg.model.small_input_size:
-            raise ConfigError(f"schedule.image_size={cfg.schedule.image_size}: {cfg.model.name} needs at least {cfg.model.small_input_size} pixels")
-    if cfg.model.task == "translation":
-        _validate_translation(cfg)
-    if cfg.model.task == "language_model":
-        _validate_language_model(cfg)
-    if cfg.model.task == "detection":
-        if cfg.schedule.image_size != DETECTION_INPUT_SIZE:
-            # Its default boxes and feature-map strides are laid out for this one size.
-            raise ConfigError(
-                f"schedule.image_size={cfg.schedule.image_size}: {cfg.model.name} takes {DETECTION_INPUT_SIZE}x{DETECTION_INPUT_SIZE} images only"
-            )
-        if cfg.model.input_convention not in INPUT_CONVENTIONS:
-            raise ConfigError(f"model.input_convention={cfg.model.input_convention}: expected one of {', '.join(INPUT_CONVENTIONS)}")
 
     scale = cfg.scale
     if scale.name not in SCALE_NAMES:
@@ -437,110 +422,10 @@ def validate(cfg: DictConfig) -> None:
     if p.autocast is not None and p.param_dtype != DType.float32:
         raise ConfigError(f"precision {p.name}: autocast works on FP32 weights; got param_dtype={p.param_dtype.name}")
 
-    d = cfg.data
-    if d.name == "synthetic":
-        for key in ["data.num_classes", "data.train_samples", "data.val_samples"]:
-            _positive(cfg, key)
-    if d.name == "synthetic" and cfg.model.task == "detection":
-        _positive(cfg, "data.max_objects")
-        if not 0 <= d.pixel_noise < 1:
-            raise ConfigError(f"data.pixel_noise={d.pixel_noise}: must be in [0, 1)")
-    if d.name == "voc":
-        for key in ["data.train_sets", "data.val_sets", "data.class_names"]:
-            if not OmegaConf.select(cfg, key):
-                raise ConfigError(f"{key} is empty: data=voc needs it (see configs/data/voc.yaml)")
-        if len(set(d.class_names)) != len(d.class_names):
-            raise ConfigError(f"data.class_names={list(d.class_names)}: a class is listed twice")
     if cfg.stats.every < 1:
         raise ConfigError(f"stats.every={cfg.stats.every}: must be a positive number of steps")
     if not 0 < cfg.stats.keep <= 1:
         raise ConfigError(f"stats.keep={cfg.stats.keep}: must be a share in (0, 1]")
-    if d.num_workers < -1:
-        raise ConfigError(f"data.num_workers={d.num_workers}: must be -1 (auto) or >= 0")
-
-
-def _validate_translation(cfg: DictConfig) -> None:
-    m, d = cfg.model, cfg.data
-    for key in [
-        "model.hidden_size",
-        "model.encoder_layers",
-        "model.decoder_layers",
-        "model.beam_size",
-        "model.max_decode_len",
-        "model.pad_to_multiple",
-        "model.init_weight",
-    ]:
-        _positive(cfg, key)
-    if not 0 <= m.encoder_bidirectional_layers <= m.encoder_layers:
-        raise ConfigError(f"model.encoder_bidirectional_layers={m.encoder_bidirectional_layers}: must be between 0 and model.encoder_layers={m.encoder_layers}")
-    if m.decoder_layers < 2:
-        raise ConfigError(f"model.decoder_layers={m.decoder_layers}: GNMT needs at least 2 (the attention layer and one above it)")
-    for key in ["model.dropout", "model.label_smoothing"]:
-        if not 0 <= OmegaConf.select(cfg, key) < 1:
-            raise ConfigError(f"{key}={OmegaConf.select(cfg, key)}: must be in [0, 1)")
-    if m.loss_reduction not in LOSS_REDUCTIONS:
-        raise ConfigError(f"model.loss_reduction={m.loss_reduction}: expected one of {', '.join(LOSS_REDUCTIONS)}")
-    if m.len_norm_factor < 0 or m.len_norm_const < 0:
-        raise ConfigError(f"model.len_norm_factor={m.len_norm_factor}, model.len_norm_const={m.len_norm_const}: must be zero or positive")
-    for key in ["data.vocab_size", "data.max_len", "data.num_buckets", "data.tokenizer_sentences"]:
-        _positive(cfg, key)
-    if d.name == "synthetic":
-        if d.vocab_size < 2:
-            raise ConfigError(f"data.vocab_size={d.vocab_size}: a synthetic language needs at least 2 words")
-        if not 1 <= d.min_len <= d.max_len:
-            raise ConfigError(f"data.min_len={d.min_len}, data.max_len={d.max_len}: need 1 <= min_len <= max_len")
-    if d.name == "parallel_text":
-        if d.root is None:
-            raise ConfigError("data.root is not set: data=parallel_text needs the folder holding <split>.<lang>[.gz] files")
-        if d.src_lang == d.tgt_lang:
-            raise ConfigError(f"data.src_lang={d.src_lang} equals data.tgt_lang: translation needs two languages")
-
-
-def _validate_language_model(cfg: DictConfig) -> None:
-    m, d = cfg.model, cfg.data
-    for key in ["model.hidden_size", "model.proj_size", "model.layers", "model.num_sampled", "model.bptt"]:
-        _positive(cfg, key)
-    if m.proj_size >= m.hidden_size:
-        raise ConfigError(f"model.proj_size={m.proj_size}: must be smaller than model.hidden_size={m.hidden_size} (nn.LSTM's projection)")
-    if not 0 <= m.dropout < 1:
-        raise ConfigError(f"model.dropout={m.dropout}: must be in [0, 1)")
-    if d.name == "synthetic":
-        _positive(cfg, "data.vocab_size")
-        if not 0 < d.sentence_end_prob < 1:
-            raise ConfigError(f"data.sentence_end_prob={d.sentence_end_prob}: must be in (0, 1)")
-    if d.name == "text_corpus":
-        if d.root is None:
-            raise ConfigError("data.root is not set: data=text_corpus needs the folder its file patterns are under")
-        _positive(cfg, "data.min_count")
-        if d.max_vocab is not None and d.max_vocab < 3:
-            raise ConfigError(f"data.max_vocab={d.max_vocab}: needs at least 3 (</s>, <unk> and a word)")
-
-
-GAN_ARCHS = ("dcgan128", "dcgan64")
-
-
-def _validate_gan(cfg: DictConfig) -> None:
-    m, d = cfg.model, cfg.data
-    if m.arch not in GAN_ARCHS:
-        raise ConfigError(f"model.arch={m.arch}: expected one of {', '.join(GAN_ARCHS)}")
-    if cfg.schedule.image_size != m.input_size:
-        # Its strides are laid out for one size: 4x4 doubled to the output.
-        raise ConfigError(f"schedule.image_size={cfg.schedule.image_size}: {m.name} ({m.arch}) makes {m.input_size}x{m.input_size} images only")
-    for key in ["model.nz", "model.ngf", "model.ndf", "model.d_fc_size", "model.init_std", "model.sample_grid", "model.fid_samples"]:
-        _positive(cfg, key)
-    if m.leaky_slope < 0:
-        raise ConfigError(f"model.leaky_slope={m.leaky_slope}: must be zero or positive")
-    if m.fid_weights is not None:  # a covariance needs two samples on each side
-        for key in ["model.fid_samples", "data.val_samples"]:
-            if OmegaConf.select(cfg, key) < 2:
-                raise ConfigError(f"{key}={OmegaConf.select(cfg, key)}: FID (model.fid_weights is set) needs at least 2 images")
-    if d.name == "image_dir":
-        if d.root is None:
-            raise ConfigError("data.root is not set: data=image_dir needs the folder of images (e.g. CelebA's img_align_celeba)")
-        _positive(cfg, "data.crop", allow_none=True)
-    if d.name == "synthetic":
-        for key in ["data.train_samples", "data.val_samples"]:
-            _positive(cfg, key)
 
 
 def static_scale_value(cfg: DictConfig) -> float:

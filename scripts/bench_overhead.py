@@ -32,12 +32,13 @@ from omegaconf import DictConfig
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mpt.config import register_configs, validate  # noqa: E402
+from mpt.config import register_configs  # noqa: E402
 from mpt.datasets.synthetic import SyntheticImages  # noqa: E402
 from mpt.precision.engine import set_fp32_math  # noqa: E402
 from mpt.runner.record import environment, git_commit, now_iso, write_json_atomic  # noqa: E402
 from mpt.runner.throughput import synchronize  # noqa: E402
 from mpt.runner.train import Run, resolve_device  # noqa: E402
+from mpt.runner.validation import validate  # noqa: E402
 
 SCALE_FOR = {"fp32": "none", "tf32": "none", "bf16": "none", "amp": "dynamic", "mixed": "static"}
 

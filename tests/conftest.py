@@ -51,8 +51,8 @@ def in_process():
 
 def build_run(run_dir: Path, *overrides: str):
     """The Run `mpt-run` would build for these overrides, writing into `run_dir`."""
-    from mpt.config import validate
     from mpt.runner.train import Run
+    from mpt.runner.validation import validate
 
     cfg = compose_cfg(*overrides)
     validate(cfg)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from mpt.config import ConfigError, validate
+from mpt.config import ConfigError
+from mpt.runner.validation import validate
 
 from .conftest import ROOT, build_run, compose_cfg, run_cli
 

@@ -16,11 +16,12 @@ from hydra import compose, initialize_config_module
 from PIL import Image
 from torch import nn
 
-from mpt.config import ConfigError, validate
+from mpt.config import ConfigError
 from mpt.models.dcgan import GAN, Discriminator, Generator
 from mpt.report.cli import build_report
 from mpt.report.figures import _lines
 from mpt.runner.train import Run
+from mpt.runner.validation import validate
 
 from .conftest import ROOT, compose_cfg, read_record, run_cli, shared_data
 

@@ -12,9 +12,10 @@ import pytest
 import torch
 from hydra import compose, initialize_config_module
 
-from mpt.config import ConfigError, validate
+from mpt.config import ConfigError
 from mpt.datasets import build_data
 from mpt.datasets.voc import CorruptAnnotation
+from mpt.runner.validation import validate
 
 from .conftest import CPU, build_run, compose_cfg, read_record, run_cli, shared_data
 

@@ -12,13 +12,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mpt.config import ConfigError, validate
+from mpt.config import ConfigError
 from mpt.datasets import build_data
 from mpt.datasets.text_corpus import EOS, UNK, MarkovSource, Sentences, rows_of
 from mpt.models import biglstm
-from mpt.models.biglstm import BigLSTM, log_uniform_log_prob, log_uniform_sample, sampled_softmax_loss
+from mpt.models.biglstm import BigLSTM, LanguageModel, log_uniform_log_prob, log_uniform_sample, sampled_softmax_loss
 from mpt.precision.engine import PrecisionEngine, prepare_model
 from mpt.precision.scaler import build_scaler
+from mpt.runner.validation import validate
 
 from .conftest import CPU, compose_cfg, read_record, run_cli, shared_data
 
@@ -154,7 +155,8 @@ def test_gradients_embedding_weighting_and_lstm_only_clipping(precision):
     cfg = tiny_cfg("model.dropout=0", "optim.name=sgd", "optim.momentum=0", "optim.weight_decay=0", "optim.lr=1.0", "optim.lr_batch=null",
                    "optim.clip_grad_norm=1e-3", f"precision={precision}")  # fmt: skip
     torch.manual_seed(0)
-    net = BigLSTM(cfg.model, vocab=20, batch_size=3)
+    task = LanguageModel(cfg.model, {"vocab_size": 20}, batch_size=3)  # the task names what clipping covers
+    net = task.net
     x, y = torch.randint(0, 20, (3, 5)), torch.randint(0, 20, (3, 5))
     net("train", x, y, torch.arange(20))[0].sum().backward()
     emb = net.embedding.weight.grad.clone()
@@ -164,7 +166,7 @@ def test_gradients_embedding_weighting_and_lstm_only_clipping(precision):
     plain = torch.autograd.grad(torch.func.functional_call(net, {"embedding.weight": unhooked}, ("train", x, y, torch.arange(20)))[0].sum(), unhooked)[0]
     assert torch.allclose(emb, 3 * plain) and emb.abs().max() > 0  # f-lm: embedding gradients times the batch size
 
-    engine = PrecisionEngine(prepare_model(net, cfg.precision, CPU, False), cfg, build_scaler(cfg), [], CPU)
+    engine = PrecisionEngine(prepare_model(net, cfg.precision, CPU, False), cfg, build_scaler(cfg), [], CPU, clipped=task.clipped_parameters("model"))
     before = {n: p.detach().clone() for n, p in net.named_parameters()}
     net.carry_h.zero_(), net.carry_c.zero_()
     engine.backward(net("train", x, y, torch.arange(20))[0].sum())

@@ -7,9 +7,10 @@ import json
 import pytest
 import torch
 
-from mpt.config import as_plain, same_computation, validate
+from mpt.config import as_plain, same_computation
 from mpt.runner.record import write_json_atomic
 from mpt.runner.train import Run
+from mpt.runner.validation import validate
 
 from .conftest import ROOT, TINY, build_run, compose_cfg
 

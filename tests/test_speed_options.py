@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from mpt.config import ConfigError, validate
+from mpt.config import ConfigError
+from mpt.runner.validation import validate
 
 from .conftest import ROOT, TINY, compose_cfg, read_record, run_cli
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mpt.config import ConfigError, validate
+from mpt.config import ConfigError
 from mpt.datasets import build_data
 from mpt.datasets.translation import BOS, EOS, FIRST_WORD, PAD, SyntheticLanguagePair, collate
 from mpt.models import build_task
@@ -23,6 +23,7 @@ from mpt.models.beam_search import beam_search
 from mpt.models.gnmt import GNMT
 from mpt.precision.cpu_lstm import low_precision_lstms
 from mpt.precision.optim import lr_factor
+from mpt.runner.validation import validate
 
 from .conftest import CPU, compose_cfg, read_record, run_cli, shared_data
 

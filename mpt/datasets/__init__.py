@@ -10,13 +10,15 @@ tensor of real images in [-1, 1] (image_dir, or synthetic discs).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from importlib import import_module
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional, Protocol
 
 import torch
 from omegaconf import DictConfig
 
-from ..config import ConfigError
+from ..config import ConfigError, Task
 from ..distributed import Dist
 
 
@@ -32,67 +34,72 @@ class DataSource(Protocol):
 
     def val(self) -> Iterable[Any]: ...
 
+    def test(self) -> Optional[Iterable[Any]]: ...
 
-SHARDED = {
-    ("synthetic", "classification"),
-    ("imagefolder", "classification"),
-    ("voc", "detection"),
-    ("image_dir", "gan"),
-    ("synthetic", "gan"),
-    ("synthetic", "translation"),
-    ("parallel_text", "translation"),
-    ("synthetic", "language_model"),
-    ("text_corpus", "language_model"),
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Source:
+    """How one data source makes one task's batches: `module.build` makes them and
+    `module.validate(cfg)` checks its settings before anything is built (the module is imported
+    only when its pair is chosen)."""
+
+    module: str  # under mpt.datasets
+    build: str = "build"
+    validate: str = "validate"
+    sharded: bool = True  # runs under torchrun: each process trains on its slice of the global batch
+
+    def builder(self):
+        return getattr(import_module(f"{__name__}.{self.module}"), self.build)
+
+    def check(self, cfg: DictConfig) -> None:
+        getattr(import_module(f"{__name__}.{self.module}"), self.validate)(cfg)
+
+
+# The one list of which data each source can make, for which task.
+SOURCES: dict[tuple[str, Task], Source] = {
+    ("synthetic", Task.classification): Source("synthetic"),
+    ("synthetic", Task.detection): Source("shapes"),
+    ("synthetic", Task.gan): Source("discs"),
+    ("synthetic", Task.translation): Source("translation", "synthetic_translation"),
+    ("synthetic", Task.language_model): Source("text_corpus", "synthetic_lm", validate="validate_synthetic"),
+    ("imagefolder", Task.classification): Source("imagefolder"),
+    ("voc", Task.detection): Source("voc"),
+    ("parallel_text", Task.translation): Source("parallel_text", "parallel_text"),
+    ("text_corpus", Task.language_model): Source("text_corpus", "text_corpus"),
+    ("image_dir", Task.gan): Source("image_dir"),
 }
+
+
+def source(cfg: DictConfig) -> Source:
+    """The source of `data` for the model's task, or a ConfigError naming the data that fit."""
+    names = sorted({name for name, _ in SOURCES})
+    if cfg.data.name not in names:
+        raise ConfigError(f"data.name={cfg.data.name}: expected one of {', '.join(names)}")
+    task = Task(cfg.model.task)
+    if (cfg.data.name, task) not in SOURCES:
+        fits = [name for name, t in SOURCES if t == task]
+        raise ConfigError(f"data={cfg.data.name} has no {task} data for model={cfg.model.name}; use data={' or data='.join(fits)}")
+    return SOURCES[cfg.data.name, task]
+
+
+def validate(cfg: DictConfig) -> None:
+    """The data's settings, checked by the source that reads them."""
+    source(cfg).check(cfg)
+    if cfg.data.num_workers < -1:
+        raise ConfigError(f"data.num_workers={cfg.data.num_workers}: must be -1 (auto) or >= 0")
 
 
 def build_data(cfg: DictConfig, device: torch.device, workdir: Optional[Path] = None, resuming: bool = False, shard: Dist = Dist()) -> DataSource:
     """`workdir`: the run's folder, for what a source makes and the run must keep (a trained
     tokenizer); `resuming`: the run continues from a checkpoint there, so it reuses what it made;
     `shard`: this process's place in a torchrun job (it trains on its slice of each global batch)."""
-    if shard.enabled and (cfg.data.name, cfg.model.task) not in SHARDED:
+    chosen = source(cfg)
+    if shard.enabled and not chosen.sharded:
+        sharded = sorted((d, str(t)) for (d, t), s in SOURCES.items() if s.sharded)
         raise ConfigError(
             f"data={cfg.data.name} for model={cfg.model.name} does not run under torchrun yet; "
-            f"data parallel runs take {', '.join(f'data={d} ({t})' for d, t in sorted(SHARDED))}"
+            f"data parallel runs take {', '.join(f'data={d} ({t})' for d, t in sharded)}"
         )
-    if cfg.data.name == "synthetic" and cfg.model.task == "translation":
-        from .translation import synthetic_translation
-
-        return synthetic_translation(cfg, device, shard)
-    if cfg.data.name == "synthetic" and cfg.model.task == "language_model":
-        from .text_corpus import synthetic_lm
-
-        return synthetic_lm(cfg, device, shard)
-    if cfg.data.name == "text_corpus":
-        from .text_corpus import text_corpus
-
-        return text_corpus(cfg, device, shard)
-    if cfg.data.name == "parallel_text":
-        from .parallel_text import parallel_text
-
-        return parallel_text(cfg, device, workdir, resuming, shard)
-    if cfg.data.name == "synthetic" and cfg.model.task == "detection":
-        from .shapes import SyntheticShapes
-
-        return SyntheticShapes(cfg.data, cfg.schedule, seed=cfg.seed, device=device)
-    if cfg.data.name == "synthetic" and cfg.model.task == "gan":
-        from .discs import SyntheticDiscs
-
-        return SyntheticDiscs(cfg.data, cfg.schedule, seed=cfg.seed, device=device, shard=shard)
-    if cfg.data.name == "synthetic":
-        from .synthetic import SyntheticImages
-
-        return SyntheticImages(cfg.data, cfg.schedule, seed=cfg.seed, device=device, shard=shard)
-    if cfg.data.name == "imagefolder":
-        from .imagefolder import ImageFolderData
-
-        return ImageFolderData(cfg.data, cfg.schedule, seed=cfg.seed, device=device, shard=shard)
-    if cfg.data.name == "voc":
-        from .voc import VOCData
-
-        return VOCData(cfg.data, cfg.schedule, seed=cfg.seed, device=device, shard=shard)
-    if cfg.data.name == "image_dir":
-        from .image_dir import ImageDirData
-
-        return ImageDirData(cfg.data, cfg.schedule, seed=cfg.seed, device=device, shard=shard)
-    raise ValueError(f"data.name={cfg.data.name}: expected synthetic, imagefolder, voc, image_dir, parallel_text or text_corpus")
+    return chosen.builder()(cfg, device, workdir=workdir, resuming=resuming, shard=shard)

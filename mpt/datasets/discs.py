@@ -10,13 +10,16 @@ seeded CPU generator, so every device and every precision mode sees the same pix
 
 from __future__ import annotations
 
-from typing import Iterator
+from pathlib import Path
+from typing import Iterator, Optional
 
 import torch
 from omegaconf import DictConfig
 
 from ..distributed import Dist
-from .sampling import EpochOrder, require_one_batch
+from .sampling import EpochOrder, require_one_batch, validate_sample_counts
+
+validate = validate_sample_counts
 
 CHUNK = 256  # images generated at once: bounds the float working memory at 128x128
 
@@ -72,3 +75,7 @@ class SyntheticDiscs(EpochOrder):
     def val(self) -> Iterator[torch.Tensor]:
         for i in range(0, self.val_images.shape[0], self.batch_size):
             yield to_unit_range(self.val_images[i : i + self.batch_size])
+
+
+def build(cfg: DictConfig, device: torch.device, workdir: Optional[Path] = None, resuming: bool = False, shard: Dist = Dist()) -> SyntheticDiscs:
+    return SyntheticDiscs(cfg.data, cfg.schedule, seed=cfg.seed, device=device, shard=shard)

@@ -23,7 +23,7 @@ from torchvision.datasets.folder import IMG_EXTENSIONS
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms import functional as TF
 
-from ..config import ConfigError
+from ..config import ConfigError, positive
 from ..distributed import Dist
 from .discs import to_unit_range
 from .imagefolder import load_image
@@ -81,19 +81,21 @@ class ImageFiles(Dataset):
         return TF.pil_to_tensor(img)
 
 
+def validate(cfg: DictConfig) -> None:
+    d = cfg.data
+    if d.root is None:
+        raise ConfigError("data.root is not set: data=image_dir needs the folder of images (e.g. CelebA's img_align_celeba)")
+    positive(cfg, "data.crop", allow_none=True)
+    positive(cfg, "data.val_samples")  # reference images for FID
+
+
 class ImageDirData(LoaderData):
     def __init__(self, data: DictConfig, schedule: DictConfig, seed: int, device: torch.device, shard: Dist = Dist()):
-        if data.root is None:
-            raise ConfigError("data.root is not set: data=image_dir needs the folder of images (e.g. data.root=/data/celeba/img_align_celeba)")
         root = Path(os.path.expanduser(data.root))
         if not root.exists():
             raise ConfigError(f"data.root={root}: no such folder")
         if not root.is_dir():
             raise ConfigError(f"data.root={root}: a file, not a folder of images (unpack an archive first)")
-        if data.crop is not None and data.crop <= 0:
-            raise ConfigError(f"data.crop={data.crop}: must be a positive number of pixels, or null (the shorter side)")
-        if data.val_samples <= 0:
-            raise ConfigError(f"data.val_samples={data.val_samples}: must be a positive number of reference images")
         images, others = find_images(root)
         if not images:
             accepted = " ".join(IMG_EXTENSIONS)
@@ -136,3 +138,7 @@ class ImageDirData(LoaderData):
 
     def to_device(self, batch: torch.Tensor) -> torch.Tensor:
         return to_unit_range(batch.to(self.device, non_blocking=True))
+
+
+def build(cfg: DictConfig, device: torch.device, workdir: Optional[Path] = None, resuming: bool = False, shard: Dist = Dist()) -> ImageDirData:
+    return ImageDirData(cfg.data, cfg.schedule, seed=cfg.seed, device=device, shard=shard)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
@@ -51,10 +52,13 @@ def open_split(root: Path, split: str, transform) -> datasets.ImageFolder:
         raise ConfigError(f"data.root={root}: {split}/ is not an image folder: {e}") from None
 
 
+def validate(cfg: DictConfig) -> None:
+    if cfg.data.root is None:
+        raise ConfigError("data.root is not set: give the ImageFolder root, e.g. data.root=/data/imagenet")
+
+
 class ImageFolderData(LoaderData):
     def __init__(self, data: DictConfig, schedule: DictConfig, seed: int, device: torch.device, shard: Dist = Dist()):
-        if data.root is None:
-            raise ConfigError("data.root is not set: give the ImageFolder root, e.g. data.root=/data/imagenet")
         root = Path(os.path.expanduser(data.root))
         if not root.is_dir():
             raise ConfigError(f"data.root={root}: no such folder (expected {data.train_split}/<class>/<image> and {data.val_split}/<class>/<image>)")
@@ -92,3 +96,7 @@ class ImageFolderData(LoaderData):
     def to_device(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         images, labels = batch
         return images.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
+
+
+def build(cfg: DictConfig, device: torch.device, workdir: Optional[Path] = None, resuming: bool = False, shard: Dist = Dist()) -> ImageFolderData:
+    return ImageFolderData(cfg.data, cfg.schedule, seed=cfg.seed, device=device, shard=shard)

@@ -24,7 +24,7 @@ from omegaconf import DictConfig
 from ..config import ConfigError
 from ..distributed import Dist
 from ..files import write_bytes_atomic
-from .translation import BOS, EOS, PAD, UNK, TranslationData
+from .translation import BOS, EOS, PAD, UNK, TranslationData, validate_pairs
 
 TOKENIZER_FILE = "tokenizer.model"
 
@@ -100,7 +100,16 @@ def load_tokenizer(proto: bytes, source: str):
     return sp
 
 
-def parallel_text(cfg: DictConfig, device: torch.device, workdir: Optional[Path], resuming: bool = False, shard: Dist = Dist()) -> TranslationData:
+def validate(cfg: DictConfig) -> None:
+    validate_pairs(cfg)
+    d = cfg.data
+    if d.root is None:
+        raise ConfigError("data.root is not set: data=parallel_text needs the folder holding <split>.<lang>[.gz] files")
+    if d.src_lang == d.tgt_lang:
+        raise ConfigError(f"data.src_lang={d.src_lang} equals data.tgt_lang: translation needs two languages")
+
+
+def parallel_text(cfg: DictConfig, device: torch.device, workdir: Optional[Path] = None, resuming: bool = False, shard: Dist = Dist()) -> TranslationData:
     """`shard`: under torchrun, rank 0 trains the tokenizer and writes it into `workdir`; the
     other ranks wait for it and read it, so every rank encodes with the same vocabulary."""
     d = cfg.data

@@ -7,11 +7,18 @@ import signal
 from typing import Any, Iterable, Iterator
 
 import torch
+from omegaconf import DictConfig
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from ..config import ConfigError
+from ..config import ConfigError, positive
 from ..distributed import Dist
 from ..preemption import signals as preemption_signals
+
+
+def validate_sample_counts(cfg: DictConfig) -> None:
+    """A synthetic source's sizes."""
+    for key in ["data.num_classes", "data.train_samples", "data.val_samples"]:
+        positive(cfg, key)
 
 
 def require_one_batch(train_samples: int, batch_size: int) -> None:
@@ -69,7 +76,8 @@ class EpochBatches(Sampler):
 class EpochOrder:
     """The resume state of a source whose epochs are shuffled by the generator `order`: its state
     when the current epoch began (`begin_epoch` records it), from which `epoch(e, start)` redraws
-    the same order and skips to the resumed batch."""
+    the same order and skips to the resumed batch. Every source is one, so its defaults (no test
+    split, nothing to close) are the DataSource's."""
 
     order: torch.Generator
 
@@ -83,6 +91,10 @@ class EpochOrder:
 
     def load_state_dict(self, state: dict) -> None:
         self.order.set_state(state["order"])
+
+    def test(self) -> Iterator[Any] | None:
+        """The test split's batches (data.test_split), scored once at the end; None: no test split."""
+        return None
 
     def close(self) -> None:
         """Release what the source holds beyond memory (worker processes)."""

@@ -9,14 +9,25 @@ same pixels on every device and in every precision mode) and kept on the run's d
 
 from __future__ import annotations
 
-from typing import Iterator
+from pathlib import Path
+from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
 from torchvision.ops import box_iou
 
-from .sampling import EpochOrder, require_one_batch
+from ..config import ConfigError, positive
+from ..distributed import Dist
+from .sampling import EpochOrder, require_one_batch, validate_sample_counts
+
+
+def validate(cfg: DictConfig) -> None:
+    validate_sample_counts(cfg)
+    positive(cfg, "data.max_objects")
+    if not 0 <= cfg.data.pixel_noise < 1:
+        raise ConfigError(f"data.pixel_noise={cfg.data.pixel_noise}: must be in [0, 1)")
+
 
 SHAPES = ("rectangle", "ellipse", "triangle")
 
@@ -102,3 +113,7 @@ class SyntheticShapes(EpochOrder):
         n = len(self.val_targets)
         for i in range(0, n, self.batch_size):
             yield self._batch(self.val_images, self.val_targets, list(range(i, min(i + self.batch_size, n))))
+
+
+def build(cfg: DictConfig, device: torch.device, workdir: Optional[Path] = None, resuming: bool = False, shard: Dist = Dist()) -> SyntheticShapes:
+    return SyntheticShapes(cfg.data, cfg.schedule, seed=cfg.seed, device=device)

@@ -8,14 +8,17 @@ and every precision mode sees the same pixels.
 
 from __future__ import annotations
 
-from typing import Iterator
+from pathlib import Path
+from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
 
 from ..distributed import Dist
-from .sampling import EpochOrder, require_one_batch
+from .sampling import EpochOrder, require_one_batch, validate_sample_counts
+
+validate = validate_sample_counts
 
 
 def make_images(n: int, num_classes: int, size: int, noise: float, generator: torch.Generator, templates: torch.Tensor):
@@ -50,3 +53,7 @@ class SyntheticImages(EpochOrder):
     def val(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for i in range(0, self.val_labels.shape[0], self.batch_size):
             yield self.val_images[i : i + self.batch_size], self.val_labels[i : i + self.batch_size]
+
+
+def build(cfg: DictConfig, device: torch.device, workdir: Optional[Path] = None, resuming: bool = False, shard: Dist = Dist()) -> SyntheticImages:
+    return SyntheticImages(cfg.data, cfg.schedule, seed=cfg.seed, device=device, shard=shard)

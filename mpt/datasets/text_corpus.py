@@ -19,10 +19,10 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
-from ..config import ConfigError
+from ..config import ConfigError, positive
 from ..distributed import Dist
 from .parallel_text import read_lines
-from .sampling import EpochOrder
+from .sampling import EpochOrder, validate_sample_counts
 
 EOS_TOKEN, UNK_TOKEN = "</s>", "<unk>"
 EOS, UNK = 0, 1
@@ -183,7 +183,16 @@ def read_vocabulary(path: Path) -> list[str]:
     return [EOS_TOKEN, UNK_TOKEN, *(w for w in words if w not in (EOS_TOKEN, UNK_TOKEN, None))]
 
 
-def text_corpus(cfg: DictConfig, device: torch.device, shard: Dist = Dist()) -> LMData:
+def validate(cfg: DictConfig) -> None:
+    d = cfg.data
+    if d.root is None:
+        raise ConfigError("data.root is not set: data=text_corpus needs the folder its file patterns are under")
+    positive(cfg, "data.min_count")
+    if d.max_vocab is not None and d.max_vocab < 3:
+        raise ConfigError(f"data.max_vocab={d.max_vocab}: needs at least 3 (</s>, <unk> and a word)")
+
+
+def text_corpus(cfg: DictConfig, device: torch.device, workdir: Optional[Path] = None, resuming: bool = False, shard: Dist = Dist()) -> LMData:
     d = cfg.data
     root = Path(d.root).expanduser()
     if not root.is_dir():
@@ -254,7 +263,15 @@ def stationary(p: torch.Tensor) -> torch.Tensor:
     return nxt / nxt.sum()
 
 
-def synthetic_lm(cfg: DictConfig, device: torch.device, shard: Dist = Dist()) -> LMData:
+def validate_synthetic(cfg: DictConfig) -> None:
+    """The Markov source's settings."""
+    validate_sample_counts(cfg)
+    positive(cfg, "data.vocab_size")
+    if not 0 < cfg.data.sentence_end_prob < 1:
+        raise ConfigError(f"data.sentence_end_prob={cfg.data.sentence_end_prob}: must be in (0, 1)")
+
+
+def synthetic_lm(cfg: DictConfig, device: torch.device, workdir: Optional[Path] = None, resuming: bool = False, shard: Dist = Dist()) -> LMData:
     d = cfg.data
     source = MarkovSource(d.vocab_size, d.sentence_end_prob, cfg.seed)
     train = Sentences.of([source.sentence() for _ in range(d.train_samples)])

@@ -8,15 +8,16 @@ are the same everywhere: padding, unknown, begin and end of sentence.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
 from omegaconf import DictConfig
 
-from ..config import ConfigError
+from ..config import ConfigError, positive
 from ..distributed import Dist
-from .sampling import EpochOrder
+from .sampling import EpochOrder, validate_sample_counts
 
 PAD, UNK, BOS, EOS = 0, 1, 2, 3
 FIRST_WORD = 4
@@ -180,7 +181,26 @@ class SyntheticLanguagePair:
         return " ".join(f"w{i - FIRST_WORD}" for i in ids if i >= FIRST_WORD)
 
 
-def synthetic_translation(cfg: DictConfig, device: torch.device, shard: Dist = Dist()) -> TranslationData:
+def validate_pairs(cfg: DictConfig) -> None:
+    """What every source of sentence pairs needs."""
+    for key in ["data.vocab_size", "data.max_len", "data.num_buckets", "data.tokenizer_sentences"]:
+        positive(cfg, key)
+
+
+def validate(cfg: DictConfig) -> None:
+    """The synthetic language pair's settings."""
+    validate_sample_counts(cfg)
+    validate_pairs(cfg)
+    d = cfg.data
+    if d.vocab_size < 2:
+        raise ConfigError(f"data.vocab_size={d.vocab_size}: a synthetic language needs at least 2 words")
+    if not 1 <= d.min_len <= d.max_len:
+        raise ConfigError(f"data.min_len={d.min_len}, data.max_len={d.max_len}: need 1 <= min_len <= max_len")
+
+
+def synthetic_translation(
+    cfg: DictConfig, device: torch.device, workdir: Optional[Path] = None, resuming: bool = False, shard: Dist = Dist()
+) -> TranslationData:
     d = cfg.data
     lang = SyntheticLanguagePair(d, cfg.seed)
     train = [lang.sentence() for _ in range(d.train_samples)]

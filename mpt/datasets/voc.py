@@ -26,9 +26,10 @@ import os
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, Dataset
 from torchvision import tv_tensors
 from torchvision.transforms import v2
@@ -179,15 +180,22 @@ def collate(samples):
     return torch.stack(images), list(targets)
 
 
+def validate(cfg: DictConfig) -> None:
+    d = cfg.data
+    if d.root is None:
+        raise ConfigError("data.root is not set: give the VOCdevkit folder, or a folder with annotations/ and images/")
+    for key in ["data.train_sets", "data.val_sets", "data.class_names"]:
+        if not OmegaConf.select(cfg, key):
+            raise ConfigError(f"{key} is empty: data=voc needs it (see configs/data/voc.yaml)")
+    if len(set(d.class_names)) != len(d.class_names):
+        raise ConfigError(f"data.class_names={list(d.class_names)}: a class is listed twice")
+
+
 class VOCData(LoaderData):
     def __init__(self, data: DictConfig, schedule: DictConfig, seed: int, device: torch.device, shard: Dist = Dist()):
-        if data.root is None:
-            raise ConfigError("data.root is not set: give the VOCdevkit folder, or a folder with annotations/ and images/")
         root = Path(os.path.expanduser(data.root))
         if not root.is_dir():
             raise ConfigError(f"data.root={root}: no such folder")
-        if not data.class_names:
-            raise ConfigError("data.class_names is empty: list the object classes, e.g. data.class_names=[raccoon]")
         size = schedule.image_size
         train = read_sets(root, list(data.train_sets), list(data.class_names))
         val = read_sets(root, list(data.val_sets), list(data.class_names))
@@ -218,3 +226,7 @@ class VOCData(LoaderData):
     def to_device(self, batch: tuple[torch.Tensor, list[dict]]) -> tuple[torch.Tensor, list[dict]]:
         images, targets = batch
         return images.to(self.device, non_blocking=True), [{k: v.to(self.device, non_blocking=True) for k, v in t.items()} for t in targets]
+
+
+def build(cfg: DictConfig, device: torch.device, workdir: Optional[Path] = None, resuming: bool = False, shard: Dist = Dist()) -> VOCData:
+    return VOCData(cfg.data, cfg.schedule, seed=cfg.seed, device=device, shard=shard)

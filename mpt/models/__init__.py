@@ -28,20 +28,23 @@ weights, loss scaler). How the paper's other models fit this seam:
   engine, so an overflow in D's backward skips only D's update. Samples are real images; the
   metric is FID (with local Inception weights).
 
-Two optional members: `save_samples(path, forward_context)`, pictures a task writes at each
-evaluation (DCGAN's fixed-noise grid; the record lists them), and `evaluation_info`, a dict the
-record keeps under "evaluation" (how the metric was computed, or why it was not).
+The `Task` base class gives the members only some tasks need (sample pictures, a clipped subset
+of weights, per-stream buffers) defaults that do nothing.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Iterable, Iterator, Protocol
+from importlib import import_module
+from pathlib import Path
+from typing import Any, Callable, ContextManager, Iterable, Iterator
 
 import torch
 from omegaconf import DictConfig
 from torch import nn
 
+from ..config import ConfigError, positive
+from ..config import Task as Task_
 from ..distributed import Dist
 
 
@@ -52,24 +55,51 @@ class LossTerm:
     parts: dict[str, torch.Tensor] = field(default_factory=dict)  # components worth logging
 
 
-class Task(Protocol):
+class Task:
+    """What the loop calls. The members without a body here are each task's own; the others have
+    the defaults most tasks want, so the loop calls every member without asking whether it exists."""
+
     sample_unit: str  # what throughput counts: "images", "tokens", ...
     primary_metric: str  # the evaluation metric tables report (a key of evaluate()'s result)
     higher_is_better: bool
+    # How the metric was computed, or why it was not; the record keeps it under "evaluation".
+    evaluation_info: dict | None = None
+    # Whether save_samples draws anything: the record then lists the pictures under "sample_grids".
+    saves_samples = False
 
-    def networks(self) -> dict[str, nn.Module]: ...
+    def networks(self) -> dict[str, nn.Module]:
+        raise NotImplementedError
 
-    def train_losses(self, batch: Any) -> Iterator[LossTerm]: ...
+    def set_network(self, name: str, module: nn.Module) -> None:
+        """Call `module` (networks()[name] wrapped by DistributedDataParallel or torch.compile) in
+        its place from now on."""
+        raise NotImplementedError
 
-    def count_samples(self, batch: Any) -> int: ...
+    def train_losses(self, batch: Any) -> Iterator[LossTerm]:
+        raise NotImplementedError
 
-    def evaluate(self, batches: Iterable[Any], forward_context: Callable[[], ContextManager]) -> dict[str, float]: ...
+    def count_samples(self, batch: Any) -> int:
+        raise NotImplementedError
 
-    # Optional: `set_network(name, module)` makes the task call `module` (its network wrapped in
-    # DistributedDataParallel) in place of networks()[name]; a task without it cannot run under torchrun.
+    def evaluate(self, batches: Iterable[Any], forward_context: Callable[[], ContextManager]) -> dict[str, float]:
+        raise NotImplementedError
+
+    def save_samples(self, path: Path, forward_context: Callable[[], ContextManager]) -> Path | None:
+        """A picture drawn at each evaluation (DCGAN's fixed-noise grid), when saves_samples."""
+        return None
+
+    def clipped_parameters(self, name: str) -> list[nn.Parameter] | None:
+        """The weights of network `name` that optim.clip_grad_norm covers; None: all of them."""
+        return None
+
+    def stream_buffers(self, name: str) -> dict[str, int]:
+        """Buffers of network `name` holding one row per stream of the batch, by name and batch
+        dimension (bigLSTM's carried state): under torchrun each rank keeps its own streams' (no
+        buffer broadcast), and checkpoints hold the global batch's."""
+        return {}
 
 
-class OneNetwork:
+class OneNetwork(Task):
     """A task that trains one network, held in `self.net`."""
 
     net: nn.Module
@@ -78,31 +108,36 @@ class OneNetwork:
         return {"model": self.net}
 
     def set_network(self, name: str, module: nn.Module) -> None:
-        """Train and evaluate through `module` from now on (the network wrapped for data parallelism)."""
         self.net = module
+
+
+def validate_image_size(cfg: DictConfig) -> None:
+    """A model that takes images: the schedule's size is one it accepts."""
+    positive(cfg, "schedule.image_size")
+    if cfg.schedule.image_size < cfg.model.small_input_size:
+        raise ConfigError(f"schedule.image_size={cfg.schedule.image_size}: {cfg.model.name} needs at least {cfg.model.small_input_size} pixels")
+
+
+# The module under mpt.models that holds each task's `validate(cfg)` and `build(cfg, data_info, shard)`.
+TASK_MODULES = {
+    Task_.classification: "classification",
+    Task_.detection: "detection",
+    Task_.translation: "gnmt",
+    Task_.language_model: "biglstm",
+    Task_.gan: "dcgan",
+}
+
+
+def _module(cfg: DictConfig):
+    return import_module(f"{__name__}.{TASK_MODULES[Task_(cfg.model.task)]}")
+
+
+def validate(cfg: DictConfig) -> None:
+    """The model's settings, checked by its task beside its builder."""
+    _module(cfg).validate(cfg)
 
 
 def build_task(cfg: DictConfig, data_info: dict, shard: Dist = Dist()) -> Task:
     """`shard`: this process's place in a torchrun job (a task that draws its own inputs, DCGAN's
     latents, takes its slice of the global batch's)."""
-    if cfg.model.task == "classification":
-        from .classification import Classification
-
-        return Classification(cfg.model, num_classes=data_info["num_classes"])
-    if cfg.model.task == "detection":
-        from .detection import Detection
-
-        return Detection(cfg.model, num_classes=data_info["num_classes"], class_names=data_info["classes"], image_size=cfg.schedule.image_size)
-    if cfg.model.task == "translation":
-        from .gnmt import Translation
-
-        return Translation(cfg.model, data_info)
-    if cfg.model.task == "language_model":
-        from .biglstm import LanguageModel
-
-        return LanguageModel(cfg.model, data_info, batch_size=cfg.schedule.batch_size, shard=shard)
-    if cfg.model.task == "gan":
-        from .dcgan import GAN
-
-        return GAN(cfg.model, seed=cfg.seed, batch_size=cfg.schedule.batch_size, shard=shard)
-    raise ValueError(f"model.task={cfg.model.task}: no such task")
+    return _module(cfg).build(cfg, data_info, shard)

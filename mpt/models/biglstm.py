@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 
+from ..config import ConfigError, positive
 from ..distributed import Dist
 from . import LossTerm, OneNetwork
 
@@ -50,9 +51,8 @@ def sampled_softmax_loss(true_logits, sampled_logits, targets, candidates, true_
 class BigLSTM(nn.Module):
     """forward(stage, ...): "train" (true and sampled logits) or "nll" (full-softmax negative log-likelihood)."""
 
-    # Buffers holding one row per stream of the batch, by name and batch dimension: under torchrun
-    # each rank keeps its own streams' (no buffer broadcast), and checkpoints hold the global batch's.
-    stream_buffers = {"carry_h": 1, "carry_c": 1}
+    # The LSTM state carried between batches: one row per stream (Task.stream_buffers).
+    STREAM_BUFFERS = {"carry_h": 1, "carry_c": 1}
 
     def __init__(self, m: DictConfig, vocab: int, batch_size: int, rows: int | None = None):
         """`batch_size`: the global batch (f-lm's embedding-gradient weight); `rows`: the streams
@@ -80,10 +80,6 @@ class BigLSTM(nn.Module):
         self.register_buffer("carry_c", torch.zeros(m.layers, rows, m.hidden_size))
         # f-lm's gradient weighting: embedding gradients times the batch size (its `emb_grads * batch_size`)
         self.embedding.weight.register_hook(lambda g: g * batch_size)
-
-    def clipped_parameters(self) -> list[nn.Parameter]:
-        """What optim.clip_grad_norm covers: f-lm clips the LSTM's gradients only."""
-        return list(self.lstm.parameters())
 
     def forward(self, stage: str, *args):
         return getattr(self, f"_{stage}")(*args)
@@ -119,6 +115,14 @@ class LanguageModel(OneNetwork):
         self.vocab = data_info["vocab_size"]
         self.num_sampled = model_cfg.num_sampled
         self.net = BigLSTM(model_cfg, self.vocab, batch_size, rows=batch_size // shard.world_size)
+        self.lstm_parameters = list(self.net.lstm.parameters())  # shared by any wrapper set_network puts on
+
+    def clipped_parameters(self, name: str) -> list[nn.Parameter]:
+        """f-lm clips the LSTM's gradients only."""
+        return self.lstm_parameters
+
+    def stream_buffers(self, name: str) -> dict[str, int]:
+        return BigLSTM.STREAM_BUFFERS
 
     def train_losses(self, batch) -> Iterator[LossTerm]:
         inputs, targets = batch
@@ -152,3 +156,17 @@ class LanguageModel(OneNetwork):
             raise ValueError("evaluation saw no tokens: the validation set is empty")
         loss = float(total) / tokens
         return {"ppl": math.exp(min(loss, 700.0)), "val_loss": loss, "val_tokens": tokens}
+
+
+def validate(cfg: DictConfig) -> None:
+    m = cfg.model
+    for key in ["model.hidden_size", "model.proj_size", "model.layers", "model.num_sampled", "model.bptt"]:
+        positive(cfg, key)
+    if m.proj_size >= m.hidden_size:
+        raise ConfigError(f"model.proj_size={m.proj_size}: must be smaller than model.hidden_size={m.hidden_size} (nn.LSTM's projection)")
+    if not 0 <= m.dropout < 1:
+        raise ConfigError(f"model.dropout={m.dropout}: must be in [0, 1)")
+
+
+def build(cfg: DictConfig, data_info: dict, shard: Dist = Dist()) -> LanguageModel:
+    return LanguageModel(cfg.model, data_info, batch_size=cfg.schedule.batch_size, shard=shard)

@@ -10,7 +10,8 @@ import torchvision
 from omegaconf import DictConfig
 
 from ..config import ConfigError
-from . import LossTerm, OneNetwork
+from ..distributed import Dist
+from . import LossTerm, OneNetwork, validate_image_size
 
 # Architectures whose constructors need extra arguments to build without pretrained weights.
 _BUILD_KWARGS = {
@@ -70,3 +71,10 @@ class Classification(OneNetwork):
         if seen == 0:
             raise ValueError("evaluation saw no samples: the validation set is empty")
         return {"top1": correct1 / seen, f"top{k}": correct5 / seen, "val_loss": float(loss_sum) / seen, "val_samples": seen}
+
+
+validate = validate_image_size
+
+
+def build(cfg: DictConfig, data_info: dict, shard: Dist = Dist()) -> Classification:
+    return Classification(cfg.model, num_classes=data_info["num_classes"])

@@ -33,12 +33,13 @@ from typing import Callable, ContextManager, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from ..config import ConfigError, positive
 from ..distributed import Dist
 from ..files import write_atomic
-from . import LossTerm
+from . import LossTerm, Task, validate_image_size
 from .fid import GaussianStats, frechet_distance, load_inception
 
 FIXED_NOISE_SEED = 7_000  # plus the run's seed: every mode of a sweep draws the same grid
@@ -120,8 +121,9 @@ def _bce(logits: torch.Tensor, target: float) -> torch.Tensor:
     return F.binary_cross_entropy_with_logits(logits.float(), torch.full_like(logits, target, dtype=torch.float32))
 
 
-class GAN:
+class GAN(Task):
     sample_unit = "images"  # real images consumed
+    saves_samples = True
     primary_metric = "fid"
     higher_is_better = False
 
@@ -249,3 +251,28 @@ class GAN:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, lambda f: save_image(fake.cpu() * 0.5 + 0.5, f, format="png", nrow=max(1, math.isqrt(fake.shape[0])), padding=2))
         return path
+
+
+ARCHS = ("dcgan128", "dcgan64")
+
+
+def validate(cfg: DictConfig) -> None:
+    m = cfg.model
+    if m.arch not in ARCHS:
+        raise ConfigError(f"model.arch={m.arch}: expected one of {', '.join(ARCHS)}")
+    if cfg.schedule.image_size != m.input_size:  # first: its one size says more than "at least"
+        # Its strides are laid out for one size: 4x4 doubled to the output.
+        raise ConfigError(f"schedule.image_size={cfg.schedule.image_size}: {m.name} ({m.arch}) makes {m.input_size}x{m.input_size} images only")
+    validate_image_size(cfg)
+    for key in ["model.nz", "model.ngf", "model.ndf", "model.d_fc_size", "model.init_std", "model.sample_grid", "model.fid_samples"]:
+        positive(cfg, key)
+    if m.leaky_slope < 0:
+        raise ConfigError(f"model.leaky_slope={m.leaky_slope}: must be zero or positive")
+    if m.fid_weights is not None:  # a covariance needs two samples on each side
+        for key in ["model.fid_samples", "data.val_samples"]:
+            if OmegaConf.select(cfg, key) < 2:
+                raise ConfigError(f"{key}={OmegaConf.select(cfg, key)}: FID (model.fid_weights is set) needs at least 2 images")
+
+
+def build(cfg: DictConfig, data_info: dict, shard: Dist = Dist()) -> GAN:
+    return GAN(cfg.model, seed=cfg.seed, batch_size=cfg.schedule.batch_size, shard=shard)

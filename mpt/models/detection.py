@@ -29,7 +29,8 @@ from torchvision.ops import box_iou
 
 from ..config import ConfigError
 from ..datasets.voc import MEAN_PIXEL_01
-from . import LossTerm, OneNetwork
+from ..distributed import Dist
+from . import LossTerm, OneNetwork, validate_image_size
 from .voc_map import voc_map
 
 # The ImageNet convention of torchvision's other weights: RGB in [0, 1], minus mean, over std.
@@ -173,3 +174,20 @@ class Detection(OneNetwork):
         for c, r in result["per_class"].items():
             metrics[f"ap_{self.class_names[c - 1]}"] = r.ap_11pt
         return metrics
+
+
+INPUT_SIZE = 300  # SSD300
+INPUT_CONVENTIONS = ("unit_variance", "caffe")
+
+
+def validate(cfg: DictConfig) -> None:
+    validate_image_size(cfg)
+    if cfg.schedule.image_size != INPUT_SIZE:
+        # Its default boxes and feature-map strides are laid out for this one size.
+        raise ConfigError(f"schedule.image_size={cfg.schedule.image_size}: {cfg.model.name} takes {INPUT_SIZE}x{INPUT_SIZE} images only")
+    if cfg.model.input_convention not in INPUT_CONVENTIONS:
+        raise ConfigError(f"model.input_convention={cfg.model.input_convention}: expected one of {', '.join(INPUT_CONVENTIONS)}")
+
+
+def build(cfg: DictConfig, data_info: dict, shard: Dist = Dist()) -> Detection:
+    return Detection(cfg.model, num_classes=data_info["num_classes"], class_names=data_info["classes"], image_size=cfg.schedule.image_size)

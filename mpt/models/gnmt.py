@@ -20,11 +20,13 @@ from typing import Callable, ContextManager, Iterable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
+from ..config import ConfigError, positive
 from ..datasets.translation import BOS, EOS, PAD, TranslationBatch, round_up
+from ..distributed import Dist
 from . import LossTerm, OneNetwork
 from .beam_search import beam_search
 
@@ -216,3 +218,35 @@ class Translation(OneNetwork):
             "val_ppl": math.exp(min(val_loss, 700.0)),
             "val_sentences": len(hyps),
         }
+
+
+LOSS_REDUCTIONS = ("mean", "sum")
+
+
+def validate(cfg: DictConfig) -> None:
+    m = cfg.model
+    for key in [
+        "model.hidden_size",
+        "model.encoder_layers",
+        "model.decoder_layers",
+        "model.beam_size",
+        "model.max_decode_len",
+        "model.pad_to_multiple",
+        "model.init_weight",
+    ]:
+        positive(cfg, key)
+    if not 0 <= m.encoder_bidirectional_layers <= m.encoder_layers:
+        raise ConfigError(f"model.encoder_bidirectional_layers={m.encoder_bidirectional_layers}: must be between 0 and model.encoder_layers={m.encoder_layers}")
+    if m.decoder_layers < 2:
+        raise ConfigError(f"model.decoder_layers={m.decoder_layers}: GNMT needs at least 2 (the attention layer and one above it)")
+    for key in ["model.dropout", "model.label_smoothing"]:
+        if not 0 <= OmegaConf.select(cfg, key) < 1:
+            raise ConfigError(f"{key}={OmegaConf.select(cfg, key)}: must be in [0, 1)")
+    if m.loss_reduction not in LOSS_REDUCTIONS:
+        raise ConfigError(f"model.loss_reduction={m.loss_reduction}: expected one of {', '.join(LOSS_REDUCTIONS)}")
+    if m.len_norm_factor < 0 or m.len_norm_const < 0:
+        raise ConfigError(f"model.len_norm_factor={m.len_norm_factor}, model.len_norm_const={m.len_norm_const}: must be zero or positive")
+
+
+def build(cfg: DictConfig, data_info: dict, shard: Dist = Dist()) -> Translation:
+    return Translation(cfg.model, data_info)

@@ -195,6 +195,7 @@ class PrecisionEngine:
         lr_milestones: list[int],
         device: torch.device,
         reduce_max: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+        clipped: list[nn.Parameter] | None = None,
     ):
         self.model = model
         # Under torchrun: the maximum over processes, so that every rank skips the same steps and
@@ -204,8 +205,8 @@ class PrecisionEngine:
         self.device = device
         self.clip = cfg.optim.clip_grad_norm
         params = [q for q in model.parameters() if q.requires_grad]
-        # What optim.clip_grad_norm covers: every weight, or those a model names (bigLSTM: its LSTM's)
-        self.clip_ids = {id(q) for q in (model.clipped_parameters() if hasattr(model, "clipped_parameters") else params)}
+        # What optim.clip_grad_norm covers: every weight, or those the task names (bigLSTM: its LSTM's)
+        self.clip_ids = {id(q) for q in (params if clipped is None else clipped)}
         update_cls = _TorchUpdate if cfg.precision.update_rule == Update.optimizer else _FP16Update
         self.update = update_cls(params, cfg, effective_lr(cfg))
         self.optimizer = self.update.optimizer

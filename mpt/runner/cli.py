@@ -17,7 +17,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from .. import preemption
-from ..config import GROUPS, ConfigError, as_plain, register_configs, same_computation, validate
+from ..config import GROUPS, ConfigError, as_plain, register_configs, same_computation
 from ..distributed import from_env, leave, teardown
 from ..files import write_text_atomic
 from .record import write_json_atomic
@@ -178,6 +178,7 @@ def _own_the_folder(cfg: DictConfig, run_dir: Path) -> logging.Handler:
 def _run_locked(cfg: DictConfig, run_dir: Path, multirun: bool) -> tuple[str, bool]:
     """The run's status, and whether a preemption signal asks the process to stop."""
     from .train import Run, failure_record  # torch and torchvision load after Hydra has parsed the command line
+    from .validation import validate
 
     previous = previous_record(run_dir)
     final = previous.get("status") in ("ok", "diverged")  # results; a failed, preempted or unfinished run is redone
@@ -256,6 +257,8 @@ def preflight(args: list[str]) -> str | None:
         return None
     from hydra import compose, initialize_config_module
     from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
+
+    from .validation import validate
 
     words = [a for a in args if not a.startswith("-")]
     try:

@@ -120,6 +120,7 @@ class Run:
                 milestones,
                 self.device,
                 reduce_max=self.dist.reduce_max,
+                clipped=self.task.clipped_parameters(name),
             )
             for name, net in self.task.networks().items()
         }
@@ -162,7 +163,7 @@ class Run:
             "metrics": self.record["metrics"],
             "sample_grids": self.record.get("sample_grids"),
             "data": self.data.state_dict(),
-            "engines": {name: {"model": self._model_state(e.model), **e.state_dict()} for name, e in self.engines.items()},
+            "engines": {name: {"model": self._model_state(name, e.model), **e.state_dict()} for name, e in self.engines.items()},
             "rng": checkpoint.rng_state(),
             # Every rank's own GPU generator advances alike (the same draws): rank 0's stands for all.
             "device_rng": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
@@ -175,7 +176,7 @@ class Run:
 
     def _restore(self, saved: dict) -> None:
         for name, engine in self.engines.items():
-            engine.model.load_state_dict(self._own_rows(engine.model, saved["engines"][name]["model"]))
+            engine.model.load_state_dict(self._own_rows(name, engine.model, saved["engines"][name]["model"]))
             engine.load_state_dict(saved["engines"][name])
         self.data.load_state_dict(saved["data"])
         self.step, self.samples_before_resume = saved["step"], saved["samples"]
@@ -205,8 +206,6 @@ class Run:
         backward all-reduces (averages) the gradients; the engine keeps the network itself."""
         from torch.nn.parallel import DistributedDataParallel
 
-        if not hasattr(self.task, "set_network"):
-            raise ConfigError(f"model={self.cfg.model.name} does not run under torchrun yet")
         if self.cfg.distributed.sync_batchnorm and self.device.type != "cuda":
             raise ConfigError("distributed.sync_batchnorm=true: torch's SyncBatchNorm runs on CUDA only; on CPU processes each rank normalizes its own slice")
         allreduce = self.cfg.precision.allreduce_dtype
@@ -214,8 +213,8 @@ class Run:
             if self.cfg.distributed.sync_batchnorm:  # BN modules swapped in place: the parameters stay the engine's
                 engine.model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(engine.model)
             # A network that carries per-stream state between batches in buffers (bigLSTM's LSTM
-            # state) says so: broadcasting rank 0's would overwrite each rank's own.
-            rank_local = {"broadcast_buffers": False} if getattr(engine.model, "stream_buffers", None) else {}
+            # state): broadcasting rank 0's would overwrite each rank's own.
+            rank_local = {"broadcast_buffers": False} if self.task.stream_buffers(name) else {}
             # No device_ids: batches are already on the device, and DDP would move every tensor
             # argument there, GNMT's CPU sequence lengths included.
             ddp = DistributedDataParallel(engine.model, **rank_local)
@@ -237,19 +236,19 @@ class Run:
         for name, net in self.task.networks().items():
             self.task.set_network(name, torch.compile(net, backend=c.backend, mode=c.mode))
 
-    def _model_state(self, model: torch.nn.Module) -> dict:
+    def _model_state(self, network: str, model: torch.nn.Module) -> dict:
         """The network's state dict, with per-stream buffers gathered from every rank (collective)."""
         state = model.state_dict()
-        for name, dim in (getattr(model, "stream_buffers", None) or {}).items():
+        for name, dim in self.task.stream_buffers(network).items():
             state[name] = self.dist.gather(state[name], dim)
         return state
 
-    def _own_rows(self, model: torch.nn.Module, state: dict) -> dict:
+    def _own_rows(self, network: str, model: torch.nn.Module, state: dict) -> dict:
         """A saved state dict with this rank's slice of each per-stream buffer (a checkpoint holds the
         global batch's, so it resumes with any number of processes)."""
         own = model.state_dict()
         state = dict(state)
-        for name, dim in (getattr(model, "stream_buffers", None) or {}).items():
+        for name, dim in self.task.stream_buffers(network).items():
             rows, saved_rows = own[name].shape[dim], state[name].shape[dim]
             if saved_rows != rows and saved_rows == rows * self.dist.world_size:
                 start, _ = self.dist.shard(0, saved_rows)
@@ -274,7 +273,7 @@ class Run:
         cfg = self.cfg
         plain = as_plain(cfg)
         # Pictures a task draws at each evaluation (DCGAN's fixed-noise grid): their paths, by step.
-        task_fields = {"sample_grids": []} if hasattr(self.task, "save_samples") else {}
+        task_fields = {"sample_grids": []} if self.task.saves_samples else {}
         return {
             "schema": 1,
             "status": "running",
@@ -325,7 +324,7 @@ class Run:
             "primary_metric": self.task.primary_metric,
             "higher_is_better": self.task.higher_is_better,
             "metrics": {},
-            "evaluation": getattr(self.task, "evaluation_info", None),  # how the metric is computed, or why it is not
+            "evaluation": self.task.evaluation_info,  # how the metric is computed, or why it is not
             **task_fields,
             "final_train_loss": None,
             "last_finite_train_loss": None,
@@ -537,7 +536,7 @@ class Run:
         cap = self.cfg.schedule.eval_batches
         batches = islice(self.data.val(), cap) if cap else self.data.val()
         metrics = self.task.evaluate(batches, self.forward_context)
-        test = getattr(self.data, "test", lambda: None)() if step == self.total_steps else None
+        test = self.data.test() if step == self.total_steps else None
         if test is not None:  # a held-out split the source was given, scored once, at the end, in full
             metrics.update({f"test_{k.removeprefix('val_')}": v for k, v in self.task.evaluate(test, self.forward_context).items()})
         self.record["metrics"] = {**metrics, "step": step}

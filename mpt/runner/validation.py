@@ -1,0 +1,16 @@
+"""Every check of a composed config, run before anything is built: the settings every run has
+(config.py), then the data source's and the task's, each beside its own builder."""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig
+
+from .. import config, datasets, models
+
+
+def validate(cfg: DictConfig) -> None:
+    """Raises ConfigError naming the first bad value."""
+    config.validate(cfg)
+    datasets.source(cfg)  # the data fits the task before either reads its settings
+    models.validate(cfg)
+    datasets.validate(cfg)
