@@ -42,10 +42,13 @@ class _Recorder:
         return getattr(self._f, name)
 
 
+_TMP_SUFFIX = ".tmp"
+
+
 def write_atomic(path: Path, write: Callable[[BinaryIO], object]) -> None:
     """`write(f)` into a temporary file in `path`'s folder, then rename it to `path`."""
     try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=_TMP_SUFFIX)
     except OSError as e:
         raise failed_write(path, e) from e
     recorder = None
@@ -86,3 +89,9 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
 
 def write_text_atomic(path: Path, text: str) -> None:
     write_bytes_atomic(path, text.encode())
+
+
+def remove_stale_temporaries(folder: Path) -> None:
+    """The temporaries of writes a kill cut short; call only while no one else writes in `folder`."""
+    for stale in folder.glob(f".*{_TMP_SUFFIX}"):
+        stale.unlink(missing_ok=True)

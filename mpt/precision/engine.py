@@ -6,7 +6,7 @@ loop calls `backward(loss)` and `step()` and knows nothing else. The engine is b
 fields of the precision config (param_dtype, master_weights, norm_fp32, autocast, update, tf32),
 never from the mode's name, so a new mode is a new YAML file.
 
-The modes of DESIGN.md map onto two update paths:
+The modes (configs/precision/*.yaml) map onto two update paths:
 - the optimizer on FP32 tensors (`fp32`, `tf32`, `amp`, `bf16`: the weights themselves; `mixed`:
   the master copy, which is then cast back to the FP16 weights). Gradients are unscaled in place,
   in FP32, before clipping, weight decay and the update;
@@ -74,27 +74,27 @@ def ieee_fp32() -> Iterator[None]:
             setattr(obj, name, value)
 
 
-def check_device_support(p: DictConfig, device: torch.device) -> None:
+def check_device_support(mode: DictConfig, device: torch.device) -> None:
     """A mode the device cannot run fails here, naming the mode and the device."""
-    wants_bf16 = DType.bfloat16 in (p.param_dtype, p.autocast)
+    wants_bf16 = DType.bfloat16 in (mode.param_dtype, mode.autocast)
     if device.type == "cuda" and wants_bf16 and not torch.cuda.is_bf16_supported():
-        raise ConfigError(f"precision={p.name}: {torch.cuda.get_device_name(device)} has no bfloat16 support; use fp16, mixed or amp")
+        raise ConfigError(f"precision={mode.name}: {torch.cuda.get_device_name(device)} has no bfloat16 support; use fp16, mixed or amp")
 
 
-def default_channels_last(p: DictConfig, device: torch.device) -> bool:
+def default_channels_last(mode: DictConfig, device: torch.device) -> bool:
     """The tensor-core layout on CUDA; on a CPU, FP16 convolutions were markedly faster channels-last."""
-    return device.type == "cuda" or p.param_dtype == DType.float16
+    return device.type == "cuda" or mode.param_dtype == DType.float16
 
 
 def _cast_floating(tree, dtype: torch.dtype):
     return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
 
 
-def uses_cpu_fp16_convs(p: DictConfig, device: torch.device) -> bool:
-    return device.type == "cpu" and DType.float16 in (p.param_dtype, p.autocast)
+def uses_cpu_fp16_convs(mode: DictConfig, device: torch.device) -> bool:
+    return device.type == "cpu" and DType.float16 in (mode.param_dtype, mode.autocast)
 
 
-def prepare_model(model: nn.Module, p: DictConfig, device: torch.device, channels_last: bool, emulate_cpu_fp16_conv: bool = False) -> nn.Module:
+def prepare_model(model: nn.Module, mode: DictConfig, device: torch.device, channels_last: bool, emulate_cpu_fp16_conv: bool = False) -> nn.Module:
     """Put the model's weights where the mode says, on the device.
 
     FP16 (or BF16) weights get apex O2's casts at the model's boundary: floating inputs are cast to
@@ -103,14 +103,14 @@ def prepare_model(model: nn.Module, p: DictConfig, device: torch.device, channel
     GPU's arithmetic at FP32 speed (cpu_half_conv.py) instead of torch's slow reference kernels,
     and FP16 or BF16 LSTMs run on a kernel this CPU has (cpu_lstm.py).
     """
-    dtype = torch_dtype(p.param_dtype)
+    dtype = torch_dtype(mode.param_dtype)
     model.to(device=device, dtype=dtype)
-    if emulate_cpu_fp16_conv and uses_cpu_fp16_convs(p, device):
+    if emulate_cpu_fp16_conv and uses_cpu_fp16_convs(mode, device):
         emulate_half_convs(model)
-    low = p.autocast or (p.param_dtype if p.param_dtype != DType.float32 else None)
+    low = mode.autocast or (mode.param_dtype if mode.param_dtype != DType.float32 else None)
     if device.type == "cpu" and low is not None:
         low_precision_lstms(model, torch_dtype(low))
-    if p.norm_fp32:
+    if mode.norm_fp32:
         for module in model.modules():
             if isinstance(module, nn.modules.batchnorm._BatchNorm):
                 module.float()
@@ -122,10 +122,10 @@ def prepare_model(model: nn.Module, p: DictConfig, device: torch.device, channel
     return model
 
 
-def autocast(p: DictConfig, device: torch.device) -> contextlib.AbstractContextManager:
-    if p.autocast is None:
+def autocast(mode: DictConfig, device: torch.device) -> contextlib.AbstractContextManager:
+    if mode.autocast is None:
         return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=torch_dtype(p.autocast))
+    return torch.autocast(device.type, dtype=torch_dtype(mode.autocast))
 
 
 class _TorchUpdate:

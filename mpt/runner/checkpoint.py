@@ -1,7 +1,8 @@
 """Checkpoints: everything a run needs to continue as if it had never stopped.
 
 Written through files.write_atomic, so a kill or a full disk mid-write leaves the previous
-checkpoint whole (timm's habit). Loading checks the checkpoint belongs to this config.
+checkpoint whole (timm's habit). Whether a checkpoint belongs to this run is the loop's question
+(it asks same_computation of the saved config on resume), not this module's.
 """
 
 from __future__ import annotations

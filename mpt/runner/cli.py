@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from .. import preemption
 from ..config import GROUPS, ConfigError, as_plain, register_configs, same_computation
 from ..distributed import from_env, leave, teardown
-from ..files import write_text_atomic
+from ..files import remove_stale_temporaries, write_text_atomic
 from .record import write_json_atomic
 from .run_lock import AlreadyRunning, RunLock
 
@@ -161,8 +161,7 @@ def run(cfg: DictConfig) -> str:
 def _own_the_folder(cfg: DictConfig, run_dir: Path) -> logging.Handler:
     """Hydra's files, written by the lock's holder only (config.yaml has hydra.output_subdir: null
     and a console-only job log), so a second launch of the run writes nothing into the folder."""
-    for stale in run_dir.glob(".*.tmp"):  # an atomic write cut short by a kill (files.write_atomic)
-        stale.unlink(missing_ok=True)
+    remove_stale_temporaries(run_dir)  # the lock's holder is the folder's only writer
     hydra_cfg = HydraConfig.instance().cfg
     saved = run_dir / ".hydra"
     saved.mkdir(exist_ok=True)
