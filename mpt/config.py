@@ -173,46 +173,106 @@ class ScaleConfig:
 
 @dataclass
 class DataConfig:
+    """What every data source has. Each source's schema below adds its own settings only, so a
+    setting of another source is an unknown key for this one (data=voc data.vocab_size=8 fails)."""
+
     name: str = MISSING
-    # synthetic: class templates plus noise, generated once and kept on the run's device
-    num_classes: int = 10
+
+
+@dataclass
+class SyntheticDataConfig(DataConfig):
+    """Data made on the run's device, no files and no loader: one generator per task."""
+
     train_samples: int = 512
     val_samples: int = 128
+    # classification: class templates plus noise
+    num_classes: int = 10
     noise: float = 0.5
-    # synthetic, for detection models: coloured shapes (num_classes of them) on noisy backgrounds
+    # detection: coloured shapes (num_classes kinds) on noisy backgrounds; gan: soft-edged discs
     max_objects: int = 3
     pixel_noise: float = 0.1  # std of the Gaussian noise on [0, 1] pixels
-    # imagefolder: root/<train_split>/<class>/* and root/<val_split>/<class>/*; voc: see datasets/voc.py
+    # translation: a deterministic word mapping with local reordering; language_model: sentences of a
+    # random Markov source over vocab_size words
+    vocab_size: int = 32
+    min_len: int = 3  # translation: shortest sentence (words)
+    max_len: int = 12  # translation: longest sentence (words)
+    num_buckets: int = 5  # translation: length buckets; a batch draws its pairs from one
+    sentence_end_prob: float = 0.1  # language_model: the chance a sentence ends after each word
+
+
+@dataclass
+class FileDataConfig(DataConfig):
+    """Data read from files under `root` by loader processes."""
+
     root: Optional[str] = None
+    num_workers: int = -1  # -1: min(8, CPU count)
+
+
+@dataclass
+class ImageFolderDataConfig(FileDataConfig):
+    """root/<train_split>/<class>/* and root/<val_split>/<class>/*."""
+
     train_split: str = "train"
     val_split: str = "val"
-    test_split: Optional[str] = None  # parallel_text: scored once at the end of the run (metrics test_*)
-    num_workers: int = -1  # -1: min(8, CPU count)
     resize_ratio: float = 256 / 224  # validation: Resize(image_size * ratio) then CenterCrop(image_size)
-    # voc: sets to train and evaluate on ("VOC2007/trainval" in a devkit, or a split file of a flat folder)
+
+
+@dataclass
+class VOCDataConfig(FileDataConfig):
+    """A VOCdevkit folder, or a flat annotations/ + images/ pair (datasets/voc.py)."""
+
+    # sets to train and evaluate on ("VOC2007/trainval" in a devkit, or a split file of a flat folder)
     train_sets: list[str] = field(default_factory=list)
     val_sets: list[str] = field(default_factory=list)
     class_names: list[str] = field(default_factory=list)
     keep_difficult: bool = True  # train on objects marked difficult too, as SSD did (evaluation always ignores them)
-    # translation. synthetic: a deterministic word mapping with local reordering; parallel_text:
-    # root/<split>.<lang>[.gz], one sentence per line, splits train_split and val_split
+
+
+@dataclass
+class ParallelTextDataConfig(FileDataConfig):
+    """root/<split>.<lang>[.gz], one sentence per line."""
+
     src_lang: str = "en"
     tgt_lang: str = "de"
-    vocab_size: int = 32  # synthetic: words; parallel_text: subword vocabulary of the trained tokenizer
-    min_len: int = 3  # synthetic: shortest sentence (words)
-    max_len: int = 12  # synthetic: longest sentence; parallel_text: longest training pair kept (subwords)
-    tokenizer_model: Optional[str] = None  # parallel_text: a sentencepiece .model to use (null: train one on the training text)
-    tokenizer_sentences: int = 1_000_000  # parallel_text: sentences sampled to train the tokenizer
+    train_split: str = "train"
+    val_split: str = "val"
+    test_split: Optional[str] = None  # scored once at the end of the run (metrics test_*)
+    vocab_size: int = 32000  # subword vocabulary of the trained tokenizer, both languages together
+    max_len: int = 50  # longest training pair kept (subwords)
     num_buckets: int = 5  # length buckets: a batch draws its pairs from one bucket
-    # language modeling. text_corpus: file globs under root (train_split, val_split, test_split), one
-    # tokenized sentence per line; synthetic: sentences of a random Markov source (vocab_size words)
-    min_count: int = 1  # text_corpus: words seen fewer times in training become <unk>
-    max_vocab: Optional[int] = None  # text_corpus: keep at most this many ids (the most frequent)
-    vocab_file: Optional[str] = None  # text_corpus: one token per line, most frequent first (instead of counting)
-    sentence_end_prob: float = 0.1  # synthetic: the chance a sentence ends after each word
-    # image_dir (GANs): every image under root, any depth; a center crop of `crop` pixels (null: the
-    # shorter side) resized to the model's size
-    crop: Optional[int] = None
+    tokenizer_model: Optional[str] = None  # a sentencepiece .model to use (null: train one on the training text)
+    tokenizer_sentences: int = 1_000_000  # sentences sampled to train the tokenizer
+
+
+@dataclass
+class TextCorpusDataConfig(FileDataConfig):
+    """File globs under root (train_split, val_split, test_split), one tokenized sentence per line."""
+
+    train_split: str = MISSING
+    val_split: str = MISSING
+    test_split: Optional[str] = None  # scored once at the end of the run (metrics test_*)
+    min_count: int = 1  # words seen fewer times in training become <unk>
+    max_vocab: Optional[int] = None  # keep at most this many ids (the most frequent)
+    vocab_file: Optional[str] = None  # one token per line, most frequent first (instead of counting)
+
+
+@dataclass
+class ImageDirDataConfig(FileDataConfig):
+    """Every image under root, any depth (GANs)."""
+
+    crop: Optional[int] = None  # center-crop side in pixels before resizing to the model's size (null: the shorter side)
+    val_samples: int = 1000  # reference images for D(x) and FID: a seeded sample of the folder
+
+
+# Each data source's schema, by data.name (configs/data/<name>.yaml starts from schema/data_<name>).
+DATA_SCHEMAS = {
+    "synthetic": SyntheticDataConfig,
+    "imagefolder": ImageFolderDataConfig,
+    "voc": VOCDataConfig,
+    "parallel_text": ParallelTextDataConfig,
+    "text_corpus": TextCorpusDataConfig,
+    "image_dir": ImageDirDataConfig,
+}
 
 
 @dataclass
@@ -310,6 +370,7 @@ def register_configs() -> None:
         ("precision", PrecisionConfig),
         ("scale", ScaleConfig),
         ("data", DataConfig),
+        *((f"data_{name}", schema) for name, schema in DATA_SCHEMAS.items()),
         ("schedule", ScheduleConfig),
     ]:
         # Kept out of the option groups themselves, so "Available options" lists only real choices.
@@ -465,7 +526,15 @@ def _with_missing_keys(old: Any, new: Any, path: tuple = ()) -> Any:
 def same_computation(saved: dict, current: dict) -> bool:
     """Whether a config saved by a record or checkpoint (maybe by an older version) computes what
     `current` does."""
-    return computational(_with_missing_keys(saved, current)) == computational(current)
+    return computational(_with_missing_keys(_without_other_sources(saved, current), current)) == computational(current)
+
+
+def _without_other_sources(saved: dict, current: dict) -> dict:
+    """A config saved before each data source had its own schema held every source's settings in
+    `data`; those of other sources never reached the run, so they are not part of what it computed."""
+    if not (isinstance(saved.get("data"), dict) and isinstance(current.get("data"), dict)):
+        return saved
+    return {**saved, "data": {k: v for k, v in saved["data"].items() if k in current["data"]}}
 
 
 def computational(plain: dict) -> dict:

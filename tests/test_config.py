@@ -118,6 +118,9 @@ def test_out_of_range_values_are_rejected_naming_the_key(overrides, named):
         (["precision.param_dtype=float8"], "precision.param_dtype=float8: Invalid value 'float8', expected one of [float32, float16, bfloat16]"),
         (["bogus=1"], "bogus: no such config key (Key 'bogus' not in 'Config')"),
         (["+bogus=1"], "+bogus=1: no such config key (mpt-run --cfg job lists them)"),
+        # each data source has its own schema: another source's setting is no key of this one
+        (["model=ssd", "data=voc", "data.root=/x", "data.vocab_size=8"], "data.vocab_size: no such config key (Key 'vocab_size' not in 'VOCDataConfig')"),
+        (["data.crop=3"], "data.crop: no such config key (Key 'crop' not in 'SyntheticDataConfig')"),
         (["optim.lr=-1"], "optim.lr=-1.0: must be a positive number"),
         (["schedule.batch_size=0"], "schedule.batch_size=0: must be a positive number"),
         (["scale=static", "scale.value=0.5"], "scale.value=0.5: a static loss scale must be a finite number >= 1"),

@@ -13,7 +13,7 @@ from PIL import Image
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms import functional as TF
 
-from mpt.config import ConfigError, DataConfig
+from mpt.config import DATA_SCHEMAS, ConfigError
 from mpt.datasets.discs import SyntheticDiscs
 from mpt.datasets.image_dir import CropTooLarge, ImageDirData
 from mpt.datasets.imagefolder import CorruptImage
@@ -24,7 +24,7 @@ UTKFACE_FILES = 24  # enough for batches and a permutation, extracted in well un
 
 
 def data_cfg(name: str, **fields) -> DictConfig:
-    return OmegaConf.structured(DataConfig(name=name, **fields))
+    return OmegaConf.structured(DATA_SCHEMAS[name](name=name, **fields))
 
 
 def schedule_cfg(batch_size: int, image_size: int) -> DictConfig:

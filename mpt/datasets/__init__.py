@@ -87,7 +87,7 @@ def source(cfg: DictConfig) -> Source:
 def validate(cfg: DictConfig) -> None:
     """The data's settings, checked by the source that reads them."""
     source(cfg).check(cfg)
-    if cfg.data.num_workers < -1:
+    if "num_workers" in cfg.data and cfg.data.num_workers < -1:  # sources made on the device have no loader
         raise ConfigError(f"data.num_workers={cfg.data.num_workers}: must be -1 (auto) or >= 0")
 
 

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
-from ..config import ConfigError
+from ..config import ConfigError, positive
 from ..distributed import Dist
 from ..files import write_bytes_atomic
 from .translation import BOS, EOS, PAD, UNK, TranslationData, validate_pairs
@@ -102,6 +102,7 @@ def load_tokenizer(proto: bytes, source: str):
 
 def validate(cfg: DictConfig) -> None:
     validate_pairs(cfg)
+    positive(cfg, "data.tokenizer_sentences")
     d = cfg.data
     if d.root is None:
         raise ConfigError("data.root is not set: data=parallel_text needs the folder holding <split>.<lang>[.gz] files")

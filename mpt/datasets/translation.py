@@ -183,7 +183,7 @@ class SyntheticLanguagePair:
 
 def validate_pairs(cfg: DictConfig) -> None:
     """What every source of sentence pairs needs."""
-    for key in ["data.vocab_size", "data.max_len", "data.num_buckets", "data.tokenizer_sentences"]:
+    for key in ["data.vocab_size", "data.max_len", "data.num_buckets"]:
         positive(cfg, key)
 
 
