@@ -7,7 +7,6 @@ express (ranges, combinations) live in `validate`, which runs before anything is
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass, field
 from enum import Enum
@@ -491,64 +490,6 @@ def validate(cfg: DictConfig) -> None:
 
 def static_scale_value(cfg: DictConfig) -> float:
     return float(cfg.scale.value if cfg.scale.value is not None else cfg.model.static_scale)
-
-
-# Settings that change how a run is driven or logged, not what it computes: a checkpoint or record
-# made under other values of these still stands.
-NOT_COMPUTATIONAL = {
-    ("force",),
-    ("resume",),
-    ("checkpoint",),
-    ("schedule", "checkpoint_every"),
-    ("schedule", "log_every"),
-    ("schedule", "throughput_warmup"),
-    ("schedule", "throughput_window"),
-    ("model", "static_scale_source"),
-    ("model", "recipe", "source"),
-}  # citations, not settings
-
-
-# Keys added after records were first written, with the value that reproduces how those runs
-# computed. A key missing from an old config and not listed here takes the current value: its default
-# reproduces the old behaviour. (A bench record without count_flops has no MFU: relaunching redoes it.)
-LEGACY_VALUES = {("emulate_cpu_fp16_conv",): False, ("schedule", "count_flops"): False}
-
-
-def _with_missing_keys(old: Any, new: Any, path: tuple = ()) -> Any:
-    if not (isinstance(old, dict) and isinstance(new, dict)):
-        return old
-    out = dict(old)
-    for key, value in new.items():
-        out[key] = _with_missing_keys(old[key], value, path + (key,)) if key in old else LEGACY_VALUES.get(path + (key,), value)
-    return out
-
-
-def same_computation(saved: dict, current: dict) -> bool:
-    """Whether a config saved by a record or checkpoint (maybe by an older version) computes what
-    `current` does."""
-    return computational(_with_missing_keys(_without_other_sources(saved, current), current)) == computational(current)
-
-
-def _without_other_sources(saved: dict, current: dict) -> dict:
-    """A config saved before each data source had its own schema held every source's settings in
-    `data`; those of other sources never reached the run, so they are not part of what it computed."""
-    if not (isinstance(saved.get("data"), dict) and isinstance(current.get("data"), dict)):
-        return saved
-    return {**saved, "data": {k: v for k, v in saved["data"].items() if k in current["data"]}}
-
-
-def computational(plain: dict) -> dict:
-    """A plain config without the NOT_COMPUTATIONAL settings, for "is this the same run?"."""
-    out = copy.deepcopy(plain)
-    for path in NOT_COMPUTATIONAL:
-        node = out
-        for key in path[:-1]:
-            node = node.get(key, {})
-        node.pop(path[-1], None)
-    p = out.get("precision", {})
-    if "float16" not in (p.get("param_dtype"), p.get("autocast")):  # the flag changes FP16 convolutions only
-        out.pop("emulate_cpu_fp16_conv", None)
-    return out
 
 
 def as_plain(cfg: Any) -> Any:

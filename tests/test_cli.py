@@ -101,16 +101,6 @@ def test_imagefolder_trains_on_cifar10_mini(tmp_path):
     assert rec["samples"] == 150
 
 
-def test_a_long_variant_names_a_folder_the_file_system_accepts():
-    from mpt.runner.cli import MAX_NAME, folder_name
-
-    a, b = ("stats.every=2,stats.grad_hist=True," + "x" * 300), ("stats.every=3,stats.grad_hist=True," + "x" * 300)
-    name_a, name_b = folder_name("resnet50_fp32_none_synthetic_smoke_cpu_seed0", a), folder_name("resnet50_fp32_none_synthetic_smoke_cpu_seed0", b)
-    assert len(name_a.encode()) <= MAX_NAME and name_a != name_b  # distinct configs, distinct folders
-    assert name_a == folder_name("resnet50_fp32_none_synthetic_smoke_cpu_seed0", a)  # and the same one again for a relaunch
-    assert folder_name("m_p_s_d_sc_cpu_seed0", "optim.lr=0.2") == "m_p_s_d_sc_cpu_seed0__optim.lr=0.2"
-
-
 @pytest.mark.slow
 def test_a_sweep_runs_through_submitits_local_launcher(tmp_path):
     """hydra/launcher=submitit_local runs each run of the sweep as its own job process, as

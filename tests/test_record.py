@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from mpt.config import as_plain, same_computation
+from mpt.config import as_plain
+from mpt.runner.identity import same_computation
 from mpt.runner.record import write_json_atomic
 from mpt.runner.train import Run
 from mpt.runner.validation import validate

@@ -73,7 +73,8 @@ def test_an_unknown_compile_backend_in_a_sweep_stops_it_before_any_run(tmp_path)
 
 
 def test_an_older_bench_record_without_flops_counts_as_another_computation():
-    from mpt.config import as_plain, same_computation
+    from mpt.config import as_plain
+    from mpt.runner.identity import same_computation
 
     current = as_plain(compose_cfg("schedule=bench"))
     old = {**current, "schedule": {k: v for k, v in current["schedule"].items() if k != "count_flops"}}

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import textwrap
-import zlib
 from pathlib import Path
 
 import matplotlib
@@ -15,6 +15,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
+
+from ..runner import identity  # noqa: E402
 
 
 def _modes_in_order(df: pd.DataFrame) -> list[str]:
@@ -29,8 +31,13 @@ def _cell_name(keys: tuple) -> tuple[str, str]:
     model, data, schedule, variant = keys
     # Wrapped: a long variant would otherwise stretch the figure to its width and shrink the plot.
     title = textwrap.fill(f"{model}, {data}, {schedule}" + (f", {variant}" if variant else ""), width=70)
-    stem = f"{model}_{data}_{schedule}" + (f"_{zlib.crc32(variant.encode()):08x}" if variant else "")
+    stem = identity.named(f"{model}_{data}_{schedule}", variant)
     return stem, title
+
+
+def _slug(text: str) -> str:
+    """A device's name in a file name: "NVIDIA H100 80GB HBM3" -> "NVIDIA-H100-80GB-HBM3"."""
+    return re.sub(r"[^A-Za-z0-9.]+", "-", text).strip("-")
 
 
 def _save(fig, path: Path) -> Path:
@@ -120,7 +127,8 @@ def throughput_bars(table: pd.DataFrame, out: Path) -> list[Path]:
         ax.set(ylabel=unit, title=f"throughput on {device}\n{where} (label: speedup over fp32)")
         ax.legend(fontsize=8)
         ax.grid(axis="y", alpha=0.3)
-        written.append(_save(fig, out / f"throughput_{zlib.crc32(repr(keys).encode()):08x}.png"))
+        at = "_".join([_slug(device), data, schedule, f"b{batch:g}", *([] if pd.isna(size) else [f"{size:g}px"])])
+        written.append(_save(fig, out / f"{identity.named(f'throughput_{at}', variant)}.png"))
     return written
 
 
@@ -209,7 +217,8 @@ def gradient_histograms(runs: pd.DataFrame, out: Path) -> list[Path]:
         return written
     for _, run in runs[runs["grad_sampled_steps"].notna()].fillna({"variant": ""}).iterrows():
         stats = json.loads((Path(run["run_dir"]) / "result.json").read_text()).get("grad_stats") or {}
-        stem, title = _cell_name(tuple(run[k] for k in CELL_KEYS))
+        _, title = _cell_name(tuple(run[k] for k in CELL_KEYS))
+        stem = identity.named(f"{run['model']}_{run['data']}_{run['schedule']}_{run['precision']}_{run['scale']}_seed{run['seed']}", run["variant"])
         for net, kinds in (stats.get("networks") or {}).items():
             for kind, hist in kinds.items():
                 t = hist["total"]
@@ -233,6 +242,5 @@ def gradient_histograms(runs: pd.DataFrame, out: Path) -> list[Path]:
                     f" {t['share_zero'] * 100:.1f}% zeros\n{title}",
                     fontsize=9,
                 )
-                tag = f"{zlib.crc32(run['run_dir'].encode()):08x}"
-                written.append(_save(fig, out / f"grads_{kind}_{stem}_{net}_{tag}.png"))
+                written.append(_save(fig, out / f"grads_{kind}_{net}_{stem}.png"))
     return written

@@ -11,6 +11,8 @@ from typing import Any, Iterable
 
 import pandas as pd
 
+from ..runner import identity
+
 # The order modes appear in tables and legends.
 PRECISION_ORDER = ["fp32", "tf32", "fp16", "mixed", "fp16_modmom", "amp", "bf16"]
 SCALE_ORDER = ["none", "static", "dynamic", "auto"]
@@ -87,8 +89,9 @@ def record_row(rec: dict, path: Path) -> dict:
         "status": rec["status"],
         "message": rec.get("message"),
         **choices,
-        # Records before the variant field: the folder name holds it after "__".
-        "variant": rec.get("variant") if rec.get("variant") is not None else path.parent.name.partition("__")[2],
+        # Older records held every override (log_every too); records before the field, none: their
+        # folder's name held the overrides after "__".
+        "variant": identity.computational_variant(rec["variant"] if rec.get("variant") is not None else path.parent.name.partition("__")[2]),
         "seed": rec.get("seed"),
         "precision_label": label,
         "scale_value": scale_value,

@@ -7,7 +7,6 @@ import logging
 import os
 import re
 import sys
-import zlib
 from pathlib import Path
 
 import hydra
@@ -17,39 +16,27 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from .. import preemption
-from ..config import GROUPS, ConfigError, as_plain, register_configs, same_computation
+from ..config import GROUPS, ConfigError, as_plain, register_configs
 from ..distributed import from_env, leave, teardown
 from ..files import remove_stale_temporaries, write_text_atomic
+from . import identity
 from .record import write_json_atomic
 from .run_lock import AlreadyRunning, RunLock
 
 log = logging.getLogger("mpt")
 
-# Overrides that do not change what a run computes, so they do not name its folder.
-NOT_IN_NAME = {"force", "resume", "checkpoint", "experiment", "device", "hydra"}
 
-
-def variant() -> str:
-    """The command line's overrides beyond the group choices and the seed, sorted, with values as
-    Hydra parses them (1e-1 and 0.1 are one variant): what sets a run apart from the others of its
-    model, mode, data and schedule, e.g. "optim.lr=0.2"."""
+def overrides() -> list[tuple[str, str | None]]:
+    """The command line's overrides beyond the group choices and the seed, as (key, value) with
+    values as Hydra parses them; a deletion's value is None."""
     parsed = OverridesParser.create().parse_overrides(list(HydraConfig.get().overrides.task))
-    extra = []
+    out = []
     for o in parsed:
-        key = o.key_or_group
-        if key in GROUPS or key == "seed" or key.split(".")[0] in NOT_IN_NAME:
+        if o.key_or_group in GROUPS or o.key_or_group == "seed":
             continue
         prefix = "~" if o.is_delete() else "+" if o.is_add() else ""
-        extra.append(f"{prefix}{key}" if o.is_delete() else f"{prefix}{key}={o.value()}")
-    return ",".join(sorted(extra))
-
-
-def _safe(part: str) -> str:
-    """A variant as a file name: paths and long values become a short hash of themselves."""
-    key, _, value = part.partition("=")
-    if "/" in value or len(value) > 40:
-        value = f"h{zlib.crc32(value.encode()):08x}"
-    return f"{key}={value}" if _ else key
+        out.append((prefix + o.key_or_group, None if o.is_delete() else str(o.value())))
+    return out
 
 
 def device_type(name: str) -> str:
@@ -61,28 +48,10 @@ def device_type(name: str) -> str:
 
 
 def run_name(seed: int, device: str) -> str:
-    """The run folder's name: every group choice, the device type, the seed, then the variant.
-
-    Deterministic, so relaunching a sweep finds each run's earlier record, and distinct configs
-    never share a folder.
-    """
+    """The run folder's name (identity.folder_name), from Hydra's view of the command line."""
     choices = HydraConfig.get().runtime.choices
-    world = int(os.environ.get("WORLD_SIZE", 1))  # a torchrun job: its process count names it too
-    name = "_".join([*(choices[g] for g in GROUPS), device_type(device) + (f"x{world}" if world > 1 else ""), f"seed{seed}"])
-    extra = variant()
-    return folder_name(name, ",".join(_safe(p) for p in extra.split(",")) if extra else "")
-
-
-MAX_NAME = 255  # bytes: file systems allow no longer a name
-
-
-def folder_name(choices: str, variant: str) -> str:
-    """choices__variant, and a variant too long for a file name cut, with a hash of all of it."""
-    name = f"{choices}__{variant}" if variant else choices
-    if len(name.encode()) <= MAX_NAME:
-        return name
-    tag = f"~h{zlib.crc32(variant.encode()):08x}"
-    return name.encode()[: MAX_NAME - len(tag)].decode(errors="ignore") + tag
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    return identity.folder_name((choices[g] for g in GROUPS), device_type(device), world, seed, identity.variant(overrides()))
 
 
 OmegaConf.register_new_resolver("mpt_run_name", run_name, use_cache=False)
@@ -182,13 +151,13 @@ def _run_locked(cfg: DictConfig, run_dir: Path, multirun: bool) -> tuple[str, bo
     previous = previous_record(run_dir)
     final = previous.get("status") in ("ok", "diverged")  # results; a failed, preempted or unfinished run is redone
     if final and not cfg.force:
-        if same_computation(previous.get("config") or {}, as_plain(cfg)):
+        if identity.same_computation(previous.get("config") or {}, as_plain(cfg)):
             print(f"mpt-run: {run_dir} already has a record with status {previous['status']}; skipped (force=true runs it again)", flush=True)
             return "skipped", False
         print(f"mpt-run: {run_dir} has a {previous['status']} record of a different config (the config files changed); running again", flush=True)
     try:
         validate(cfg)
-        job = Run(cfg, run_dir, variant=variant())
+        job = Run(cfg, run_dir, variant=identity.variant(overrides()))
     except ConfigError as e:  # before any training: one line, no record
         print(f"mpt-run: error: {e}", file=sys.stderr)
         if multirun:

@@ -18,7 +18,7 @@ import torch
 from omegaconf import DictConfig
 
 from .. import preemption
-from ..config import GROUPS, ConfigError, as_plain, same_computation, static_scale_value
+from ..config import GROUPS, ConfigError, as_plain, static_scale_value
 from ..datasets import build_data
 from ..distributed import Dist, allreduce_in, backend, from_env
 from ..distributed import setup as setup_distributed
@@ -36,7 +36,7 @@ from ..precision.engine import (
 )
 from ..precision.optim import effective_lr
 from ..precision.scaler import Diverged, build_scaler
-from . import checkpoint
+from . import checkpoint, identity
 from .flops import counting_flops, flops_record, mfu
 from .grad_collector import GradStatsCollector
 from .record import MetricsLog, NullLog, environment, git_commit, now_iso, write_json_atomic
@@ -141,7 +141,7 @@ class Run:
         self.peers_preempted = False  # under torchrun: a rank got a preemption signal (as of the last flush)
         self.record = self._initial_record()
         saved = checkpoint.load(run_dir) if may_resume else None
-        if saved is not None and not same_computation(saved["config"], self.record["config"]):
+        if saved is not None and not identity.same_computation(saved["config"], self.record["config"]):
             print(f"mpt-run: {run_dir} holds a checkpoint of a different config; starting over", flush=True)
             saved = None
         if saved is None and self.dist.is_main:  # starting over: a stale checkpoint must not be resumed later
@@ -280,7 +280,7 @@ class Run:
             "message": None,
             "run_dir": str(self.run_dir),
             "choices": {k: plain[k]["name"] for k in GROUPS},
-            "variant": self.variant,  # overrides beyond the choices and the seed
+            "variant": self.variant,  # the computational overrides beyond the choices and the seed (identity.variant)
             "seed": cfg.seed,
             "config": plain,
             "precision": {

@@ -1,0 +1,161 @@
+"""Run identity: which settings make a run what it is.
+
+One list decides both questions a relaunch asks: which folder is this run's, and does the record
+or checkpoint found there come from the same computation. A setting that drives, logs or cites a
+run (how often it checkpoints, where a number was published) answers neither.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import zlib
+from typing import Any, Iterable
+
+# Dotted config paths (and everything under them) that change how a run is driven, logged or cited,
+# not what it computes: a checkpoint or record made under other values still stands, in one folder.
+NOT_COMPUTATIONAL = (
+    "force",
+    "resume",
+    "checkpoint",
+    "device",  # its type (cpu, cuda) names the folder; which GPU of a machine does not change a number
+    "schedule.checkpoint_every",
+    "schedule.log_every",
+    "schedule.throughput_warmup",
+    "schedule.throughput_window",
+    "model.static_scale_source",  # citations, not settings
+    "model.recipe.source",
+)
+# Command-line keys that are not config settings: Hydra's own, and a preset sweep (whose values
+# reach the run through the settings it sets, each of which is judged by its own path).
+NOT_SETTINGS = ("hydra", "experiment")
+
+# Keys added after records were first written, with the value that reproduces how those runs
+# computed. A key missing from an old config and not listed here takes the current value: its default
+# reproduces the old behaviour. (A bench record without count_flops has no MFU: relaunching redoes it.)
+LEGACY_VALUES = {("emulate_cpu_fp16_conv",): False, ("schedule", "count_flops"): False}
+
+MAX_NAME = 119  # characters: short enough to read, paste and list; far below file systems' 255 bytes
+
+
+def computational_key(key: str) -> bool:
+    """Whether a dotted config path (an override's key) can change what a run computes."""
+    key = key.lstrip("+~")
+    if key.split(".")[0].split("/")[0] in NOT_SETTINGS:
+        return False
+    return not any(key == p or key.startswith(p + ".") for p in NOT_COMPUTATIONAL)
+
+
+def computational(plain: dict) -> dict:
+    """A plain config without the settings that do not change the computation."""
+    out = copy.deepcopy(plain)
+    for path in NOT_COMPUTATIONAL:
+        *parents, last = path.split(".")
+        node = out
+        for key in parents:
+            node = node.get(key) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(last, None)
+    p = out.get("precision", {})
+    if "float16" not in (p.get("param_dtype"), p.get("autocast")):  # the flag changes FP16 convolutions only
+        out.pop("emulate_cpu_fp16_conv", None)
+    return out
+
+
+def same_computation(saved: dict, current: dict) -> bool:
+    """Whether a config saved by a record or checkpoint (maybe by an older version) computes what
+    `current` does."""
+    return computational(_with_missing_keys(_without_other_sources(saved, current), current)) == computational(current)
+
+
+def _with_missing_keys(old: Any, new: Any, path: tuple = ()) -> Any:
+    if not (isinstance(old, dict) and isinstance(new, dict)):
+        return old
+    out = dict(old)
+    for key, value in new.items():
+        out[key] = _with_missing_keys(old[key], value, path + (key,)) if key in old else LEGACY_VALUES.get(path + (key,), value)
+    return out
+
+
+def _without_other_sources(saved: dict, current: dict) -> dict:
+    """A config saved before each data source had its own schema held every source's settings in
+    `data`; those of other sources never reached the run, so they are not part of what it computed."""
+    if not (isinstance(saved.get("data"), dict) and isinstance(current.get("data"), dict)):
+        return saved
+    return {**saved, "data": {k: v for k, v in saved["data"].items() if k in current["data"]}}
+
+
+def variant(overrides: Iterable[tuple[str, str]]) -> str:
+    """The computational overrides beyond the group choices and the seed, as `key=value` sorted and
+    joined by commas: what sets a run apart from the others of its model, mode, data and schedule.
+    `overrides` holds (key, value) with values as Hydra parses them (1e-1 and 0.1 are one variant);
+    a deletion has the value None."""
+    return ",".join(sorted(key if value is None else f"{key}={value}" for key, value in overrides if computational_key(key)))
+
+
+def variant_parts(variant: str) -> list[str]:
+    """A variant's `key=value` items (a value may hold commas inside brackets or quotes)."""
+    parts, depth, quote, start = [], 0, None, 0
+    for i, ch in enumerate(variant):
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "[{(":
+            depth += 1
+        elif ch in "]})":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(variant[start:i])
+            start = i + 1
+    if variant:
+        parts.append(variant[start:])
+    return parts
+
+
+def _short(part: str) -> str:
+    """One override, short and safe in a file name and as a Hydra value: the key's last word and the
+    value; a path or a long value becomes a hash of itself."""
+    key, _, value = part.partition("=")
+    word = key.lstrip("+~").split(".")[-1]
+    if key.startswith("~"):
+        return f"no-{word}"
+    value = value.strip("'\"")
+    if "/" in value or len(value) > 16:
+        value = f"h{zlib.crc32(value.encode()):08x}"
+    value = re.sub(r"[^A-Za-z0-9.+-]+", "+", value).strip("+")
+    return f"{word}-{value}"
+
+
+def short_variant(variant: str) -> str:
+    """A variant written for people: `steps-1200_batch_size-64`. Free of commas, `=`, `/`, `~` and
+    quotes, so a folder name pastes back into a command line as one plain value."""
+    return "_".join(_short(p) for p in variant_parts(variant))
+
+
+def tag(variant: str) -> str:
+    """8 hex digits that tell variants apart where their short forms are cut or coincide."""
+    return f"{zlib.crc32(variant.encode()):08x}"
+
+
+def computational_variant(variant: str) -> str:
+    """A variant recorded by an older version, without the settings that do not change the
+    computation (records before this module named runs by every override)."""
+    return ",".join(p for p in variant_parts(variant) if computational_key(p.partition("=")[0]))
+
+
+def named(base: str, variant: str) -> str:
+    """`base`, then, for a variant, its short form (cut to fit MAX_NAME) and its tag: a name for a
+    run's folder or a figure that people can read and that distinct variants never share."""
+    if not variant:
+        return base
+    end = f"_{tag(variant)}"
+    readable = short_variant(variant)[: max(MAX_NAME - len(base) - len("__") - len(end), 0)].rstrip("_-+.")
+    return f"{base}__{readable}{end}" if readable else base + end
+
+
+def folder_name(choices: Iterable[str], device_type: str, world_size: int, seed: int, variant: str) -> str:
+    """`<model>_<precision>_<scale>_<data>_<schedule>_<device>_seed<N>`, then the variant as
+    `named` writes it. Deterministic, so relaunching a sweep finds each run's earlier record."""
+    device = device_type + (f"x{world_size}" if world_size > 1 else "")  # a torchrun job: its process count names it too
+    return named("_".join([*choices, device, f"seed{seed}"]), variant)
