@@ -218,7 +218,7 @@ def gradient_histograms(runs: pd.DataFrame, out: Path) -> list[Path]:
     for _, run in runs[runs["grad_sampled_steps"].notna()].fillna({"variant": ""}).iterrows():
         stats = json.loads((Path(run["run_dir"]) / "result.json").read_text()).get("grad_stats") or {}
         _, title = _cell_name(tuple(run[k] for k in CELL_KEYS))
-        stem = identity.named(f"{run['model']}_{run['data']}_{run['schedule']}_{run['precision']}_{run['scale']}_seed{run['seed']}", run["variant"])
+        cell = f"{run['model']}_{run['data']}_{run['schedule']}_{run['precision']}_{run['scale']}_seed{run['seed']}"
         for net, kinds in (stats.get("networks") or {}).items():
             for kind, hist in kinds.items():
                 t = hist["total"]
@@ -242,5 +242,5 @@ def gradient_histograms(runs: pd.DataFrame, out: Path) -> list[Path]:
                     f" {t['share_zero'] * 100:.1f}% zeros\n{title}",
                     fontsize=9,
                 )
-                written.append(_save(fig, out / f"grads_{kind}_{net}_{stem}.png"))
+                written.append(_save(fig, out / f"{identity.named(f'grads_{kind}_{cell}_{net}', run['variant'])}.png"))
     return written

@@ -150,8 +150,13 @@ def named(base: str, variant: str) -> str:
     if not variant:
         return base
     end = f"_{tag(variant)}"
-    readable = short_variant(variant)[: max(MAX_NAME - len(base) - len("__") - len(end), 0)].rstrip("_-+.")
-    return f"{base}__{readable}{end}" if readable else base + end
+    room = MAX_NAME - len(base) - len("__") - len(end)
+    kept = []  # whole overrides only, in order, as many as fit
+    for part in (_short(p) for p in variant_parts(variant)):
+        if len("_".join([*kept, part])) > room:
+            break
+        kept.append(part)
+    return f"{base}__{'_'.join(kept)}{end}" if kept else base + end
 
 
 def folder_name(choices: Iterable[str], device_type: str, world_size: int, seed: int, variant: str) -> str:
