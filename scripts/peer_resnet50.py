@@ -37,6 +37,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from mpt.runner.record import RunRecord
+
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = {  # DLE's configs.yml, resnet50 on DGXA100
     "amp": ["--amp", "--static-loss-scale", "128", "--memory-format", "nhwc"],
@@ -160,11 +162,11 @@ def main() -> None:
             env=env,
             log=out / f"mpt_{mode}.log",
         )
-        rec = json.loads((ours_dir / "result.json").read_text())
-        ours = (rec.get("throughput") or {}).get("pipeline")
+        rec = RunRecord.load(ours_dir / "result.json")
+        ours = (rec.throughput or {}).get("pipeline")  # none for a run that failed before measuring
         comparison["modes"][mode] = {
             "dle": {**peer, "args": recipe},
-            "mpt": {"images_per_s": ours, "record": f"mpt_{mode}/result.json", "git": rec["git"], "status": rec["status"]},
+            "mpt": {"images_per_s": ours, "record": f"mpt_{mode}/result.json", "git": rec.git, "status": rec.status},
             "ratio_mpt_over_dle": ours / peer["images_per_s"] if ours else None,
         }
         # After each mode: a later failure keeps what was measured.

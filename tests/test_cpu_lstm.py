@@ -96,10 +96,10 @@ def test_the_record_names_the_kernels_that_ran(onednn_fails, tmp_path, in_proces
     small = ["model=gnmt", "model.hidden_size=16", "model.encoder_layers=2", "model.decoder_layers=2", "schedule=smoke",
              "schedule.batch_size=8", "schedule.steps=2", "schedule.eval_batches=1", "checkpoint=false", "device=cpu"]  # fmt: skip
     rec = build_run(tmp_path / "bf16", *small, "precision=bf16").run()
-    assert rec["status"] == "ok", rec["message"]
-    assert rec["precision"]["cpu_lstm"] == {"dtype": "bfloat16", "training": ["native"], "evaluation": ["native"],
+    assert rec.status == "ok", rec.message
+    assert rec.precision["cpu_lstm"] == {"dtype": "bfloat16", "training": ["native"], "evaluation": ["native"],
                                             "onednn_error": "could not create a primitive descriptor (forced by the test)"}  # fmt: skip
-    assert build_run(tmp_path / "fp32", *small, "precision=fp32").record["precision"]["cpu_lstm"] is None
+    assert build_run(tmp_path / "fp32", *small, "precision=fp32").record.precision["cpu_lstm"] is None
 
 
 @pytest.mark.parametrize("packed,bidirectional,proj_size", [(False, False, 0), (True, False, 0), (True, True, 0), (False, False, 4)],

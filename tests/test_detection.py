@@ -215,7 +215,7 @@ def test_ssd_trains_in_the_papers_mode_on_voc_files_and_scores_map(tmp_path, in_
                     "data.val_sets=[test_labels.csv]", "data.class_names=[raccoon]", "data.num_workers=0", "schedule=smoke",
                     "schedule.batch_size=2", "schedule.steps=2", "schedule.eval_batches=1", "checkpoint=false", "device=cpu")  # fmt: skip
     rec = job.run()
-    assert rec["status"] == "ok", rec["message"]
-    assert rec["scale_config"]["value"] == 8 and rec["precision"]["master_weights"] is True
-    assert 0 <= rec["metrics"]["map"] <= 1 and rec["metrics"]["val_samples"] == 2
-    assert rec["loss_scale"]["model"]["steps"] == 2
+    assert rec.status == "ok", rec.message
+    assert rec.scale_config["value"] == 8 and rec.precision["master_weights"] is True
+    assert 0 <= rec.metrics["map"] <= 1 and rec.metrics["val_samples"] == 2
+    assert rec.loss_scale["model"]["steps"] == 2

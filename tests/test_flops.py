@@ -12,6 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from mpt.report import tables
 from mpt.report.records import record_row
 from mpt.runner.flops import counting_flops, math_of, mfu, peak_tflops
+from mpt.runner.record import RunRecord
 
 from .conftest import ROOT, TINY, compose_cfg, read_record, run_cli
 
@@ -90,7 +91,7 @@ def test_a_run_counts_its_first_steps_flops_as_torch_counts_the_same_model(tmp_p
     from mpt.runner.cli import summary_lines
 
     rec["mfu"] = {"value": 0.25, "peak_tflops": 989.5, "math": "fp16"}
-    assert any(line.strip().startswith("mfu:        25.0% of 989.5 TFLOP/s (fp16;") for line in summary_lines(rec))
+    assert any(line.strip().startswith("mfu:        25.0% of 989.5 TFLOP/s (fp16;") for line in summary_lines(RunRecord.from_dict(rec)))
 
 
 def test_the_mfu_table_holds_the_median_per_mode_and_the_flops_per_sample(tmp_path):
@@ -112,8 +113,8 @@ def test_the_mfu_table_holds_the_median_per_mode_and_the_flops_per_sample(tmp_pa
         "flops": {"per_sample": 4.5e9},
         "config": {"schedule": {"batch_size": 128, "image_size": None}},
     }
-    rows = [record_row(record(p, v), tmp_path / p / "result.json") for p, v in [("fp32", 0.4), ("amp", 0.3), ("amp", 0.5)]]
-    runs = pd.DataFrame(rows + [record_row(text_model, tmp_path / "gnmt" / "result.json")])
+    rows = [record_row(RunRecord.from_dict(record(p, v)), tmp_path / p / "result.json") for p, v in [("fp32", 0.4), ("amp", 0.3), ("amp", 0.5)]]
+    runs = pd.DataFrame(rows + [record_row(RunRecord.from_dict(text_model), tmp_path / "gnmt" / "result.json")])
     runs["precision_order"], runs["scale_order"] = runs.precision.map({"fp32": 0, "amp": 1}), 0
     table = tables.mfu(runs)
     amp = table[(table.model == "resnet50") & (table.precision == "amp")]

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 
 import pytest
 import torch
 
 from mpt.config import as_plain
 from mpt.runner.identity import same_computation
-from mpt.runner.record import write_json_atomic
+from mpt.runner.record import SCHEMA_VERSION, RecordError, RunRecord, write_json_atomic
 from mpt.runner.train import Run
 from mpt.runner.validation import validate
 
@@ -30,14 +31,14 @@ def test_non_finite_loss_without_scaling_is_recorded_as_diverged(tmp_path):
     cfg = compose_cfg(TINY, "precision=fp32", "scale=none", "schedule=smoke", "schedule.steps=6", "schedule.log_every=1", "optim.lr=1e12")
     validate(cfg)
     rec = Run(cfg, tmp_path).train()
-    assert rec["status"] == "diverged"
-    assert "non-finite loss" in rec["message"]
+    assert rec.status == "diverged"
+    assert "non-finite loss" in rec.message
     on_disk = json.loads((tmp_path / "result.json").read_text())
-    assert on_disk["status"] == "diverged" and on_disk["diverged_at_step"] == rec["diverged_at_step"] < 6
+    assert on_disk["status"] == "diverged" and on_disk["diverged_at_step"] == rec.diverged_at_step < 6
     assert on_disk["final_train_loss"] in ("nan", "inf", "-inf")
     assert isinstance(on_disk["last_finite_train_loss"], float)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert rows[-1]["step"] == rec["diverged_at_step"] and rows[-1]["loss"] in ("nan", "inf", "-inf")
+    assert rows[-1]["step"] == rec.diverged_at_step and rows[-1]["loss"] in ("nan", "inf", "-inf")
 
 
 def test_record_says_running_until_the_run_ends(tmp_path):
@@ -46,7 +47,7 @@ def test_record_says_running_until_the_run_ends(tmp_path):
     run = Run(cfg, tmp_path)
     run.save_record()
     assert json.loads((tmp_path / "result.json").read_text())["status"] == "running"
-    assert run.train()["status"] == "ok"
+    assert run.train().status == "ok"
     assert json.loads((tmp_path / "result.json").read_text())["status"] == "ok"
 
 
@@ -96,7 +97,7 @@ def test_a_failure_is_recorded_not_raised(tmp_path, exc, status, text):
 
     run.task.train_losses = fails
     rec = run.run()
-    assert rec["status"] == status and rec["message"].startswith(text) and "\n" not in rec["message"]
+    assert rec.status == status and rec.message.startswith(text) and "\n" not in rec.message
     assert json.loads((tmp_path / "result.json").read_text())["status"] == status
 
 
@@ -136,3 +137,42 @@ def test_a_tree_copied_without_git_names_the_commit_it_was_packed_from(tmp_path,
     monkeypatch.setenv("MPT_GIT_DIRTY", "0")
     assert git_commit(tmp_path) == {"commit": "abc123", "dirty": False, "source": "MPT_GIT_COMMIT"}
     assert git_commit(ROOT)["commit"] != "abc123"  # a real checkout answers for itself
+
+
+COMMITTED = sorted((ROOT / "results").rglob("result.json"))
+
+
+@pytest.mark.parametrize("path", COMMITTED, ids=[str(p.parent.relative_to(ROOT / "results")) for p in COMMITTED])
+def test_every_committed_record_reads_as_a_run_record_and_writes_back_the_same(path, tmp_path):
+    original = json.loads(path.read_text())
+    rec = RunRecord.load(path)
+    assert rec.schema == SCHEMA_VERSION and rec.status in ("ok", "diverged") and rec.choices["model"]
+    rec.write(tmp_path / "result.json")
+    assert json.loads((tmp_path / "result.json").read_text()) == original
+
+
+def test_a_new_run_writes_every_field_of_the_schema_and_its_version(tmp_path):
+    cfg = compose_cfg(TINY, "schedule=smoke", "schedule.steps=2")
+    validate(cfg)
+    Run(cfg, tmp_path).train()
+    written = json.loads((tmp_path / "result.json").read_text())
+    optional = {"sample_grids", "diverged_at_step", "preempted_at_step", "resumed_from_step", "resumed_at"}  # a classifier that ran through
+    assert set(written) == {f.name for f in fields(RunRecord)} - {"extra", "absent"} - optional
+    assert written["schema"] == SCHEMA_VERSION and written["status"] == "ok" and written["epochs"] > 0
+
+
+def test_keys_this_version_does_not_know_are_kept_and_a_newer_schema_is_refused(tmp_path, capsys):
+    rec = RunRecord.from_dict({"status": "ok", "choices": {"model": "m"}, "added_later": {"x": 1}})
+    assert rec.extra == {"added_later": {"x": 1}} and rec.to_dict() == {"status": "ok", "choices": {"model": "m"}, "added_later": {"x": 1}}
+    path = tmp_path / "run" / "result.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps({"schema": SCHEMA_VERSION + 1, "status": "ok", "choices": {"model": "m"}}))
+    with pytest.raises(RecordError, match=rf"{path}: record schema {SCHEMA_VERSION + 1}; this mpt reads schema {SCHEMA_VERSION} and older"):
+        RunRecord.load(path)
+    # mpt-report names the file in one line and writes nothing.
+    from mpt.report.cli import main
+
+    with pytest.raises(SystemExit) as stop:
+        main([str(tmp_path), "--out", str(tmp_path / "report")])
+    assert stop.value.code == 2 and not (tmp_path / "report").exists()
+    assert capsys.readouterr().err.strip() == f"mpt-report: error: {path}: record schema {SCHEMA_VERSION + 1}; this mpt reads schema {SCHEMA_VERSION} and older (update mpt to read it)"

@@ -140,7 +140,7 @@ def assert_resumed_as_uninterrupted(reference: Path, resumed: Path) -> None:
 def test_a_stopped_and_rebuilt_run_matches_an_uninterrupted_one(tmp_path, in_process, model, precision, scale, extra):
     args = resume_args(model, precision, scale, extra)
     reference, stopped = tmp_path / "reference", tmp_path / "stopped"
-    assert build_run(reference, *args).run()["status"] == "ok"
+    assert build_run(reference, *args).run().status == "ok"
 
     job = build_run(stopped, *args)
     stop_at(job, 5)  # after the checkpoint at step 4 and one step more, which the log has
@@ -151,8 +151,8 @@ def test_a_stopped_and_rebuilt_run_matches_an_uninterrupted_one(tmp_path, in_pro
     del job
 
     job = build_run(stopped, *args)
-    assert job.step == 4 and job.record["resumed_from_step"] == 4
-    assert job.run()["status"] == "ok"
+    assert job.step == 4 and job.record.resumed_from_step == 4
+    assert job.run().status == "ok"
     assert_resumed_as_uninterrupted(reference, stopped)
 
 
@@ -176,11 +176,11 @@ def test_resume_false_starts_over(tmp_path, in_process):
     args = [TINY, "schedule=smoke", "schedule.steps=2"]
     build_run(tmp_path, *args).run()
     again = build_run(tmp_path, *args)
-    assert again.step == 2 and again.record["resumed_from_step"] == 2
+    assert again.step == 2 and again.record.resumed_from_step == 2
     fresh = build_run(tmp_path, *args, "resume=false")
-    assert fresh.step == 0 and "resumed_from_step" not in fresh.record
+    assert fresh.step == 0 and fresh.record.resumed_from_step is None
     assert not (tmp_path / checkpoint.FILENAME).exists()  # the old checkpoint is gone: it cannot be resumed later
-    assert fresh.run()["status"] == "ok" and checkpoint.load(tmp_path)["step"] == 2
+    assert fresh.run().status == "ok" and checkpoint.load(tmp_path)["step"] == 2
 
 
 def test_an_unreadable_checkpoint_is_an_error_record(tmp_path, in_process):
@@ -196,7 +196,7 @@ def test_an_unreadable_checkpoint_is_an_error_record(tmp_path, in_process):
     assert rec["message"].startswith(f"CorruptCheckpoint: {tmp_path / checkpoint.FILENAME} cannot be read (")
     assert rec["message"].endswith("); resume=false starts the run over")
     assert r.stderr.strip().splitlines()[-1] == f"mpt-run: error: {rec['message']}"
-    assert build_run(tmp_path, *args, "resume=false").run()["status"] == "ok"  # what the message says to do
+    assert build_run(tmp_path, *args, "resume=false").run().status == "ok"  # what the message says to do
 
 
 def test_a_kill_while_writing_leaves_the_previous_checkpoint(tmp_path, monkeypatch):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from ..runner.record import RecordError
 from . import figures, tables
 from .records import load_curves, load_runs
 
@@ -97,7 +98,11 @@ def main(argv: list[str] | None = None) -> None:
     if missing:
         print(f"mpt-report: error: no such folder: {', '.join(missing)}", file=sys.stderr)
         sys.exit(2)
-    written = build_report(args.paths, args.out, args.published or default_published())
+    try:
+        written = build_report(args.paths, args.out, args.published or default_published())
+    except RecordError as e:  # a result.json that is not a record this version reads: name it, write nothing more
+        print(f"mpt-report: error: {e}", file=sys.stderr)
+        sys.exit(2)
     print(f"mpt-report: {len(written)} files in {args.out}: runs.csv, report.md, tables/, figures/")
 
 

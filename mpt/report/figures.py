@@ -4,7 +4,6 @@ through matplotlib's Agg backend: no display needed."""
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import textwrap
@@ -17,6 +16,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from ..runner import identity  # noqa: E402
+from ..runner.record import RunRecord  # noqa: E402
 
 
 def _modes_in_order(df: pd.DataFrame) -> list[str]:
@@ -216,7 +216,7 @@ def gradient_histograms(runs: pd.DataFrame, out: Path) -> list[Path]:
     if "grad_sampled_steps" not in runs:
         return written
     for _, run in runs[runs["grad_sampled_steps"].notna()].fillna({"variant": ""}).iterrows():
-        stats = json.loads((Path(run["run_dir"]) / "result.json").read_text()).get("grad_stats") or {}
+        stats = RunRecord.load(Path(run["run_dir"]) / "result.json").grad_stats or {}
         _, title = _cell_name(tuple(run[k] for k in CELL_KEYS))
         cell = f"{run['model']}_{run['data']}_{run['schedule']}_{run['precision']}_{run['scale']}_seed{run['seed']}"
         for net, kinds in (stats.get("networks") or {}).items():

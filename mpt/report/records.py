@@ -12,6 +12,7 @@ from typing import Any, Iterable
 import pandas as pd
 
 from ..runner import identity
+from ..runner.record import RunRecord
 
 # The order modes appear in tables and legends.
 PRECISION_ORDER = ["fp32", "tf32", "fp16", "mixed", "fp16_modmom", "amp", "bf16"]
@@ -71,69 +72,69 @@ def find_records(paths: Iterable[Path]) -> list[Path]:
     return sorted(set(found))
 
 
-def record_row(rec: dict, path: Path) -> dict:
-    choices = rec["choices"]
-    primary = rec.get("primary_metric", "top1")
-    metrics = rec.get("metrics") or {}
-    tp = rec.get("throughput") or {}
-    mem = rec.get("memory") or {}
-    env = rec.get("environment") or {}
-    git = rec.get("git") or {}
-    scale_value = _number((rec.get("scale_config") or {}).get("value"))
+def record_row(rec: RunRecord, path: Path) -> dict:
+    # Sections a run fills as it goes are None in the record of a run that failed before them, and
+    # fields added since are None in older records.
+    metrics = rec.metrics or {}
+    tp = rec.throughput or {}
+    mem = rec.memory or {}
+    env = rec.environment or {}
+    git = rec.git or {}
+    stats = rec.grad_stats or {}
+    scale_value = _number((rec.scale_config or {}).get("value"))
     # A run that failed while being set up has only a minimal record: name its mode from its choices.
-    precision = rec.get("precision") or {}
-    label = precision.get("label") or precision.get("name") or choices["precision"]
-    grids = rec.get("sample_grids") or []
+    label = (rec.precision or {}).get("label") or (rec.precision or {}).get("name") or rec.choices["precision"]
+    primary = rec.primary_metric or "top1"
+    grids = rec.sample_grids or []
     row = {
         "run_dir": str(path.parent),
-        "status": rec["status"],
-        "message": rec.get("message"),
-        **choices,
+        "status": rec.status,
+        "message": rec.message,
+        **rec.choices,
         # Older records held every override (log_every too); records before the field, none: their
         # folder's name held the overrides after "__".
-        "variant": identity.computational_variant(rec["variant"] if rec.get("variant") is not None else path.parent.name.partition("__")[2]),
-        "seed": rec.get("seed"),
+        "variant": identity.computational_variant(rec.variant if rec.variant is not None else path.parent.name.partition("__")[2]),
+        "seed": rec.seed,
         "precision_label": label,
         "scale_value": scale_value,
-        "mode": mode_label(label, choices["scale"], scale_value),
+        "mode": mode_label(label, rec.choices["scale"], scale_value),
         "primary_metric": primary,
-        "higher_is_better": rec.get("higher_is_better", True),
+        "higher_is_better": True if rec.higher_is_better is None else rec.higher_is_better,
         "metric_value": _number(metrics.get(primary)),
         "metric_step": metrics.get("step"),
-        "final_train_loss": _number(rec.get("final_train_loss")),
-        "last_finite_train_loss": _number(rec.get("last_finite_train_loss")),
-        "diverged_at_step": rec.get("diverged_at_step"),
-        "steps": rec.get("steps"),
-        "total_steps": rec.get("total_steps"),
-        "samples": rec.get("samples"),
-        "duration_s": rec.get("duration_s"),
+        "final_train_loss": _number(rec.final_train_loss),
+        "last_finite_train_loss": _number(rec.last_finite_train_loss),
+        "diverged_at_step": rec.diverged_at_step,
+        "steps": rec.steps,
+        "total_steps": rec.total_steps,
+        "samples": rec.samples,
+        "duration_s": rec.duration_s,
         "throughput": _number(tp.get("pipeline")),
         "throughput_compute": _number(tp.get("compute")),
         "throughput_unit": tp.get("unit"),
         "throughput_windows": tp.get("windows"),
-        "flops_per_sample": _number((rec.get("flops") or {}).get("per_sample")),
-        "mfu": _number((rec.get("mfu") or {}).get("value")),
-        "mfu_math": (rec.get("mfu") or {}).get("math"),
+        "flops_per_sample": _number((rec.flops or {}).get("per_sample")),
+        "mfu": _number((rec.mfu or {}).get("value")),
+        "mfu_math": (rec.mfu or {}).get("math"),
         "peak_memory_bytes": mem.get("peak_bytes"),
         "memory_kind": mem.get("kind"),
-        "skipped_steps": sum(s.get("skipped_steps", 0) for s in (rec.get("loss_scale") or {}).values()),
+        "skipped_steps": sum(s.get("skipped_steps", 0) for s in (rec.loss_scale or {}).values()),
         "device_type": env.get("device_type"),
         "device_name": env.get("device_name"),
         "torch": env.get("torch"),
         "cuda": env.get("cuda"),
         "git_commit": git.get("commit"),
         "git_dirty": git.get("dirty"),
-        "started_at": rec.get("started_at"),
+        "started_at": rec.started_at,
         "final_sample_grid": str(path.parent / grids[-1]["path"]) if grids else None,
         "final_sample_grid_step": grids[-1]["step"] if grids else None,
     }
     for key, value in metrics.items():
         if key != "step":
             row[f"metric.{key}"] = _number(value)
-    for group, summary in (rec.get("loss_scale") or {}).items():
+    for group, summary in (rec.loss_scale or {}).items():
         for key, value in summary.items():
             row[f"loss_scale.{group}.{key}"] = _number(value)
-    stats = rec.get("grad_stats") or {}
     if stats:
         row["grad_sampled_steps"] = len(stats.get("sampled_steps", []))
         row["grad_cost_ratio"] = _number((stats.get("cost") or {}).get("ratio"))
@@ -141,18 +142,14 @@ def record_row(rec: dict, path: Path) -> dict:
         for kind, hist in kinds.items():
             for key in GRAD_FIELDS:
                 row[f"grad.{net}.{kind}.{key}"] = _number(hist["total"].get(key))
-    _flatten("config", rec.get("config") or {}, row)
+    _flatten("config", rec.config or {}, row)
     return row
 
 
 def load_runs(paths: Iterable[Path]) -> pd.DataFrame:
     rows = []
     for path in find_records(paths):
-        try:
-            rec = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            raise ValueError(f"{path}: not a readable result record ({e})") from None
-        rows.append(record_row(rec, path))
+        rows.append(record_row(RunRecord.load(path), path))
     df = pd.DataFrame(rows)
     if df.empty:
         return df

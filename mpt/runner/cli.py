@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -20,7 +19,7 @@ from ..config import GROUPS, ConfigError, as_plain, register_configs
 from ..distributed import from_env, leave, teardown
 from ..files import remove_stale_temporaries, write_text_atomic
 from . import identity
-from .record import write_json_atomic
+from .record import RecordError, RunRecord
 from .run_lock import AlreadyRunning, RunLock
 
 log = logging.getLogger("mpt")
@@ -58,41 +57,45 @@ OmegaConf.register_new_resolver("mpt_run_name", run_name, use_cache=False)
 register_configs()
 
 
-def previous_record(run_dir: Path) -> dict:
+def previous_record(run_dir: Path) -> RunRecord | None:
+    """The folder's record, or None: no record, or one this version cannot read (the run is redone)."""
+    path = run_dir / "result.json"
+    if not path.exists():
+        return None
     try:
-        return json.loads((run_dir / "result.json").read_text())
-    except (OSError, ValueError):
-        return {}
+        return RunRecord.load(path)
+    except RecordError as e:
+        print(f"mpt-run: warning: {e}; running again", file=sys.stderr, flush=True)
+        return None
 
 
 def _fmt_bytes(n: float | None) -> str:
     return "n/a" if n is None else f"{n / 2**20:.0f} MiB"
 
 
-def summary_lines(rec: dict) -> list[str]:
-    c = rec["choices"]
-    lines = [f"mpt-run {c['model']} precision={c['precision']} scale={c['scale']} data={c['data']} schedule={c['schedule']}: {rec['status']}"]
-    if rec.get("message"):
-        lines.append(f"  message:    {rec['message']}")
+def summary_lines(rec: RunRecord) -> list[str]:
+    c = rec.choices
+    lines = [f"mpt-run {c['model']} precision={c['precision']} scale={c['scale']} data={c['data']} schedule={c['schedule']}: {rec.status}"]
+    if rec.message:
+        lines.append(f"  message:    {rec.message}")
     # Per-class APs stay in the record; the summary keeps to the means.
-    metrics = {k: v for k, v in rec["metrics"].items() if k != "step" and not k.startswith("ap_")}
+    metrics = {k: v for k, v in rec.metrics.items() if k != "step" and not k.startswith("ap_")}
     if metrics:
-        lines.append("  metrics:    " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()) + f" (step {rec['metrics']['step']})")
-    if rec.get("final_train_loss") is not None:
-        lines.append(f"  train loss: {rec['final_train_loss']:.4g} after {rec['steps']} steps")
-    tp = rec.get("throughput") or {}
+        lines.append("  metrics:    " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()) + f" (step {rec.metrics['step']})")
+    if rec.final_train_loss is not None:
+        lines.append(f"  train loss: {rec.final_train_loss:.4g} after {rec.steps} steps")
+    tp = rec.throughput or {}  # none for a run that failed before measuring
     if tp.get("pipeline") is not None:
         lines.append(f"  throughput: {tp['pipeline']:.4g} {tp['unit']} (compute only {tp['compute']:.4g}; median of {tp['windows']} windows)")
-    util = rec.get("mfu") or {}
-    if util.get("value") is not None:
+    if rec.mfu and rec.mfu.get("value") is not None:
         lines.append(
-            f"  mfu:        {util['value'] * 100:.1f}% of {util['peak_tflops']:g} TFLOP/s ({util['math']}; {rec['flops']['per_sample'] / 1e9:.4g} GFLOP per {rec['flops']['sample_unit'].removesuffix('s')})"
+            f"  mfu:        {rec.mfu['value'] * 100:.1f}% of {rec.mfu['peak_tflops']:g} TFLOP/s ({rec.mfu['math']}; {rec.flops['per_sample'] / 1e9:.4g} GFLOP per {rec.flops['sample_unit'].removesuffix('s')})"
         )
-    mem = rec.get("memory") or {}
-    lines.append(f"  memory:     {_fmt_bytes(mem.get('peak_bytes'))} peak ({mem.get('kind')}) on {rec['environment']['device_name']}")
-    for name, s in (rec.get("loss_scale") or {}).items():
+    mem = rec.memory or {}
+    lines.append(f"  memory:     {_fmt_bytes(mem.get('peak_bytes'))} peak ({mem.get('kind')}) on {rec.environment['device_name']}")
+    for name, s in (rec.loss_scale or {}).items():
         lines.append(f"  loss scale: [{name}] final {s['final']:g}, min {s['min']:g}, skipped {s['skipped_steps']}/{s['steps']} steps")
-    lines.append(f"  record:     {Path(rec['run_dir']) / 'result.json'}")
+    lines.append(f"  record:     {Path(rec.run_dir) / 'result.json'}")
     return lines
 
 
@@ -145,16 +148,16 @@ def _own_the_folder(cfg: DictConfig, run_dir: Path) -> logging.Handler:
 
 def _run_locked(cfg: DictConfig, run_dir: Path, multirun: bool) -> tuple[str, bool]:
     """The run's status, and whether a preemption signal asks the process to stop."""
-    from .train import Run, failure_record  # torch and torchvision load after Hydra has parsed the command line
+    from .train import Run, failure  # torch and torchvision load after Hydra has parsed the command line
     from .validation import validate
 
     previous = previous_record(run_dir)
-    final = previous.get("status") in ("ok", "diverged")  # results; a failed, preempted or unfinished run is redone
+    final = previous is not None and previous.status in ("ok", "diverged")  # results; a failed, preempted or unfinished run is redone
     if final and not cfg.force:
-        if identity.same_computation(previous.get("config") or {}, as_plain(cfg)):
-            print(f"mpt-run: {run_dir} already has a record with status {previous['status']}; skipped (force=true runs it again)", flush=True)
+        if identity.same_computation(previous.config, as_plain(cfg)):
+            print(f"mpt-run: {run_dir} already has a record with status {previous.status}; skipped (force=true runs it again)", flush=True)
             return "skipped", False
-        print(f"mpt-run: {run_dir} has a {previous['status']} record of a different config (the config files changed); running again", flush=True)
+        print(f"mpt-run: {run_dir} has a {previous.status} record of a different config (the config files changed); running again", flush=True)
     try:
         validate(cfg)
         job = Run(cfg, run_dir, variant=identity.variant(overrides()))
@@ -165,33 +168,27 @@ def _run_locked(cfg: DictConfig, run_dir: Path, multirun: bool) -> tuple[str, bo
         sys.exit(2)
     except Exception as e:  # setting up failed (out of memory moving the model, an unreadable checkpoint): still a record
         log.exception("setting up the run failed")
-        rec = {
-            "schema": 1,
-            "run_dir": str(run_dir),
-            "choices": {g: cfg[g].name for g in GROUPS},
-            "seed": cfg.seed,
-            "config": as_plain(cfg),
-            **failure_record(e, cfg.schedule.batch_size),
-        }
+        status, message = failure(e, cfg.schedule.batch_size)
+        rec = RunRecord.partial(status, message, str(run_dir), {g: cfg[g].name for g in GROUPS}, cfg.seed, as_plain(cfg))
         if from_env().is_main:  # the lock's holder
             try:
-                write_json_atomic(run_dir / "result.json", rec)
+                rec.write(run_dir / "result.json")
             except OSError as write_error:  # the disk is full: the record on disk stays as it was
                 print(f"mpt-run: error: {write_error}", file=sys.stderr)
-        print(f"mpt-run: {rec['status']}: {rec['message']}", file=sys.stderr)
+        print(f"mpt-run: {rec.status}: {rec.message}", file=sys.stderr)
         if multirun and not from_env().enabled:
-            return rec["status"], False
+            return rec.status, False
         sys.exit(1)
     rec = job.run()  # a crash is recorded as `error` (or `oom`); a sweep goes on to its next run
     if job.dist.is_main:
         print("\n".join(summary_lines(rec)), flush=True)
     # Under torchrun a failed rank exits so that torchrun stops the others, which would wait for it.
-    if rec["status"] in ("error", "oom") and (not multirun or job.dist.enabled):
+    if rec.status in ("error", "oom") and (not multirun or job.dist.enabled):
         sys.exit(1)
     stop = preemption.requested() is not None
     if job.dist.enabled:  # one decision for all ranks, whichever got the signal
         stop = job.dist.any(stop, job.device)
-    return rec["status"], stop
+    return rec.status, stop
 
 
 # Flags after which Hydra prints or does something other than train: it gets the command line as is.

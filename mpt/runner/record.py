@@ -1,4 +1,5 @@
-"""The result record: one `result.json` per run (written atomically) and `metrics.jsonl` beside it.
+"""The result record: one `result.json` per run (a RunRecord, written atomically) and
+`metrics.jsonl` beside it.
 
 `result.json` is the only thing reports read. It is written when the run starts (status
 `running`), so a run killed before it ends never leaves a record that claims `ok`.
@@ -14,14 +15,20 @@ import platform
 import socket
 import subprocess
 import time
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, TextIO
-
-import torch
+from typing import TYPE_CHECKING, Any, Optional, TextIO
 
 from ..files import failed_write, write_bytes_atomic, write_text_atomic
 
-SCHEMA_VERSION = 1
+if TYPE_CHECKING:
+    import torch
+
+SCHEMA_VERSION = 1  # raised when a field changes meaning or type; new optional fields do not need it
+
+
+class RecordError(ValueError):
+    """A result.json that cannot be read as a record; the message names the file."""
 
 
 def _json_safe(value: Any) -> Any:
@@ -37,6 +44,104 @@ def _json_safe(value: Any) -> Any:
 
 def write_json_atomic(path: Path, data: dict) -> None:
     write_bytes_atomic(path, json.dumps(_json_safe(data), indent=2, allow_nan=False).encode())
+
+
+@dataclass(kw_only=True)
+class RunRecord:
+    """One run's result.json. Sections measured by their own module (throughput, memory, flops,
+    mfu, loss_scale, grad_stats, environment) stay plain dicts in the shape that module writes.
+
+    A field is None until the run fills it. Fields listed in `absent` and still unset are left out
+    of the file: those only some runs have (a diverged run's step), and, for a record read from
+    disk, those it did not hold, so an older record reads back unchanged."""
+
+    schema: int = SCHEMA_VERSION
+    status: str  # running, ok, diverged, preempted, error, oom
+    message: Optional[str] = None
+    run_dir: Optional[str] = None  # where the run wrote it; readers find a run by the folder its result.json is in
+    choices: dict[str, str]  # the config group options: model, precision, scale, data, schedule
+    variant: Optional[str] = None  # the computational overrides beyond the choices and the seed (identity.variant)
+    seed: Optional[int] = None
+    config: Optional[dict] = None  # the resolved config
+    precision: Optional[dict] = None  # what the mode ran as: dtypes, master weights, autocast, CPU kernels
+    scale_config: Optional[dict] = None
+    optim: Optional[dict] = None
+    distributed: Optional[dict] = None
+    data: Optional[dict] = None  # the data source's description (sizes, vocabulary, loader workers)
+    total_steps: Optional[int] = None
+    steps: Optional[int] = None
+    samples: Optional[int] = None
+    epochs: Optional[float] = None
+    primary_metric: Optional[str] = None
+    higher_is_better: Optional[bool] = None
+    metrics: dict = field(default_factory=dict)  # the last evaluation's, with its step
+    evaluation: Optional[dict] = None  # how the metric is computed, or why it is not
+    sample_grids: Optional[list] = None  # pictures a task draws at each evaluation (DCGAN's grid), by step
+    final_train_loss: Optional[float] = None
+    last_finite_train_loss: Optional[float] = None
+    diverged_at_step: Optional[int] = None
+    preempted_at_step: Optional[int] = None
+    resumed_from_step: Optional[int] = None
+    resumed_at: Optional[str] = None
+    throughput: Optional[dict] = None  # throughput.py
+    memory: Optional[dict] = None
+    loss_scale: Optional[dict] = None  # per network: the scaler's summary
+    compile: Optional[dict] = None  # compile.backend: what torch.compile made of the networks
+    flops: Optional[dict] = None  # schedule.count_flops: model FLOPs of one step (flops.py)
+    mfu: Optional[dict] = None
+    grad_stats: Optional[dict] = None  # stats.grad_hist: gradient histograms against FP16's range
+    environment: Optional[dict] = None
+    git: Optional[dict] = None
+    started_at: Optional[str] = None
+    finished_at: Optional[str] = None
+    duration_s: Optional[float] = None
+    extra: dict = field(default_factory=dict)  # keys of a newer or older version this one does not know
+    absent: frozenset = field(
+        default=frozenset({"sample_grids", "epochs", "diverged_at_step", "preempted_at_step", "resumed_from_step", "resumed_at"}), repr=False
+    )
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "record") -> RunRecord:
+        if not isinstance(data, dict):
+            raise RecordError(f"{source}: not a JSON object")
+        schema = data.get("schema", SCHEMA_VERSION)
+        if not isinstance(schema, int) or schema > SCHEMA_VERSION:
+            raise RecordError(f"{source}: record schema {schema!r}; this mpt reads schema {SCHEMA_VERSION} and older (update mpt to read it)")
+        names = [f.name for f in fields(cls) if f.name not in ("extra", "absent")]
+        missing = [k for k in ("status", "choices") if k not in data]
+        if missing:
+            raise RecordError(f"{source}: no {', '.join(missing)}: not a result record")
+        known = {k: v for k, v in data.items() if k in names}
+        return cls(**known, extra={k: v for k, v in data.items() if k not in names}, absent=frozenset(n for n in names if n not in data))
+
+    @classmethod
+    def load(cls, path: Path) -> RunRecord:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise RecordError(f"{path}: not a readable result record ({e})") from None
+        return cls.from_dict(data, str(path))
+
+    @classmethod
+    def partial(cls, status: str, message: str, run_dir: str, choices: dict, seed: int, config: dict) -> RunRecord:
+        """The record of a run that failed while being set up: what it was asked to run, and why it did not."""
+        kept = {"schema", "status", "message", "run_dir", "choices", "seed", "config"}
+        absent = frozenset(f.name for f in fields(cls) if f.name not in kept)
+        return cls(status=status, message=message, run_dir=run_dir, choices=choices, seed=seed, config=config, absent=absent)
+
+    def to_dict(self) -> dict:
+        out = {}
+        for f in fields(self):
+            if f.name in ("extra", "absent"):
+                continue
+            value = getattr(self, f.name)
+            if f.name in self.absent and value == (f.default_factory() if callable(f.default_factory) else f.default):
+                continue
+            out[f.name] = value
+        return {**out, **self.extra}
+
+    def write(self, path: Path) -> None:
+        write_json_atomic(path, self.to_dict())
 
 
 class NullLog:
@@ -117,7 +222,9 @@ def cpu_name() -> str:
 
 
 def environment(device: torch.device) -> dict:
+    # Imported here: the report reads records without loading torch.
     import hydra
+    import torch
     import torchvision
 
     env = {

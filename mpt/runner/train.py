@@ -39,7 +39,7 @@ from ..precision.scaler import Diverged, build_scaler
 from . import checkpoint, identity
 from .flops import counting_flops, flops_record, mfu
 from .grad_collector import GradStatsCollector
-from .record import MetricsLog, NullLog, environment, git_commit, now_iso, write_json_atomic
+from .record import MetricsLog, NullLog, RunRecord, environment, git_commit, now_iso
 from .throughput import ThroughputMeter, peak_memory, reset_peak_memory
 
 log = logging.getLogger("mpt")
@@ -64,15 +64,16 @@ def resolve_device(name: str, dist: Dist = Dist()) -> torch.device:
     return device
 
 
-def failure_record(e: BaseException, batch_size: int) -> dict:
+def failure(e: BaseException, batch_size: int) -> tuple[str, str]:
+    """A record's status and message for an exception: `oom` naming the batch size, else `error`."""
     text = str(e).strip()
     if "Original Traceback" in text:  # raised in a data-loader worker: the last line is the error itself
         text = text.splitlines()[-1]
     first = text.splitlines()[0] if text else ""
     # torch's CPU allocator raises a RuntimeError, not torch.OutOfMemoryError
     if isinstance(e, (torch.OutOfMemoryError, MemoryError)) or "DefaultCPUAllocator: can't allocate memory" in first:
-        return {"status": "oom", "message": f"out of memory at schedule.batch_size={batch_size}; try a smaller batch ({type(e).__name__}: {first})"}
-    return {"status": "error", "message": first if "Original Traceback" in str(e) else f"{type(e).__name__}: {first}"}
+        return "oom", f"out of memory at schedule.batch_size={batch_size}; try a smaller batch ({type(e).__name__}: {first})"
+    return "error", first if "Original Traceback" in str(e) else f"{type(e).__name__}: {first}"
 
 
 def seed_everything(seed: int) -> None:
@@ -141,7 +142,7 @@ class Run:
         self.peers_preempted = False  # under torchrun: a rank got a preemption signal (as of the last flush)
         self.record = self._initial_record()
         saved = checkpoint.load(run_dir) if may_resume else None
-        if saved is not None and not identity.same_computation(saved["config"], self.record["config"]):
+        if saved is not None and not identity.same_computation(saved["config"], self.record.config):
             print(f"mpt-run: {run_dir} holds a checkpoint of a different config; starting over", flush=True)
             saved = None
         if saved is None and self.dist.is_main:  # starting over: a stale checkpoint must not be resumed later
@@ -153,22 +154,22 @@ class Run:
 
     def _state(self) -> dict:
         return {
-            "config": self.record["config"],
+            "config": self.record.config,
             "step": self.step,
             "samples": self._global_samples(),
             "epoch": self.epoch,
             "batch_in_epoch": self.batch_in_epoch,
             "last_loss": self.last_loss,
             "last_finite_loss": self.last_finite_loss,
-            "metrics": self.record["metrics"],
-            "sample_grids": self.record.get("sample_grids"),
+            "metrics": self.record.metrics,
+            "sample_grids": self.record.sample_grids,
             "data": self.data.state_dict(),
             "engines": {name: {"model": self._model_state(name, e.model), **e.state_dict()} for name, e in self.engines.items()},
             "rng": checkpoint.rng_state(),
             # Every rank's own GPU generator advances alike (the same draws): rank 0's stands for all.
             "device_rng": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
-            "started_at": self.record["started_at"],
-            "git": self.record["git"],
+            "started_at": self.record.started_at,
+            "git": self.record.git,
             "throughput": self.meter.state_dict(),
             "peak_memory_bytes": int(self.dist.largest(max(peak_memory(self.device)["peak_bytes"], self.peak_before_resume), self.device)),
             "grad_stats": self.grad_stats.state_dict(),
@@ -182,12 +183,12 @@ class Run:
         self.step, self.samples_before_resume = saved["step"], saved["samples"]
         self.epoch, self.batch_in_epoch = saved["epoch"], saved["batch_in_epoch"]
         self.last_loss, self.last_finite_loss = saved["last_loss"], saved["last_finite_loss"]
-        self.record["metrics"] = saved["metrics"]
-        if "sample_grids" in self.record:
-            self.record["sample_grids"] = saved["sample_grids"]
-        self.record["resumed_from_step"] = saved["step"]
-        self.record["started_at"], self.record["resumed_at"] = saved["started_at"], now_iso()
-        if saved["git"] != self.record["git"]:
+        self.record.metrics = saved["metrics"]
+        if self.record.sample_grids is not None:
+            self.record.sample_grids = saved["sample_grids"]
+        self.record.resumed_from_step = saved["step"]
+        self.record.started_at, self.record.resumed_at = saved["started_at"], now_iso()
+        if saved["git"] != self.record.git:
             print(
                 f"mpt-run: warning: the checkpoint was written by commit {saved['git'].get('commit')}, this is {self.record['git'].get('commit')}", flush=True
             )
@@ -269,21 +270,17 @@ class Run:
             checkpoint.save(self.run_dir, state)
         self.checkpointed_at = self.step
 
-    def _initial_record(self) -> dict:
+    def _initial_record(self) -> RunRecord:
         cfg = self.cfg
         plain = as_plain(cfg)
-        # Pictures a task draws at each evaluation (DCGAN's fixed-noise grid): their paths, by step.
-        task_fields = {"sample_grids": []} if self.task.saves_samples else {}
-        return {
-            "schema": 1,
-            "status": "running",
-            "message": None,
-            "run_dir": str(self.run_dir),
-            "choices": {k: plain[k]["name"] for k in GROUPS},
-            "variant": self.variant,  # the computational overrides beyond the choices and the seed (identity.variant)
-            "seed": cfg.seed,
-            "config": plain,
-            "precision": {
+        return RunRecord(
+            status="running",
+            run_dir=str(self.run_dir),
+            choices={k: plain[k]["name"] for k in GROUPS},
+            variant=self.variant,
+            seed=cfg.seed,
+            config=plain,
+            precision={
                 "name": cfg.precision.name,
                 "label": cfg.precision.label,
                 "param_dtype": cfg.precision.param_dtype.name,
@@ -297,11 +294,11 @@ class Run:
                 "cpu_fp16_conv": ("emulated" if cfg.emulate_cpu_fp16_conv else "native") if uses_cpu_fp16_convs(cfg.precision, self.device) else None,
                 "cpu_lstm": cpu_lstm.describe([e.model for e in self.engines.values()]),  # the kernels FP16/BF16 LSTMs ran on a CPU (at the end)
             },
-            "scale_config": {
+            scale_config={
                 "strategy": cfg.scale.name,
                 "value": static_scale_value(cfg) if cfg.scale.name == "static" else None,
             },
-            "optim": {
+            optim={
                 "name": cfg.optim.name,
                 "lr": effective_lr(cfg),
                 "lr_config": cfg.optim.lr,
@@ -309,7 +306,7 @@ class Run:
                 "batch_size": cfg.schedule.batch_size,
             },
             # schedule.batch_size is the global batch; each process trains on its slice of it.
-            "distributed": {
+            distributed={
                 "world_size": self.dist.world_size,
                 "backend": backend(self.device) if self.dist.enabled else None,
                 "global_batch_size": cfg.schedule.batch_size,
@@ -317,30 +314,18 @@ class Run:
                 "allreduce_dtype": cfg.precision.allreduce_dtype.name if cfg.precision.allreduce_dtype else "the gradients' own",
                 "sync_batchnorm": cfg.distributed.sync_batchnorm,
             },
-            "data": {k: v for k, v in self.data.info.items() if isinstance(v, (str, int, float, bool, type(None)))},
-            "total_steps": self.total_steps,
-            "steps": 0,
-            "samples": 0,
-            "primary_metric": self.task.primary_metric,
-            "higher_is_better": self.task.higher_is_better,
-            "metrics": {},
-            "evaluation": self.task.evaluation_info,  # how the metric is computed, or why it is not
-            **task_fields,
-            "final_train_loss": None,
-            "last_finite_train_loss": None,
-            "throughput": None,
-            "memory": None,
-            "loss_scale": None,
-            "compile": None,  # compile.backend: what torch.compile made of the networks
-            "flops": None,  # schedule.count_flops: model FLOPs of one step (flops.py)
-            "mfu": None,
-            "grad_stats": None,  # stats.grad_hist: gradient histograms against FP16's range (grad_hooks.py)
-            "environment": environment(self.device),
-            "git": git_commit(Path(__file__).resolve().parent),
-            "started_at": now_iso(),
-            "finished_at": None,
-            "duration_s": None,
-        }
+            data={k: v for k, v in self.data.info.items() if isinstance(v, (str, int, float, bool, type(None)))},
+            total_steps=self.total_steps,
+            steps=0,
+            samples=0,
+            primary_metric=self.task.primary_metric,
+            higher_is_better=self.task.higher_is_better,
+            evaluation=self.task.evaluation_info,
+            sample_grids=[] if self.task.saves_samples else None,
+            environment=environment(self.device),
+            git=git_commit(Path(__file__).resolve().parent),
+            started_at=now_iso(),
+        )
 
     def _over_ranks(self, tp: dict) -> dict:
         """Throughput of the whole job: each process's figure summed over processes."""
@@ -356,9 +341,9 @@ class Run:
 
     def save_record(self) -> None:
         if self.dist.is_main:
-            write_json_atomic(self.run_dir / "result.json", self.record)
+            self.record.write(self.run_dir / "result.json")
 
-    def train(self) -> dict:
+    def train(self) -> RunRecord:
         """Run every step, then complete and save the record. Returns the record."""
         rec = self.record
         self.save_record()
@@ -371,45 +356,45 @@ class Run:
             with preemption.catching():
                 for _ in self.steps():
                     pass
-            rec["status"] = "ok"
+            rec.status = "ok"
             together = True
         except Diverged as e:
             together = True
             self._flush(check=False)
-            rec.update(status="diverged", message=str(e), diverged_at_step=e.step if e.step is not None else self.step)
-            log.warning("diverged at step %s: %s", rec["diverged_at_step"], e)
+            rec.status, rec.message, rec.diverged_at_step = "diverged", str(e), e.step if e.step is not None else self.step
+            log.warning("diverged at step %s: %s", rec.diverged_at_step, e)
         except preemption.Preempted as e:  # resumable, like `running`
             together = True
-            rec.update(status="preempted", message=str(e), preempted_at_step=e.step)
+            rec.status, rec.message, rec.preempted_at_step = "preempted", str(e), e.step
             log.warning("%s", e)
         finally:
             together = together or not self.dist.enabled
-            rec["steps"], rec["samples"], rec["epochs"] = self.step, self._global_samples(together), self.step / self.data.steps_per_epoch
-            rec["final_train_loss"] = self.last_loss
-            rec["last_finite_train_loss"] = self.last_finite_loss
-            rec["throughput"] = self._over_ranks(self.meter.summary()) if together else self.meter.summary()
+            rec.steps, rec.samples, rec.epochs = self.step, self._global_samples(together), self.step / self.data.steps_per_epoch
+            rec.final_train_loss = self.last_loss
+            rec.last_finite_train_loss = self.last_finite_loss
+            rec.throughput = self._over_ranks(self.meter.summary()) if together else self.meter.summary()
             if self.cfg.compile.backend is not None:
                 from torch._dynamo.utils import counters
 
-                rec["compile"] = {
+                rec.compile = {
                     "backend": self.cfg.compile.backend,
                     "mode": self.cfg.compile.mode,
                     "unique_graphs": int(counters["stats"]["unique_graphs"]),  # this run's: reset when it compiled
                     "graph_breaks": int(sum(counters["graph_break"].values())),
                 }
-            rec["mfu"] = mfu(rec["flops"], rec["throughput"], self.cfg.precision, self.device, rec["environment"]["device_name"])
-            rec["memory"] = peak_memory(self.device)
-            peak = max(rec["memory"]["peak_bytes"], self.peak_before_resume)
-            rec["memory"]["peak_bytes"] = int(self.dist.largest(peak, self.device)) if together else peak
+            rec.mfu = mfu(rec.flops, rec.throughput, self.cfg.precision, self.device, rec.environment["device_name"])
+            rec.memory = peak_memory(self.device)
+            peak = max(rec.memory["peak_bytes"], self.peak_before_resume)
+            rec.memory["peak_bytes"] = int(self.dist.largest(peak, self.device)) if together else peak
             if self.dist.enabled:
-                rec["memory"]["over"] = f"the largest of {self.dist.world_size} processes"
+                rec.memory["over"] = f"the largest of {self.dist.world_size} processes"
             if self.grad_stats.sampled_steps:
-                rec["memory"]["note"] = self.grad_stats.MEMORY_NOTE
-            rec["loss_scale"] = {name: e.scaler.summary() for name, e in self.engines.items()}
-            rec["precision"]["cpu_lstm"] = cpu_lstm.describe([e.model for e in self.engines.values()])
-            rec["grad_stats"] = self.grad_stats.summary()
-            rec["finished_at"] = now_iso()
-            rec["duration_s"] = time.perf_counter() - t_start
+                rec.memory["note"] = self.grad_stats.MEMORY_NOTE
+            rec.loss_scale = {name: e.scaler.summary() for name, e in self.engines.items()}
+            rec.precision["cpu_lstm"] = cpu_lstm.describe([e.model for e in self.engines.values()])
+            rec.grad_stats = self.grad_stats.summary()
+            rec.finished_at = now_iso()
+            rec.duration_s = time.perf_counter() - t_start
             try:
                 self.metrics.close()
             finally:
@@ -417,14 +402,14 @@ class Run:
         self.save_record()
         return rec
 
-    def run(self) -> dict:
+    def run(self) -> RunRecord:
         """train(), and a failure recorded instead of raised: `oom` naming the batch size, any other
         exception `error` with its one-line message. The checkpoint stays for a rerun to resume."""
         try:
             return self.train()
         except Exception as e:
             log.exception("run failed")
-            self.record.update(failure_record(e, self.cfg.schedule.batch_size))
+            self.record.status, self.record.message = failure(e, self.cfg.schedule.batch_size)
             try:
                 self.save_record()
             except OSError as write_error:  # a full disk: the record on disk stays as it last was
@@ -444,14 +429,14 @@ class Run:
             self.batch_in_epoch += 1
             wait = time.perf_counter() - t0
             # FLOPs once, on this process's first step: in the warm-up, which throughput leaves out.
-            counting = self.cfg.schedule.count_flops and self.record["flops"] is None
+            counting = self.cfg.schedule.count_flops and self.record.flops is None
             with (
                 self.grad_stats.step(self.step) as stats_step,
                 counting_flops([e.model for e in self.engines.values()]) if counting else contextlib.nullcontext() as counter,
             ):
                 self.pending.extend(self._train_step(self.step, batch))
             if counting:
-                self.record["flops"] = flops_record(counter, self.task.count_samples(batch), self.step, self.meter.unit)
+                self.record.flops = flops_record(counter, self.task.count_samples(batch), self.step, self.meter.unit)
             if stats_step["sampled"] and stats_step["seconds"] is None:
                 self.meter.interrupt()  # a sampled step that was not timed: its window cannot be corrected
             self.step += 1
@@ -539,12 +524,12 @@ class Run:
         test = self.data.test() if step == self.total_steps else None
         if test is not None:  # a held-out split the source was given, scored once, at the end, in full
             metrics.update({f"test_{k.removeprefix('val_')}": v for k, v in self.task.evaluate(test, self.forward_context).items()})
-        self.record["metrics"] = {**metrics, "step": step}
+        self.record.metrics = {**metrics, "step": step}
         self.metrics.write([{"kind": "eval", "step": step, **metrics}])
-        if "sample_grids" in self.record and self.dist.is_main:
+        if self.record.sample_grids is not None and self.dist.is_main:
             path = self.task.save_samples(self.run_dir / "samples" / f"step_{step:06d}.png", self.forward_context)
-            self.record["sample_grids"] = [
-                *(g for g in self.record["sample_grids"] if g["step"] != step),
+            self.record.sample_grids = [
+                *(g for g in self.record.sample_grids if g["step"] != step),
                 {"step": step, "path": path.relative_to(self.run_dir).as_posix()},
             ]
         log.info("step %d/%d eval %s", step, self.total_steps, {k: round(v, 4) for k, v in metrics.items()})
