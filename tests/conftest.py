@@ -60,7 +60,7 @@ def build_run(run_dir: Path, *overrides: str):
     return Run(cfg, run_dir)
 
 
-def run_cli(*args: str, cwd: Path, timeout: int = 900, env: dict | None = None) -> subprocess.CompletedProcess:
+def mpt_run(*args: str, cwd: Path, timeout: int = 900, env: dict | None = None) -> subprocess.CompletedProcess:
     """The real command line, in a subprocess (what a user types, minus the console-script shim)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", "mpt.runner.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)

@@ -14,7 +14,7 @@ import torch
 from mpt.precision.scaler import AutoScaler, Diverged, DynamicScaler, build_scaler
 from mpt.report.cli import build_report
 
-from .conftest import ROOT, compose_cfg, read_record, run_cli
+from .conftest import ROOT, compose_cfg, mpt_run, read_record
 from .test_numerics import make_engine, train_step
 
 
@@ -108,7 +108,7 @@ def test_auto_and_dynamic_on_the_same_run_and_in_the_report(tmp_path):
         f"hydra.sweep.dir={tmp_path}/runs",
     ]
     for scale in (["scale=dynamic", "scale.init=16777216"], ["scale=auto"]):
-        r = run_cli("-m", *common, *scale, cwd=ROOT)
+        r = mpt_run("-m", *common, *scale, cwd=ROOT)
         assert r.returncode == 0, r.stderr[-2000:]
     recs = {rec["choices"]["scale"]: rec for rec in map(read_record, (p.parent for p in (tmp_path / "runs").rglob("result.json")))}
     assert recs["dynamic"]["status"] == recs["auto"]["status"] == "ok"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import ROOT, TINY, read_record, run_cli
+from .conftest import ROOT, TINY, mpt_run, read_record
 
 PRECISIONS = ["fp32", "fp16", "mixed", "fp16_modmom", "amp", "bf16", "tf32"]
 SCALES = ["none", "static", "dynamic"]
@@ -17,7 +17,7 @@ SCALES = ["none", "static", "dynamic"]
 def sweep(tmp_path_factory) -> dict[tuple[str, str], Path]:
     """One multirun process for all 21 combinations (one interpreter start instead of 21)."""
     out = tmp_path_factory.mktemp("sweep")
-    r = run_cli(
+    r = mpt_run(
         "-m", TINY, f"precision={','.join(PRECISIONS)}", f"scale={','.join(SCALES)}", "schedule=smoke", "checkpoint=false", f"hydra.sweep.dir={out}", cwd=ROOT
     )
     assert r.returncode == 0, r.stderr[-3000:]
@@ -62,7 +62,7 @@ def test_record_is_complete(sweep, precision, scale):
 
 
 def test_summary_is_printed(tmp_path):
-    r = run_cli(TINY, "schedule=smoke", "precision=mixed", "scale=dynamic", f"hydra.run.dir={tmp_path}", cwd=ROOT)
+    r = mpt_run(TINY, "schedule=smoke", "precision=mixed", "scale=dynamic", f"hydra.run.dir={tmp_path}", cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     for text in [
         "mpt-run mobilenet_v3_small precision=mixed scale=dynamic",
@@ -80,7 +80,7 @@ def test_imagefolder_trains_on_cifar10_mini(tmp_path):
     from .conftest import shared_data
 
     root = shared_data("cifar10-mini")
-    r = run_cli(
+    r = mpt_run(
         TINY,
         "data=imagefolder",
         f"data.root={root}",
@@ -106,7 +106,7 @@ def test_a_sweep_runs_through_submitits_local_launcher(tmp_path):
     """hydra/launcher=submitit_local runs each run of the sweep as its own job process, as
     hydra/launcher=slurm does on a cluster; the records are the same kind."""
     sweep = tmp_path / "runs"
-    r = run_cli(
+    r = mpt_run(
         "-m",
         "hydra/launcher=submitit_local",
         "hydra.launcher.timeout_min=10",

@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 from mpt.config import ConfigError
 from mpt.runner.validation import validate
 
-from .conftest import ROOT, build_run, compose_cfg, run_cli
+from .conftest import ROOT, build_run, compose_cfg, mpt_run
 
 GROUPS = {
     "model": [
@@ -137,7 +137,7 @@ def test_bad_input_on_the_command_line_is_one_line_naming_it(args, line):
 
 @pytest.mark.parametrize("args", [["model=lenet"], ["-m", "optim.lr=0.1,-1"]], ids=["run", "sweep"])
 def test_the_command_line_prints_that_line_and_starts_nothing(tmp_path, args):
-    r = run_cli(*args, f"hydra.run.dir={tmp_path}/run", f"hydra.sweep.dir={tmp_path}/sweep", cwd=ROOT)
+    r = mpt_run(*args, f"hydra.run.dir={tmp_path}/run", f"hydra.sweep.dir={tmp_path}/sweep", cwd=ROOT)
     assert r.returncode == 2
     assert r.stderr.strip() == f"mpt-run: error: {preflight_line(args)}"
     assert not list(tmp_path.rglob("*"))  # nothing half-written, no run of a sweep started

@@ -10,7 +10,7 @@ from torch import nn
 
 from mpt.precision import cpu_lstm
 
-from .conftest import ROOT, build_run, read_record, run_cli
+from .conftest import ROOT, build_run, mpt_run, read_record
 
 
 @pytest.fixture
@@ -95,7 +95,7 @@ def test_where_onednn_cannot_the_lstm_runs_torchs_own_kernel_in_the_dtype(onednn
 def test_the_record_names_the_kernels_that_ran(onednn_fails, tmp_path, in_process):
     small = ["model=gnmt", "model.hidden_size=16", "model.encoder_layers=2", "model.decoder_layers=2", "schedule=smoke",
              "schedule.batch_size=8", "schedule.steps=2", "schedule.eval_batches=1", "checkpoint=false", "device=cpu"]  # fmt: skip
-    rec = build_run(tmp_path / "bf16", *small, "precision=bf16").run()
+    rec = build_run(tmp_path / "bf16", *small, "precision=bf16").execute()
     assert rec.status == "ok", rec.message
     assert rec.precision["cpu_lstm"] == {"dtype": "bfloat16", "training": ["native"], "evaluation": ["native"],
                                             "onednn_error": "could not create a primitive descriptor (forced by the test)"}  # fmt: skip
@@ -133,7 +133,7 @@ def test_the_lstms_hooks_run_once_per_call():
 def test_bf16_lstms_train_on_a_cpu_whose_onednn_has_no_bf16_lstm(tmp_path):
     """The failure of issue 18, for real: oneDNN capped at AVX2 has no BF16 LSTM primitive, which
     torch's CPU autocast asked it for ("could not create a primitive descriptor")."""
-    r = run_cli("model=gnmt", "model.hidden_size=16", "model.encoder_layers=2", "model.decoder_layers=2", "schedule=smoke",
+    r = mpt_run("model=gnmt", "model.hidden_size=16", "model.encoder_layers=2", "model.decoder_layers=2", "schedule=smoke",
                 "schedule.batch_size=8", "schedule.steps=2", "schedule.eval_batches=1", "checkpoint=false", "device=cpu",
                 "precision=bf16", f"hydra.run.dir={tmp_path}", cwd=ROOT, env={"ONEDNN_MAX_CPU_ISA": "AVX2"})  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]

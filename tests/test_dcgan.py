@@ -23,7 +23,7 @@ from mpt.report.figures import _lines
 from mpt.runner.train import Run
 from mpt.runner.validation import validate
 
-from .conftest import ROOT, compose_cfg, read_record, run_cli, shared_data
+from .conftest import ROOT, compose_cfg, mpt_run, read_record, shared_data
 
 TINY = ["model.ngf=4", "model.ndf=4", "model.sample_grid=4", "data.train_samples=16", "data.val_samples=8", "schedule=smoke", "device=cpu"]
 
@@ -177,7 +177,7 @@ def test_an_overflow_in_the_discriminators_backward_skips_only_its_update(tmp_pa
 
 
 def run_tiny(tmp_path: Path, *args: str) -> Path:
-    r = run_cli("-m", "model=dcgan64", *TINY, *args, f"hydra.sweep.dir={tmp_path}", cwd=ROOT)
+    r = mpt_run("-m", "model=dcgan64", *TINY, *args, f"hydra.sweep.dir={tmp_path}", cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     return tmp_path
 
@@ -252,7 +252,7 @@ def test_the_papers_128px_network_trains_on_real_faces(tmp_path):
                 tar.extract(member, faces, filter="data")
                 if len(list(faces.iterdir())) == 10:
                     break
-    r = run_cli(
+    r = mpt_run(
         "model=dcgan",
         "model.ngf=2",
         "model.ndf=2",
@@ -292,7 +292,7 @@ def test_fid_is_computed_only_from_a_named_local_weights_file(tmp_path):
     assert fid["computed"] is True and fid["comparable"] is True and fid["generated_images"] == 4 and len(fid["sha256"]) == 64
     assert rec["metrics"]["fid"] > 0 and rec["primary_metric"] == "fid" and rec["higher_is_better"] is False
 
-    missing = run_cli("model=dcgan64", *TINY, f"model.fid_weights={tmp_path / 'nope.pth'}", f"hydra.run.dir={tmp_path / 'x'}", cwd=ROOT)
+    missing = mpt_run("model=dcgan64", *TINY, f"model.fid_weights={tmp_path / 'nope.pth'}", f"hydra.run.dir={tmp_path / 'x'}", cwd=ROOT)
     assert missing.returncode != 0 and f"model.fid_weights={tmp_path / 'nope.pth'}" in missing.stderr + missing.stdout
 
 

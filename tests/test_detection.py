@@ -17,7 +17,7 @@ from mpt.datasets import build_data
 from mpt.datasets.voc import CorruptAnnotation
 from mpt.runner.validation import validate
 
-from .conftest import CPU, build_run, compose_cfg, read_record, run_cli, shared_data
+from .conftest import CPU, build_run, compose_cfg, mpt_run, read_record, shared_data
 
 RACCOON = ["data=voc", "data.train_sets=[train_labels.csv]", "data.val_sets=[test_labels.csv]", "data.class_names=[raccoon]", "data.num_workers=0"]
 
@@ -190,7 +190,7 @@ def test_every_precision_mode_trains_and_evaluates_ssd_on_cpu(tmp_path):
         "checkpoint=false",
         f"hydra.sweep.dir={tmp_path}",
     ]
-    result = run_cli("-m", f"precision={','.join(MODES)}", *tiny, cwd=tmp_path)
+    result = mpt_run("-m", f"precision={','.join(MODES)}", *tiny, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     records = {r["choices"]["precision"]: r for r in (json.loads(p.read_text()) for p in tmp_path.glob("*/result.json"))}
     assert sorted(records) == sorted(MODES)
@@ -214,7 +214,7 @@ def test_ssd_trains_in_the_papers_mode_on_voc_files_and_scores_map(tmp_path, in_
     job = build_run(tmp_path, "model=ssd", "precision=mixed", "scale=static", "data=voc", f"data.root={root}", "data.train_sets=[train_labels.csv]",
                     "data.val_sets=[test_labels.csv]", "data.class_names=[raccoon]", "data.num_workers=0", "schedule=smoke",
                     "schedule.batch_size=2", "schedule.steps=2", "schedule.eval_batches=1", "checkpoint=false", "device=cpu")  # fmt: skip
-    rec = job.run()
+    rec = job.execute()
     assert rec.status == "ok", rec.message
     assert rec.scale_config["value"] == 8 and rec.precision["master_weights"] is True
     assert 0 <= rec.metrics["map"] <= 1 and rec.metrics["val_samples"] == 2

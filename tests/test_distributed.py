@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .conftest import ROOT, TINY, read_record, run_cli
+from .conftest import ROOT, TINY, mpt_run, read_record
 
 INJECT = Path(__file__).parent / "distributed_inject"
 
@@ -47,7 +47,7 @@ def kill_processes_naming(marker: str) -> None:
 def one_and_two_processes(args: list[str], tmp_path: Path) -> tuple[Path, Path]:
     """The same config run by 1 process and by torchrun with 2: their run folders."""
     one, two = tmp_path / "one", tmp_path / "two"
-    r = run_cli(*args, f"hydra.run.dir={one}", cwd=ROOT)
+    r = mpt_run(*args, f"hydra.run.dir={one}", cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     r = torchrun(*args, f"hydra.run.dir={two}")
     assert r.returncode == 0, r.stderr[-3000:]

@@ -19,7 +19,7 @@ from mpt.runner import checkpoint
 from mpt.runner.identity import folder_name
 from mpt.runner.run_lock import AlreadyRunning, RunLock
 
-from .conftest import ROOT, TINY, build_run, read_record, run_cli
+from .conftest import ROOT, TINY, build_run, mpt_run, read_record
 from .test_resume import assert_resumed_as_uninterrupted, log_rows, resume_args
 
 
@@ -47,11 +47,11 @@ def signal_at(job, step: int, signum: int) -> None:
 def test_a_preempted_run_checkpoints_its_step_and_resumes_as_if_uninterrupted(tmp_path, in_process, signals, signum):
     args = resume_args("mobilenet_v3_small", "mixed", "dynamic", ["data.train_samples=12"])
     reference, preempted = tmp_path / "reference", tmp_path / "preempted"
-    assert build_run(reference, *args).run().status == "ok"
+    assert build_run(reference, *args).execute().status == "ok"
 
     job = build_run(preempted, *args)
     signal_at(job, 5, signum)  # mid-step 5: the step finishes, then the run stops
-    rec = job.run()
+    rec = job.execute()
     assert preemption.requested() == signum
     assert rec.status == "preempted" and rec.preempted_at_step == 6 and rec.steps == 6
     assert rec.message == f"{signal.Signals(signum).name} at step 6: stopped after it, with a checkpoint at that step; run the same command again to resume"
@@ -62,21 +62,21 @@ def test_a_preempted_run_checkpoints_its_step_and_resumes_as_if_uninterrupted(tm
     preemption.reset()
     job = build_run(preempted, *args)
     assert job.record.resumed_from_step == 6
-    assert job.run().status == "ok"
+    assert job.execute().status == "ok"
     assert_resumed_as_uninterrupted(reference, preempted)
 
 
 def test_preemption_between_checkpoints_writes_one(tmp_path, in_process, signals):
     job = build_run(tmp_path, TINY, "schedule=smoke", "schedule.steps=10", "schedule.checkpoint_every=4")
     signal_at(job, 2, signal.SIGTERM)
-    assert job.run().status == "preempted"
+    assert job.execute().status == "preempted"
     assert checkpoint.load(tmp_path)["step"] == 3  # not a checkpoint step: written because of the signal
 
 
 def test_without_checkpoints_a_preempted_run_says_it_starts_over(tmp_path, in_process, signals):
     job = build_run(tmp_path, TINY, "schedule=smoke", "schedule.steps=10", "checkpoint=false")
     signal_at(job, 2, signal.SIGTERM)
-    rec = job.run()
+    rec = job.execute()
     assert rec.status == "preempted" and "no checkpoint (checkpoint=false): a relaunch starts over" in rec.message
     assert not (tmp_path / checkpoint.FILENAME).exists()
 
@@ -192,7 +192,7 @@ def test_a_second_launch_of_a_running_run_says_so_and_the_sweep_moves_on(tmp_pat
     busy = folder("fp32")
     twin = hold_lock(busy)
     try:
-        r = run_cli(
+        r = mpt_run(
             "-m", TINY, "precision=fp32,bf16", "schedule=smoke", "schedule.steps=1", "checkpoint=false", "device=cpu", f"hydra.sweep.dir={sweep}", cwd=ROOT
         )
     finally:
@@ -203,7 +203,7 @@ def test_a_second_launch_of_a_running_run_says_so_and_the_sweep_moves_on(tmp_pat
     assert sorted(p.name for p in busy.iterdir()) == [".lock"]  # nothing written beside the twin's files
     assert read_record(folder("bf16"))["status"] == "ok"
 
-    r = run_cli(TINY, "precision=fp32", "schedule=smoke", "schedule.steps=1", "checkpoint=false", "device=cpu", f"hydra.run.dir='{busy}'", cwd=ROOT)
+    r = mpt_run(TINY, "precision=fp32", "schedule=smoke", "schedule.steps=1", "checkpoint=false", "device=cpu", f"hydra.run.dir='{busy}'", cwd=ROOT)
     assert r.returncode == 0 and f"taking over its lock from pid {twin.pid} on host" in r.stdout  # the twin died holding it
     assert read_record(busy)["status"] == "ok"
 
@@ -268,7 +268,7 @@ def fills_the_disk(monkeypatch, name: str, room: int, after: int = 0) -> None:
 def test_a_checkpoint_that_fills_the_disk_leaves_the_previous_one_and_ends_the_run_as_an_error(tmp_path, in_process, monkeypatch):
     job = build_run(tmp_path, TINY, "schedule=smoke", "schedule.steps=6", "schedule.checkpoint_every=2")
     fills_the_disk(monkeypatch, checkpoint.FILENAME, room=1_000_000, after=1)  # torch.save's own writer meets the full disk
-    rec = job.run()
+    rec = job.execute()
     assert rec.status == "error"
     assert rec.message == f"WriteError: could not write {tmp_path / checkpoint.FILENAME}: No space left on device"
     assert read_record(tmp_path)["status"] == "error"
@@ -282,7 +282,7 @@ def test_a_record_that_cannot_be_written_leaves_the_previous_one_whole(tmp_path,
     job = build_run(tmp_path, TINY, "schedule=smoke", "schedule.steps=2", "checkpoint=false")
     job.save_record()
     fills_the_disk(monkeypatch, "result.json", room=100)  # every later record: 100 bytes fit
-    rec = job.run()
+    rec = job.execute()
     monkeypatch.undo()
     assert rec.status == "error" and rec.message == f"WriteError: could not write {tmp_path / 'result.json'}: No space left on device"
     assert read_record(tmp_path)["status"] == "running"  # the last record written, whole: a relaunch redoes the run
@@ -294,7 +294,7 @@ def test_a_log_that_fills_the_disk_ends_the_run_as_an_error_naming_it(tmp_path, 
     job = build_run(tmp_path, TINY, "schedule=smoke", "schedule.steps=3", "schedule.log_every=1", "checkpoint=false")
     job.metrics._file.close()
     job.metrics._file = open("/dev/full", "a")  # every flush: No space left on device, and the close after it too
-    rec = job.run()
+    rec = job.execute()
     assert rec.status == "error"
     assert rec.message == f"WriteError: could not write {tmp_path / 'metrics.jsonl'}: No space left on device"
     assert read_record(tmp_path)["status"] == "error"

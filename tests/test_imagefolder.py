@@ -71,12 +71,12 @@ def test_fewer_images_than_a_batch_is_rejected(tmp_path):
 
 @pytest.mark.slow
 def test_a_corrupt_image_fails_the_run_naming_it_and_the_sweep_goes_on(tmp_path):
-    from .conftest import ROOT, TINY, read_record, run_cli
+    from .conftest import ROOT, TINY, mpt_run, read_record
 
     bad, good = make_folder(tmp_path / "bad", per_class=4, size=32), make_folder(tmp_path / "good", per_class=4, size=32)
     corrupt = bad / "train" / "dog" / "2.jpg"
     corrupt.write_bytes(b"\xff\xd8\xff\xe0 not a jpeg")
-    r = run_cli(
+    r = mpt_run(
         "-m",
         TINY,
         f"data.root={bad},{good}",

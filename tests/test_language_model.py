@@ -21,7 +21,7 @@ from mpt.precision.engine import PrecisionEngine, prepare_model
 from mpt.precision.scaler import build_scaler
 from mpt.runner.validation import validate
 
-from .conftest import CPU, compose_cfg, read_record, run_cli, shared_data
+from .conftest import CPU, compose_cfg, mpt_run, read_record, shared_data
 
 TINY = ["model=biglstm_tiny", "model.hidden_size=32", "model.proj_size=8", "model.num_sampled=64", "model.bptt=5", "schedule=smoke"]
 
@@ -258,7 +258,7 @@ def test_bad_language_model_config_is_rejected_naming_the_key(overrides, named):
 @pytest.mark.slow
 def test_every_precision_mode_runs_the_language_model_end_to_end(tmp_path):
     modes = ["fp32", "tf32", "fp16", "mixed", "fp16_modmom", "amp", "bf16"]
-    result = run_cli("-m", *TINY, "optim.name=sgd", "optim.lr=0.5", "scale=static", "checkpoint=false", f"precision={','.join(modes)}",
+    result = mpt_run("-m", *TINY, "optim.name=sgd", "optim.lr=0.5", "scale=static", "checkpoint=false", f"precision={','.join(modes)}",
                      f"hydra.sweep.dir={tmp_path}", cwd=tmp_path)  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     records = {r["choices"]["precision"]: r for r in (json.loads(p.read_text()) for p in tmp_path.glob("*/result.json"))}
@@ -268,7 +268,7 @@ def test_every_precision_mode_runs_the_language_model_end_to_end(tmp_path):
         assert math.isfinite(rec["final_train_loss"]) and rec["metrics"]["ppl"] > 1 and rec["throughput"]["unit"] == "words/s"
         assert rec["data"]["ppl_floor"] > 1
     adagrad = tmp_path / "adagrad"  # bigLSTM's own optimizer in the modes paper_lm runs, with a dynamic scale
-    result = run_cli("-m", *TINY, "scale=dynamic", "checkpoint=false", "precision=mixed,amp", f"hydra.sweep.dir={adagrad}", cwd=tmp_path)
+    result = mpt_run("-m", *TINY, "scale=dynamic", "checkpoint=false", "precision=mixed,amp", f"hydra.sweep.dir={adagrad}", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     for rec in (json.loads(p.read_text()) for p in adagrad.glob("*/result.json")):
         assert rec["status"] == "ok" and rec["optim"]["name"] == "adagrad" and math.isfinite(rec["last_finite_train_loss"])
@@ -278,7 +278,7 @@ def test_every_precision_mode_runs_the_language_model_end_to_end(tmp_path):
 def test_perplexity_falls_toward_the_sources_floor(tmp_path):
     args = ["model=biglstm_tiny", "schedule.batch_size=16", "schedule.steps=200", "schedule.eval_every=100", "schedule.eval_batches=null",
             "data.train_samples=4096", "checkpoint=false"]  # fmt: skip
-    result = run_cli(*args, f"hydra.run.dir={tmp_path}", cwd=tmp_path)
+    result = mpt_run(*args, f"hydra.run.dir={tmp_path}", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     rec = read_record(tmp_path)
     evals = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"eval"' in line]

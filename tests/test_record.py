@@ -96,7 +96,7 @@ def test_a_failure_is_recorded_not_raised(tmp_path, exc, status, text):
         yield
 
     run.task.train_losses = fails
-    rec = run.run()
+    rec = run.execute()
     assert rec.status == status and rec.message.startswith(text) and "\n" not in rec.message
     assert json.loads((tmp_path / "result.json").read_text())["status"] == status
 
@@ -175,4 +175,7 @@ def test_keys_this_version_does_not_know_are_kept_and_a_newer_schema_is_refused(
     with pytest.raises(SystemExit) as stop:
         main([str(tmp_path), "--out", str(tmp_path / "report")])
     assert stop.value.code == 2 and not (tmp_path / "report").exists()
-    assert capsys.readouterr().err.strip() == f"mpt-report: error: {path}: record schema {SCHEMA_VERSION + 1}; this mpt reads schema {SCHEMA_VERSION} and older (update mpt to read it)"
+    assert (
+        capsys.readouterr().err.strip()
+        == f"mpt-report: error: {path}: record schema {SCHEMA_VERSION + 1}; this mpt reads schema {SCHEMA_VERSION} and older (update mpt to read it)"
+    )

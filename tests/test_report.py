@@ -14,7 +14,7 @@ from PIL import Image
 
 from mpt.report.records import mode_label
 
-from .conftest import ROOT, run_cli
+from .conftest import ROOT, mpt_run
 
 SWEEP = ["-m", "precision=fp32,fp16", "scale=none,dynamic", "seed=0,1", "schedule=smoke", "checkpoint=false"]
 
@@ -26,9 +26,9 @@ def records(runs: Path) -> dict[str, dict]:
 @pytest.fixture(scope="module")
 def swept(tmp_path_factory) -> Path:
     runs = tmp_path_factory.mktemp("sweep") / "runs"
-    r = run_cli(*SWEEP, f"hydra.sweep.dir={runs}", cwd=ROOT)
+    r = mpt_run(*SWEEP, f"hydra.sweep.dir={runs}", cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
-    r = run_cli("-m", "precision=fp32", "optim.lr=1e12", "schedule=smoke", "schedule.log_every=1", "checkpoint=false", f"hydra.sweep.dir={runs}", cwd=ROOT)
+    r = mpt_run("-m", "precision=fp32", "optim.lr=1e12", "schedule=smoke", "schedule.log_every=1", "checkpoint=false", f"hydra.sweep.dir={runs}", cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     return runs
 
@@ -52,7 +52,7 @@ def test_each_configuration_has_its_own_folder_named_from_its_choices(swept):
 
 def test_relaunching_a_sweep_skips_finished_runs_and_force_reruns(swept):
     before = {p: p.stat().st_mtime_ns for p in swept.glob("*/result.json")}
-    r = run_cli(*SWEEP, f"hydra.sweep.dir={swept}", cwd=ROOT)
+    r = mpt_run(*SWEEP, f"hydra.sweep.dir={swept}", cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.count("skipped (force=true runs it again)") == 8
     assert {p: p.stat().st_mtime_ns for p in swept.glob("*/result.json")} == before
@@ -61,20 +61,20 @@ def test_relaunching_a_sweep_skips_finished_runs_and_force_reruns(swept):
     unfinished = swept / "resnet50_fp32_none_synthetic_smoke_cpu_seed1" / "result.json"
     rec = json.loads(unfinished.read_text())
     unfinished.write_text(json.dumps({**rec, "status": "running"}))
-    r = run_cli("-m", "precision=fp32", "scale=none", "seed=0,1", "schedule=smoke", "checkpoint=false", f"hydra.sweep.dir={swept}", cwd=ROOT)
+    r = mpt_run("-m", "precision=fp32", "scale=none", "seed=0,1", "schedule=smoke", "checkpoint=false", f"hydra.sweep.dir={swept}", cwd=ROOT)
     assert r.stdout.count("skipped (force=true") == 1 and json.loads(unfinished.read_text())["status"] == "ok"
 
-    r = run_cli("-m", "precision=fp32", "scale=none", "seed=0", "schedule=smoke", "force=true", "checkpoint=false", f"hydra.sweep.dir={swept}", cwd=ROOT)
+    r = mpt_run("-m", "precision=fp32", "scale=none", "seed=0", "schedule=smoke", "force=true", "checkpoint=false", f"hydra.sweep.dir={swept}", cwd=ROOT)
     assert "skipped (force=true" not in r.stdout
     forced = swept / "resnet50_fp32_none_synthetic_smoke_cpu_seed0" / "result.json"
     assert forced.stat().st_mtime_ns != before[forced]
 
     # A diverged run is a result too: relaunched, it is skipped, not diverged again.
-    r = run_cli("-m", "precision=fp32", "optim.lr=1e12", "schedule=smoke", "schedule.log_every=1", "checkpoint=false", f"hydra.sweep.dir={swept}", cwd=ROOT)
+    r = mpt_run("-m", "precision=fp32", "optim.lr=1e12", "schedule=smoke", "schedule.log_every=1", "checkpoint=false", f"hydra.sweep.dir={swept}", cwd=ROOT)
     assert "already has a record with status diverged; skipped" in r.stdout
     # Relaunched logging or timing differently, it is the same computation: the same folder, skipped.
     before = {p: p.stat().st_mtime_ns for p in swept.glob("*/result.json")}
-    r = run_cli("-m", "precision=fp32", "optim.lr=1e12", "schedule=smoke", "schedule.log_every=3", "schedule.throughput_window=2", "checkpoint=false",
+    r = mpt_run("-m", "precision=fp32", "optim.lr=1e12", "schedule=smoke", "schedule.log_every=3", "schedule.throughput_window=2", "checkpoint=false",
                 f"hydra.sweep.dir={swept}", cwd=ROOT)  # fmt: skip
     assert "already has a record with status diverged; skipped" in r.stdout
     assert {p: p.stat().st_mtime_ns for p in swept.glob("*/result.json")} == before

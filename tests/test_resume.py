@@ -16,7 +16,7 @@ import torch
 
 from mpt.runner import checkpoint
 
-from .conftest import ROOT, TINY, build_run, read_record, run_cli
+from .conftest import ROOT, TINY, build_run, mpt_run, read_record
 
 DETERMINISTIC_FIELDS = ["status", "steps", "samples", "epochs", "metrics", "final_train_loss", "last_finite_train_loss", "loss_scale", "choices", "config"]
 
@@ -140,19 +140,19 @@ def assert_resumed_as_uninterrupted(reference: Path, resumed: Path) -> None:
 def test_a_stopped_and_rebuilt_run_matches_an_uninterrupted_one(tmp_path, in_process, model, precision, scale, extra):
     args = resume_args(model, precision, scale, extra)
     reference, stopped = tmp_path / "reference", tmp_path / "stopped"
-    assert build_run(reference, *args).run().status == "ok"
+    assert build_run(reference, *args).execute().status == "ok"
 
     job = build_run(stopped, *args)
     stop_at(job, 5)  # after the checkpoint at step 4 and one step more, which the log has
     with pytest.raises(Killed):
-        job.run()
+        job.execute()
     assert read_record(stopped)["status"] == "running"  # a killed run never claims ok
     assert {r["step"] for r in log_rows(stopped) if r["kind"] == "train"} == set(range(5))
     del job
 
     job = build_run(stopped, *args)
     assert job.step == 4 and job.record.resumed_from_step == 4
-    assert job.run().status == "ok"
+    assert job.execute().status == "ok"
     assert_resumed_as_uninterrupted(reference, stopped)
 
 
@@ -160,12 +160,12 @@ def test_a_run_killed_with_sigkill_and_relaunched_matches_an_uninterrupted_one(t
     """The command line itself, killed by the kernel wherever it is after a checkpoint."""
     args = resume_args("mobilenet_v3_small", "mixed", "dynamic", ["data.train_samples=12"])
     reference, killed = tmp_path / "reference", tmp_path / "killed"
-    r = run_cli(*args, f"hydra.run.dir={reference}", cwd=ROOT)
+    r = mpt_run(*args, f"hydra.run.dir={reference}", cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
 
     assert kill_after_checkpoint(args, killed, after_rows=5) == -signal.SIGKILL
     assert read_record(killed)["status"] == "running"
-    r = run_cli(*args, f"hydra.run.dir={killed}", cwd=ROOT)
+    r = mpt_run(*args, f"hydra.run.dir={killed}", cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "mpt-run: resuming from the checkpoint at step" in r.stdout
     assert read_record(killed)["resumed_from_step"] in (4, 6)  # mid-epoch, or at an epoch boundary
@@ -174,29 +174,29 @@ def test_a_run_killed_with_sigkill_and_relaunched_matches_an_uninterrupted_one(t
 
 def test_resume_false_starts_over(tmp_path, in_process):
     args = [TINY, "schedule=smoke", "schedule.steps=2"]
-    build_run(tmp_path, *args).run()
+    build_run(tmp_path, *args).execute()
     again = build_run(tmp_path, *args)
     assert again.step == 2 and again.record.resumed_from_step == 2
     fresh = build_run(tmp_path, *args, "resume=false")
     assert fresh.step == 0 and fresh.record.resumed_from_step is None
     assert not (tmp_path / checkpoint.FILENAME).exists()  # the old checkpoint is gone: it cannot be resumed later
-    assert fresh.run().status == "ok" and checkpoint.load(tmp_path)["step"] == 2
+    assert fresh.execute().status == "ok" and checkpoint.load(tmp_path)["step"] == 2
 
 
 def test_an_unreadable_checkpoint_is_an_error_record(tmp_path, in_process):
     args = [TINY, "schedule=smoke", "schedule.steps=2"]
-    build_run(tmp_path, *args).run()
+    build_run(tmp_path, *args).execute()
     record = tmp_path / "result.json"
     record.write_text(json.dumps({**json.loads(record.read_text()), "status": "running"}))  # as if killed
     (tmp_path / checkpoint.FILENAME).write_bytes(b"not a checkpoint")
-    r = run_cli(*args, f"hydra.run.dir={tmp_path}", cwd=ROOT)
+    r = mpt_run(*args, f"hydra.run.dir={tmp_path}", cwd=ROOT)
     assert r.returncode == 1
     rec = read_record(tmp_path)
     assert rec["status"] == "error" and "\n" not in rec["message"] and rec["choices"]["model"] == "mobilenet_v3_small"
     assert rec["message"].startswith(f"CorruptCheckpoint: {tmp_path / checkpoint.FILENAME} cannot be read (")
     assert rec["message"].endswith("); resume=false starts the run over")
     assert r.stderr.strip().splitlines()[-1] == f"mpt-run: error: {rec['message']}"
-    assert build_run(tmp_path, *args, "resume=false").run().status == "ok"  # what the message says to do
+    assert build_run(tmp_path, *args, "resume=false").execute().status == "ok"  # what the message says to do
 
 
 def test_a_kill_while_writing_leaves_the_previous_checkpoint(tmp_path, monkeypatch):

@@ -11,7 +11,7 @@ import pytest
 from mpt.config import ConfigError
 from mpt.runner.validation import validate
 
-from .conftest import ROOT, TINY, compose_cfg, read_record, run_cli
+from .conftest import ROOT, TINY, compose_cfg, mpt_run, read_record
 
 RUN = [TINY, "schedule=smoke", "checkpoint=false"]
 
@@ -24,7 +24,7 @@ def train_losses(run_dir: Path) -> list[float]:
 @pytest.fixture(scope="module")
 def eager(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("eager")
-    r = run_cli(*RUN, f"hydra.run.dir={run_dir}", cwd=ROOT)
+    r = mpt_run(*RUN, f"hydra.run.dir={run_dir}", cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     return run_dir
 
@@ -33,7 +33,7 @@ def eager(tmp_path_factory) -> Path:
 def test_compiled_networks_train_as_the_eager_ones(eager, tmp_path):
     # aot_eager: dynamo's graph capture and AOTAutograd's joint forward-backward, without inductor's
     # C++ code generation (minutes on a CPU); inductor differs only in the kernels it emits.
-    r = run_cli(*RUN, "compile.backend=aot_eager", f"hydra.run.dir={tmp_path}", cwd=ROOT)
+    r = mpt_run(*RUN, "compile.backend=aot_eager", f"hydra.run.dir={tmp_path}", cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     rec = read_record(tmp_path)
     assert rec["compile"]["backend"] == "aot_eager" and rec["compile"]["unique_graphs"] >= 1  # it did compile
@@ -42,7 +42,7 @@ def test_compiled_networks_train_as_the_eager_ones(eager, tmp_path):
 
 
 def test_fused_sgd_trains_as_torchs_default_sgd(eager, tmp_path):
-    r = run_cli(*RUN, "optim.implementation=fused", f"hydra.run.dir={tmp_path}", cwd=ROOT)
+    r = mpt_run(*RUN, "optim.implementation=fused", f"hydra.run.dir={tmp_path}", cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     assert train_losses(tmp_path) == pytest.approx(train_losses(eager), rel=1e-6)
     assert len(train_losses(tmp_path)) == 3
@@ -65,7 +65,7 @@ def test_bad_speed_options_are_rejected_naming_the_value(overrides, words):
 
 
 def test_an_unknown_compile_backend_in_a_sweep_stops_it_before_any_run(tmp_path):
-    r = run_cli("-m", *RUN, "compile.backend=aot_eager,nope", f"hydra.sweep.dir={tmp_path}", cwd=ROOT)
+    r = mpt_run("-m", *RUN, "compile.backend=aot_eager,nope", f"hydra.sweep.dir={tmp_path}", cwd=ROOT)
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1].startswith("mpt-run: error: compile.backend=nope: no such torch.compile backend; choose one of")
     assert "inductor" in r.stderr

@@ -25,7 +25,7 @@ from mpt.precision.cpu_lstm import low_precision_lstms
 from mpt.precision.optim import lr_factor
 from mpt.runner.validation import validate
 
-from .conftest import CPU, compose_cfg, read_record, run_cli, shared_data
+from .conftest import CPU, compose_cfg, mpt_run, read_record, shared_data
 
 TINY = ["model=gnmt", "model.hidden_size=16", "model.encoder_layers=3", "model.decoder_layers=3", "schedule=smoke"]
 
@@ -385,7 +385,7 @@ def test_every_precision_mode_translates_end_to_end(tmp_path):
     modes = ["fp32", "tf32", "fp16", "mixed", "fp16_modmom", "amp", "bf16"]
     small = ["model.hidden_size=16", "model.encoder_layers=2", "model.decoder_layers=2", "schedule.batch_size=8"]
     # optim.name=sgd: the FP16-update modes are momentum SGD (Adam runs in the learning test below)
-    result = run_cli("-m", "model=gnmt", "schedule=smoke", *small, "optim.name=sgd", "scale=static", "checkpoint=false",
+    result = mpt_run("-m", "model=gnmt", "schedule=smoke", *small, "optim.name=sgd", "scale=static", "checkpoint=false",
                      f"precision={','.join(modes)}", f"hydra.sweep.dir={tmp_path}", cwd=tmp_path)  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     records = {r["choices"]["precision"]: r for r in (json.loads(p.read_text()) for p in tmp_path.glob("*/result.json"))}
@@ -398,7 +398,7 @@ def test_every_precision_mode_translates_end_to_end(tmp_path):
 
     # GNMT's own optimizer (Adam) in the modes paper_nmt runs, with the summed loss and a dynamic scale
     adam = tmp_path / "adam"
-    result = run_cli("-m", "model=gnmt", "schedule=smoke", *small, "model.loss_reduction=sum", "scale=dynamic", "checkpoint=false",
+    result = mpt_run("-m", "model=gnmt", "schedule=smoke", *small, "model.loss_reduction=sum", "scale=dynamic", "checkpoint=false",
                      "precision=mixed,amp", f"hydra.sweep.dir={adam}", cwd=tmp_path)  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     for rec in (json.loads(p.read_text()) for p in adam.glob("*/result.json")):
@@ -410,7 +410,7 @@ def test_bleu_rises_on_the_synthetic_pair_with_adam_and_warmup(tmp_path):
     args = ["model=gnmt", "model.hidden_size=48", "model.encoder_layers=2", "model.decoder_layers=2", "model.dropout=0", "model.beam_size=2",
             "data.vocab_size=12", "data.max_len=8", "optim.lr=1e-2", "schedule.batch_size=32", "schedule.steps=240", "schedule.eval_every=80",
             "schedule.eval_batches=4", "schedule.lr_warmup_steps=20", "schedule.lr_milestones=[200]", "schedule.lr_gamma=0.5", "checkpoint=false"]  # fmt: skip
-    result = run_cli(*args, f"hydra.run.dir={tmp_path}", cwd=tmp_path)
+    result = mpt_run(*args, f"hydra.run.dir={tmp_path}", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     rec = read_record(tmp_path)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -441,7 +441,7 @@ def test_bleu_scores_each_output_against_its_own_reference(monkeypatch):
 @pytest.mark.slow
 def test_multi30k_run_scores_the_test_split_and_keeps_its_tokenizer(tmp_path):
     root = shared_data("multi30k")
-    result = run_cli("model=gnmt", "model.hidden_size=16", "model.encoder_layers=2", "model.decoder_layers=2", "model.beam_size=1",
+    result = mpt_run("model=gnmt", "model.hidden_size=16", "model.encoder_layers=2", "model.decoder_layers=2", "model.beam_size=1",
                      "model.max_decode_len=12", "data=parallel_text", f"data.root={root}", "data.val_split=val", "data.test_split=test_2016_flickr",
                      "data.vocab_size=1000", "schedule=smoke", "schedule.batch_size=64", f"hydra.run.dir={tmp_path}", cwd=tmp_path)  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]

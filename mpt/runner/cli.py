@@ -100,7 +100,7 @@ def summary_lines(rec: RunRecord) -> list[str]:
 
 
 @hydra.main(version_base="1.3", config_path="pkg://mpt.configs", config_name="config")
-def run(cfg: DictConfig) -> str:
+def launch(cfg: DictConfig) -> str:
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     # Rank 0 owns the folder under torchrun; the other ranks write nothing into it.
@@ -179,7 +179,7 @@ def _run_locked(cfg: DictConfig, run_dir: Path, multirun: bool) -> tuple[str, bo
         if multirun and not from_env().enabled:
             return rec.status, False
         sys.exit(1)
-    rec = job.run()  # a crash is recorded as `error` (or `oom`); a sweep goes on to its next run
+    rec = job.execute()  # a crash is recorded as `error` (or `oom`); a sweep goes on to its next run
     if job.dist.is_main:
         print("\n".join(summary_lines(rec)), flush=True)
     # Under torchrun a failed rank exits so that torchrun stops the others, which would wait for it.
@@ -272,10 +272,10 @@ def main() -> None:
         print(f"mpt-run: error: {problem}", file=sys.stderr)
         sys.exit(2)
     if not from_env().enabled:
-        run()
+        launch()
         return
     try:
-        run()
+        launch()
     except SystemExit as e:  # a failed rank (no teardown: its peers may be stuck waiting for it), or a preempted one
         if isinstance(e.code, str):
             print(e.code, file=sys.stderr)

@@ -402,8 +402,8 @@ class Run:
         self.save_record()
         return rec
 
-    def run(self) -> RunRecord:
-        """train(), and a failure recorded instead of raised: `oom` naming the batch size, any other
+    def execute(self) -> RunRecord:
+        """train(), with a failure recorded instead of raised: `oom` naming the batch size, any other
         exception `error` with its one-line message. The checkpoint stays for a rerun to resume."""
         try:
             return self.train()

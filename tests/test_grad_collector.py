@@ -12,7 +12,7 @@ from mpt.precision.grad_histogram import GradHistogram
 from mpt.report.cli import build_report
 from mpt.runner.grad_collector import GradStatsCollector
 
-from .conftest import CPU, ROOT, read_record, run_cli
+from .conftest import CPU, ROOT, mpt_run, read_record
 
 
 def stats_cfg(every: int = 1):
@@ -113,7 +113,7 @@ def test_runs_count_unscaled_gradients_in_any_precision_and_the_report_draws_the
     histograms equal the unscaled run's bit for bit. Mixed runs record theirs too."""
     sweep = tmp_path / "runs"
     # DCGAN: two networks, each with its own loss and scaler; batch-norm and in-place activations.
-    r = run_cli(
+    r = mpt_run(
         "-m",
         "model=dcgan64",
         "model.ngf=4",
