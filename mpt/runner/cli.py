@@ -154,7 +154,7 @@ def _run_locked(cfg: DictConfig, run_dir: Path, multirun: bool) -> tuple[str, bo
     previous = previous_record(run_dir)
     final = previous is not None and previous.status in ("ok", "diverged")  # results; a failed, preempted or unfinished run is redone
     if final and not cfg.force:
-        if identity.same_computation(previous.config, as_plain(cfg)):
+        if identity.same_computation(previous.config or {}, as_plain(cfg)):
             print(f"mpt-run: {run_dir} already has a record with status {previous.status}; skipped (force=true runs it again)", flush=True)
             return "skipped", False
         print(f"mpt-run: {run_dir} has a {previous.status} record of a different config (the config files changed); running again", flush=True)
