@@ -17,7 +17,7 @@ from mpt.datasets import build_data
 from mpt.datasets.text_corpus import EOS, UNK, MarkovSource, Sentences, rows_of
 from mpt.models import biglstm
 from mpt.models.biglstm import BigLSTM, LanguageModel, log_uniform_log_prob, log_uniform_sample, sampled_softmax_loss
-from mpt.precision.engine import PrecisionEngine, prepare_model
+from mpt.precision.engine import PrecisionEngine
 from mpt.precision.scaler import build_scaler
 from mpt.runner.validation import validate
 
@@ -166,7 +166,7 @@ def test_gradients_embedding_weighting_and_lstm_only_clipping(precision):
     plain = torch.autograd.grad(torch.func.functional_call(net, {"embedding.weight": unhooked}, ("train", x, y, torch.arange(20)))[0].sum(), unhooked)[0]
     assert torch.allclose(emb, 3 * plain) and emb.abs().max() > 0  # f-lm: embedding gradients times the batch size
 
-    engine = PrecisionEngine(prepare_model(net, cfg.precision, CPU, False), cfg, build_scaler(cfg), [], CPU, clipped=task.clipped_parameters("model"))
+    engine = PrecisionEngine(net, cfg, build_scaler(cfg), [], CPU, clipped=task.clipped_parameters("model"))
     before = {n: p.detach().clone() for n, p in net.named_parameters()}
     net.carry_h.zero_(), net.carry_c.zero_()
     engine.backward(net("train", x, y, torch.arange(20))[0].sum())

@@ -3,13 +3,14 @@ torch.amp.GradScaler, torch.nn.utils.clip_grad_norm_ and torch.optim.SGD."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
 import torch
 from torch import nn
 
-from mpt.precision.engine import PrecisionEngine, prepare_model, set_fp32_math
+from mpt.precision.engine import PrecisionEngine, set_fp32_math
 from mpt.precision.scaler import Diverged, build_scaler
 
 from .conftest import CPU, Vector, compose_cfg
@@ -30,8 +31,8 @@ def make_engine(
         f"optim.weight_decay={weight_decay}",
         *extra,
     )
-    model = prepare_model(Vector(w), cfg.precision, CPU, channels_last=False)
-    return model, PrecisionEngine(model, cfg, build_scaler(cfg), list(milestones), CPU)
+    engine = PrecisionEngine(Vector(w), cfg, build_scaler(cfg), list(milestones), CPU)
+    return engine.model, engine
 
 
 def train_step(model, engine, G: torch.Tensor) -> bool:
@@ -213,8 +214,8 @@ def test_fp32_engine_matches_torch_sgd_on_a_network():
     net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 5))
     ref = nn.Sequential(*[m for m in __import__("copy").deepcopy(net)])
     cfg = compose_cfg("precision=fp32", "schedule.batch_size=256", "optim.lr=0.05")
-    model = prepare_model(net, cfg.precision, CPU, channels_last=False)
-    engine = PrecisionEngine(model, cfg, build_scaler(cfg), [], CPU)
+    engine = PrecisionEngine(net, cfg, build_scaler(cfg), [], CPU)
+    model = engine.model
     opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=cfg.optim.momentum, weight_decay=cfg.optim.weight_decay)
     for _ in range(4):
         x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 5, (4,))
@@ -241,14 +242,20 @@ def test_a_skipped_step_does_not_advance_the_lr_schedule():
 def test_mixed_matches_torch_sgd_on_fp32_masters_of_an_fp16_network():
     torch.manual_seed(0)
     net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 5))
-    ref = __import__("copy").deepcopy(net).half()
-    ref[1].float()
+    with torch.no_grad():
+        net[1].weight.uniform_(0.5, 1.5)  # values FP16 cannot hold: they must reach the run unrounded
+    fp32 = copy.deepcopy(net)
+    # The paper's algorithm by hand: the FP32 masters start from the FP32 initialization and only the
+    # working copy is rounded to FP16; batch-norm stays in FP32 with its exact values.
+    ref = copy.deepcopy(net)
+    ref[0].half(), ref[4].half()
     S = 256.0
-    cfg = compose_cfg("precision=mixed", "scale=static", f"scale.value={S}", "schedule.batch_size=256", "optim.lr=0.05")
-    model = prepare_model(net, cfg.precision, CPU, channels_last=False)
-    engine = PrecisionEngine(model, cfg, build_scaler(cfg), [], CPU)
+    # The reference's convolution is torch's own FP16 kernel: the run's must be too.
+    cfg = compose_cfg("precision=mixed", "scale=static", f"scale.value={S}", "schedule.batch_size=256", "optim.lr=0.05", "emulate_cpu_fp16_conv=false")
+    engine = PrecisionEngine(net, cfg, build_scaler(cfg), [], CPU)
+    model = engine.model
     params = list(ref.parameters())
-    masters = [p.detach().float().clone() if p.dtype == F16 else p for p in params]
+    masters = [f.detach().clone() if p.dtype == F16 else p for p, f in zip(params, fp32.parameters())]
     opt = torch.optim.SGD(masters, lr=0.05, momentum=cfg.optim.momentum, weight_decay=cfg.optim.weight_decay)
     for _ in range(4):
         x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 5, (4,))
@@ -273,8 +280,8 @@ def test_mixed_matches_torch_sgd_on_fp32_masters_of_an_fp16_network():
 def test_mixed_keeps_fp16_weights_fp32_batchnorm_and_fp32_masters():
     net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4 * 4 * 4, 2))
     cfg = compose_cfg("precision=mixed")
-    model = prepare_model(net, cfg.precision, CPU, channels_last=False)
-    engine = PrecisionEngine(model, cfg, build_scaler(cfg), [], CPU)
+    engine = PrecisionEngine(net, cfg, build_scaler(cfg), [], CPU)
+    model = engine.model
     assert model[0].weight.dtype == F16 and model[3].weight.dtype == F16
     assert model[1].weight.dtype == torch.float32 and model[1].running_var.dtype == torch.float32
     masters = engine.master_weights()
@@ -301,8 +308,8 @@ def test_a_parameter_without_gradient_keeps_its_master_after_an_overflow():
             return self.a(x) + (self.b(x) if use_b else 0)
 
     cfg = compose_cfg("precision=mixed", "scale=static", "scale.value=8", "schedule.batch_size=256", "optim.lr=0.1")
-    model = prepare_model(Halves(), cfg.precision, CPU, channels_last=False)
-    engine = PrecisionEngine(model, cfg, build_scaler(cfg), [], CPU)
+    engine = PrecisionEngine(Halves(), cfg, build_scaler(cfg), [], CPU)
+    model = engine.model
     bad = torch.tensor([1.0, float("inf"), 1.0, 1.0])
     engine.backward((model(torch.ones(4), use_b=True).float() * bad).sum())
     assert not engine.step()
@@ -310,3 +317,38 @@ def test_a_parameter_without_gradient_keeps_its_master_after_an_overflow():
     assert engine.step()
     master_a, master_b = engine.master_weights()
     assert torch.all(master_a < 1) and torch.equal(master_b, torch.ones(4))
+
+
+@pytest.mark.parametrize("mode", ["mixed", "fp16"])
+def test_a_network_starts_from_its_fp32_initialization(mode):
+    """Every tensor starts from its FP32 initialization, rounded at most once: under mixed,
+    batch-norm (kept in FP32) and the masters hold the exact FP32 values and only the FP16 working
+    weights are rounded; under fp16 everything is rounded once, from FP32."""
+    from mpt.models.dcgan import Generator
+
+    torch.manual_seed(0)
+    net = Generator(compose_cfg("model=dcgan64", "model.ngf=4", "model.nz=8").model)
+    with torch.no_grad():
+        for m in net.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.weight.uniform_(0.5, 1.5)
+                m.running_var.fill_(1.0001)  # FP16 holds it as 1.0
+                m.running_mean.uniform_(-0.1, 0.1)
+    fp32 = copy.deepcopy(net)
+    cfg = compose_cfg(f"precision={mode}", "scale=static", "optim.name=sgd")
+    engine = PrecisionEngine(net, cfg, build_scaler(cfg), [], CPU)
+    norm_dtype = torch.float32 if mode == "mixed" else F16
+    norms = [(a.state_dict(), b.state_dict()) for a, b in zip(engine.model.modules(), fp32.modules()) if isinstance(a, nn.BatchNorm2d)]
+    assert norms
+    for ours, init in norms:
+        for key, value in init.items():
+            expected = value.to(norm_dtype) if value.is_floating_point() else value
+            assert ours[key].dtype == expected.dtype and torch.equal(ours[key], expected), key
+    low = [(p, f) for p, f in zip(engine.model.parameters(), fp32.parameters()) if p.dtype == F16]
+    assert low and all(torch.equal(p, f.half()) for p, f in low)
+    masters = engine.master_weights()
+    if mode == "mixed":
+        assert len(masters) == len(low) and all(torch.equal(m, f) and m.dtype == torch.float32 for m, (_, f) in zip(masters, low))
+        assert any(not torch.equal(m, p.float()) for m, (p, _) in zip(masters, low))  # the FP32 values, not their FP16 rounding
+    else:
+        assert masters == []

@@ -104,16 +104,20 @@ def prepare_model(model: nn.Module, mode: DictConfig, device: torch.device, chan
     and FP16 or BF16 LSTMs run on a kernel this CPU has (cpu_lstm.py).
     """
     dtype = torch_dtype(mode.param_dtype)
-    model.to(device=device, dtype=dtype)
+    model.to(device=device)
+    # Batch-norm kept in FP32 keeps its exact FP32 values: a cast through FP16 and back would round
+    # its scales and running statistics (a running_var of 1.0001 would become 1.0), which apex O2 never does.
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)] if mode.norm_fp32 else []
+    exact = [{k: v.clone() for k, v in m.state_dict().items()} for m in norms] if dtype != torch.float32 else []
+    model.to(dtype=dtype)
+    for module, state in zip(norms, exact):
+        module.float()
+        module.load_state_dict(state)
     if emulate_cpu_fp16_conv and uses_cpu_fp16_convs(mode, device):
         emulate_half_convs(model)
     low = mode.autocast or (mode.param_dtype if mode.param_dtype != DType.float32 else None)
     if device.type == "cpu" and low is not None:
         low_precision_lstms(model, torch_dtype(low))
-    if mode.norm_fp32:
-        for module in model.modules():
-            if isinstance(module, nn.modules.batchnorm._BatchNorm):
-                module.float()
     if channels_last:
         model.to(memory_format=torch.channels_last)
     if dtype != torch.float32:
@@ -133,11 +137,12 @@ class _TorchUpdate:
 
     carries_scale = False  # gradients are unscaled in place before the update
 
-    def __init__(self, params: list[nn.Parameter], cfg: DictConfig, lr: float):
+    def __init__(self, params: list[nn.Parameter], cfg: DictConfig, lr: float, fp32_values: dict[nn.Parameter, torch.Tensor]):
         self.params = params
         # Only low-precision weights get a master; FP32 ones (batch-norm under mixed) are updated directly.
+        # A master starts from the weight's FP32 value, as the paper keeps it; only the working copy is rounded.
         keep_master = cfg.precision.master_weights
-        self.masters = [p.detach().float().clone() if keep_master and p.dtype != torch.float32 else p for p in params]
+        self.masters = [fp32_values[p] if keep_master and p.dtype != torch.float32 else p for p in params]
         self.low_pairs = [(p, m) for p, m in zip(params, self.masters) if m is not p]
         self.optimizer = build_torch_optimizer(self.masters, cfg, lr)
 
@@ -167,7 +172,7 @@ class _FP16Update:
 
     carries_scale = True
 
-    def __init__(self, params: list[nn.Parameter], cfg: DictConfig, lr: float):
+    def __init__(self, params: list[nn.Parameter], cfg: DictConfig, lr: float, fp32_values: dict[nn.Parameter, torch.Tensor]):
         self.params = params
         modified = cfg.precision.update_rule == Update.fp16_modified_momentum
         o = cfg.optim
@@ -185,7 +190,8 @@ class _FP16Update:
 
 
 class PrecisionEngine:
-    """Backward, overflow check, unscale, clip, update, copy back, LR schedule: for one network."""
+    """The dtype a network's weights live in, and backward, overflow check, unscale, clip, update,
+    copy back, LR schedule: for one network, given in FP32 as the task built it."""
 
     def __init__(
         self,
@@ -196,8 +202,18 @@ class PrecisionEngine:
         device: torch.device,
         reduce_max: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
         clipped: list[nn.Parameter] | None = None,
+        channels_last: bool = False,
     ):
-        self.model = model
+        model.to(device=device)
+        # The FP32 values of the weights prepare_model will round: their masters start from these.
+        mode = cfg.precision
+        kept_fp32 = {id(q) for m in model.modules() if mode.norm_fp32 and isinstance(m, nn.modules.batchnorm._BatchNorm) for q in m.parameters()}
+        fp32_values = {
+            q: q.detach().clone()
+            for q in model.parameters()
+            if mode.master_weights and mode.param_dtype != DType.float32 and q.requires_grad and id(q) not in kept_fp32
+        }
+        self.model = prepare_model(model, cfg.precision, device, channels_last, cfg.emulate_cpu_fp16_conv)
         # Under torchrun: the maximum over processes, so that every rank skips the same steps and
         # keeps the same scale even where the gradients it holds are not averaged yet.
         self.reduce_max = reduce_max
@@ -208,7 +224,7 @@ class PrecisionEngine:
         # What optim.clip_grad_norm covers: every weight, or those the task names (bigLSTM: its LSTM's)
         self.clip_ids = {id(q) for q in (params if clipped is None else clipped)}
         update_cls = _TorchUpdate if cfg.precision.update_rule == Update.optimizer else _FP16Update
-        self.update = update_cls(params, cfg, effective_lr(cfg))
+        self.update = update_cls(params, cfg, effective_lr(cfg), fp32_values)
         self.optimizer = self.update.optimizer
         self.scheduler = build_lr_schedule(self.optimizer, lr_milestones, cfg.schedule.lr_gamma, cfg.schedule.lr_warmup_steps)
         self.last_grad_norm: torch.Tensor | None = None

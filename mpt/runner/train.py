@@ -29,7 +29,6 @@ from ..precision.engine import (
     autocast,
     check_device_support,
     default_channels_last,
-    prepare_model,
     set_fp32_math,
     torch_dtype,
     uses_cpu_fp16_convs,
@@ -115,13 +114,14 @@ class Run:
         cpu_lstm.reset_usage()  # the kernels this run's LSTMs run, for its record
         self.engines = {
             name: PrecisionEngine(
-                prepare_model(net, cfg.precision, self.device, self.channels_last, cfg.emulate_cpu_fp16_conv),
+                net,
                 cfg,
                 build_scaler(cfg),
                 milestones,
                 self.device,
                 reduce_max=self.dist.reduce_max,
                 clipped=self.task.clipped_parameters(name),
+                channels_last=self.channels_last,
             )
             for name, net in self.task.networks().items()
         }
