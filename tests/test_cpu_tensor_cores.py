@@ -1,0 +1,116 @@
+"""The tensor-core arithmetic on a CPU: every emulated product, forward and gradients, within one
+FP16 (or BF16) ulp of a float64 evaluation of the same rounded inputs, plus what accumulating in
+FP32 may add. That term matters only where the sum cancels to far below its terms (a result near
+zero, whose ulp is tiny); accumulating in FP16 instead would exceed it some 8000 times over."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mpt.precision.cpu_tensor_cores import TensorCoreArithmetic
+
+LOW = [torch.float16, torch.bfloat16]
+# (mantissa bits, smallest normal exponent)
+FORMAT = {torch.float16: (10, -14), torch.bfloat16: (7, -126)}
+
+
+def ulp(reference: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The spacing of `dtype`'s values at each element's magnitude (subnormal spacing near zero)."""
+    mantissa, emin = FORMAT[dtype]
+    exponent = torch.floor(torch.log2(reference.abs().clamp_min(2.0**emin))).clamp_min(emin)
+    return torch.exp2(exponent - mantissa)
+
+
+TERMS = 256  # at most this many products are summed into one result in these tests
+FP32_ACCUMULATION = TERMS * 2.0**-24  # the classic bound for summing TERMS terms in FP32, relative to the sum of |terms|
+
+
+def assert_within_one_ulp(ours: torch.Tensor, reference: torch.Tensor, magnitude: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    """`magnitude`: the sum of the absolute values of the products that make each element."""
+    assert ours.dtype == dtype, what
+    err = (ours.double() - reference).abs()
+    worst = (err / (ulp(reference, dtype) + FP32_ACCUMULATION * magnitude)).max().item()
+    assert worst <= 1.0, f"{what}: {worst:.3f} of the bound"
+
+
+def check(fn, inputs: list[torch.Tensor], dtype: torch.dtype, what: str) -> dict[str, int]:
+    """fn on `inputs` rounded to dtype, inside the mode, against fn on the same values in float64:
+    the output, then each input's gradient for the same (rounded) output gradient."""
+    low = [x.to(dtype).requires_grad_() for x in inputs]
+    exact = [x.detach().double().requires_grad_() for x in low]
+    # Each op here is linear in each input, so on |inputs| and |gradient| it sums |products|.
+    size = [x.detach().double().abs().requires_grad_() for x in low]
+    with TensorCoreArithmetic() as mode:
+        out = fn(*low)
+        grad = torch.randn_like(out, dtype=torch.float32).to(dtype)
+        out.backward(grad)
+    ref = fn(*exact)
+    ref.backward(grad.double())
+    bound = fn(*size)
+    bound.backward(grad.double().abs())
+    assert_within_one_ulp(out.detach(), ref.detach(), bound.detach(), dtype, f"{what} forward")
+    for i, (a, b, m) in enumerate(zip(low, exact, size)):
+        assert_within_one_ulp(a.grad, b.grad, m.grad, dtype, f"{what} gradient of input {i}")
+    return mode.counts
+
+
+def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+    return torch.randn(*shape) * scale
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=["fp16", "bf16"])
+def test_matrix_products_and_what_composite_modules_call(dtype):
+    torch.manual_seed(0)
+    counts = {}
+    for name, fn, inputs in [
+        ("mm", torch.mm, [randn(13, 37), randn(37, 9)]),
+        ("mm of transposed inputs", lambda a, b: a.t() @ b.t(), [randn(37, 13), randn(9, 37)]),
+        ("addmm", lambda c, a, b: torch.addmm(c, a, b, beta=0.5, alpha=2.0), [randn(13, 9), randn(13, 37), randn(37, 9)]),
+        ("bmm", torch.bmm, [randn(3, 7, 21), randn(3, 21, 5)]),
+        ("baddbmm", lambda c, a, b: torch.baddbmm(c, a, b, alpha=0.5), [randn(3, 7, 5), randn(3, 7, 21), randn(3, 21, 5)]),
+        ("matmul 3d x 2d", torch.matmul, [randn(2, 5, 33), randn(33, 6)]),
+        ("linear", F.linear, [randn(4, 6, 31), randn(11, 31), randn(11)]),
+        ("linear without bias", F.linear, [randn(17, 31), randn(11, 31)]),
+    ]:
+        for op, n in check(fn, inputs, dtype, name).items():
+            counts[op] = counts.get(op, 0) + n
+    assert {"mm", "addmm", "bmm", "baddbmm"} <= set(counts)
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=["fp16", "bf16"])
+@pytest.mark.parametrize(
+    "name,fn,shapes",
+    [
+        ("conv2d", lambda x, w, b: F.conv2d(x, w, b, stride=2, padding=1), [(2, 6, 11, 9), (8, 6, 3, 3), (8,)]),
+        ("conv2d groups dilation no bias", lambda x, w: F.conv2d(x, w, None, padding=2, dilation=2, groups=3), [(2, 6, 10, 10), (9, 2, 3, 3)]),
+        ("conv2d channels-last", lambda x, w, b: F.conv2d(x.contiguous(memory_format=torch.channels_last), w, b), [(2, 5, 8, 8), (4, 5, 3, 3), (4,)]),
+        ("conv1d strided input", lambda x, w: F.conv1d(x[:, :, ::2], w), [(3, 4, 30), (6, 4, 5)]),
+        ("conv_transpose2d", lambda x, w, b: F.conv_transpose2d(x, w, b, stride=2, padding=1, output_padding=1), [(2, 6, 5, 5), (6, 4, 4, 4), (4,)]),
+    ],
+)
+def test_convolutions_forward_and_backward(dtype, name, fn, shapes):
+    torch.manual_seed(1)
+    counts = check(fn, [randn(*s) for s in shapes], dtype, name)
+    assert counts.get("convolution") == 1 and counts.get("convolution_backward") == 1
+
+
+def test_fp32_ops_and_mixed_dtypes_are_left_to_torch():
+    torch.manual_seed(2)
+    a, b = randn(8, 16), randn(16, 4)
+    with TensorCoreArithmetic() as mode:
+        same = a @ b
+        mixed = torch.addmm(torch.zeros(8, 4), a.half().float(), b)  # FP32 throughout
+    assert torch.equal(same, a @ b) and torch.equal(mixed, a.half().float() @ b) and mode.counts == {}
+
+
+def test_a_module_keeps_its_memory_format_and_is_caught_inside():
+    torch.manual_seed(3)
+    conv = nn.Conv2d(4, 8, 3).half().to(memory_format=torch.channels_last)
+    x = randn(2, 4, 9, 9).half().contiguous(memory_format=torch.channels_last)
+    with TensorCoreArithmetic() as mode:
+        y = conv(x)
+    assert y.dtype == torch.float16 and y.is_contiguous(memory_format=torch.channels_last)
+    assert mode.counts == {"convolution": 1}
