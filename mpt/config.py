@@ -349,9 +349,10 @@ class Config:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     channels_last: Optional[bool] = None  # null: on for convolutional models on CUDA, and for FP16 weights on CPU
     cudnn_benchmark: bool = True
-    # On a CPU, FP16 convolutions (FP16 weights or FP16 autocast) as FP32 convolutions of FP16 values
-    # rounded once: a GPU's arithmetic, ~50x faster than torch's CPU FP16 kernels (cpu_half_conv.py).
-    emulate_cpu_fp16_conv: bool = True
+    # On a CPU, the FP16 and BF16 matrix products and convolutions of training (weights or autocast)
+    # as a GPU's tensor cores compute them: FP32 accumulation of the rounded inputs, one rounding, at
+    # the speed of FP32 kernels (precision/cpu_tensor_cores.py). false: torch's own CPU kernels.
+    emulate_tensor_cores: bool = True
     deterministic: bool = False
     force: bool = False  # run even if the run folder already holds a record with status ok
     resume: bool = True  # continue from the run folder's checkpoint when there is one

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""CPU FP16 convolutions: torch's own kernels against mpt's emulation (cpu_half_conv.py), and FP32.
+"""CPU FP16 networks: torch's own kernels against mpt's tensor-core arithmetic (cpu_tensor_cores.py), and FP32.
 
 One forward and backward pass of a model's network on one batch, FP16 weights (or FP32), on the
 CPU. Each variant runs `--warmup` untimed passes, then `--passes` timed ones; the figure is the
@@ -22,7 +22,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mpt.precision.cpu_half_conv import emulate_half_convs  # noqa: E402
+import contextlib  # noqa: E402
+
+from mpt.precision.cpu_tensor_cores import TensorCoreArithmetic  # noqa: E402
 from mpt.runner.record import environment, git_commit, now_iso, write_json_atomic  # noqa: E402
 
 
@@ -37,10 +39,11 @@ def build(model: str, image_size: int) -> torch.nn.Module:
     return torchvision.models.get_model(model, weights=None, num_classes=1000)
 
 
-def time_passes(net: torch.nn.Module, x: torch.Tensor, warmup: int, passes: int) -> list[float]:
+def time_passes(net: torch.nn.Module, x: torch.Tensor, warmup: int, passes: int, emulate: bool) -> list[float]:
     def one():
-        out = net(x)
-        sum(o.float().sum() for o in (out if isinstance(out, tuple) else (out,))).backward()
+        with TensorCoreArithmetic() if emulate else contextlib.nullcontext():
+            out = net(x)
+            sum(o.float().sum() for o in (out if isinstance(out, tuple) else (out,))).backward()
 
     for _ in range(warmup):
         one()
@@ -72,9 +75,7 @@ def main() -> None:
         ("fp16_native", torch.float16, False, args.native_passes),
     ]:
         net = copy.deepcopy(base).to(dtype=dtype, memory_format=torch.channels_last)
-        if emulate:
-            emulate_half_convs(net)
-        times = time_passes(net, x.to(dtype).contiguous(memory_format=torch.channels_last), args.warmup, passes)
+        times = time_passes(net, x.to(dtype).contiguous(memory_format=torch.channels_last), args.warmup, passes, emulate)
         variants[name] = {"seconds_per_pass": statistics.median(times), "passes": times}
         print(f"{name}: {statistics.median(times):.3f} s per forward+backward pass (median of {passes})", flush=True)
     record = {

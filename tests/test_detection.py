@@ -202,8 +202,8 @@ def test_every_precision_mode_trains_and_evaluates_ssd_on_cpu(tmp_path):
         rows = [json.loads(line) for line in (Path(r["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
         train = [row for row in rows if row["kind"] == "train"]
         assert len(train) == 2 and all(torch.isfinite(torch.tensor([row["loss"], row["loss_box"], row["loss_cls"]])).all() for row in train)
-    assert records["fp16"]["precision"]["cpu_fp16_conv"] == "emulated" and records["amp"]["precision"]["cpu_fp16_conv"] == "emulated"
-    assert records["fp32"]["precision"]["cpu_fp16_conv"] is None
+    assert records["fp16"]["precision"]["cpu_arithmetic"] == "emulated" and records["amp"]["precision"]["cpu_arithmetic"] == "emulated"
+    assert records["fp32"]["precision"]["cpu_arithmetic"] is None
     assert read_record(Path(records["mixed"]["run_dir"]))["precision"]["master_weights"] is True
 
 

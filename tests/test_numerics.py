@@ -251,7 +251,7 @@ def test_mixed_matches_torch_sgd_on_fp32_masters_of_an_fp16_network():
     ref[0].half(), ref[4].half()
     S = 256.0
     # The reference's convolution is torch's own FP16 kernel: the run's must be too.
-    cfg = compose_cfg("precision=mixed", "scale=static", f"scale.value={S}", "schedule.batch_size=256", "optim.lr=0.05", "emulate_cpu_fp16_conv=false")
+    cfg = compose_cfg("precision=mixed", "scale=static", f"scale.value={S}", "schedule.batch_size=256", "optim.lr=0.05", "emulate_tensor_cores=false")
     engine = PrecisionEngine(net, cfg, build_scaler(cfg), [], CPU)
     model = engine.model
     params = list(ref.parameters())

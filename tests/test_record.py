@@ -116,14 +116,26 @@ def test_a_mode_the_device_cannot_run_is_one_clear_error(monkeypatch):
     "name,overrides", [("resnet50_fp32_none", ["precision=fp32", "scale=none"]), ("resnet50_mixed_dynamic", ["precision=mixed", "scale=dynamic"])]
 )
 def test_records_of_an_older_version_match_the_config_that_computes_the_same(name, overrides):
-    # The committed records predate keys added since (data.class_names, emulate_cpu_fp16_conv, ...).
-    # A key they lack takes the value that reproduces how they ran: for FP16 convolutions on a CPU,
+    # The committed records predate keys added since (data.class_names, emulate_tensor_cores, ...).
+    # A key they lack takes the value that reproduces how they ran: for FP16 products on a CPU,
     # torch's native kernels, so today's default (emulated) is a different computation for mixed only.
     saved = json.loads((ROOT / "results" / "cpu-short" / name / "result.json").read_text())["config"]
-    assert "emulate_cpu_fp16_conv" not in saved
-    assert same_computation(saved, as_plain(compose_cfg(*overrides, "emulate_cpu_fp16_conv=false")))
+    assert "emulate_tensor_cores" not in saved and "emulate_cpu_fp16_conv" not in saved
+    assert same_computation(saved, as_plain(compose_cfg(*overrides, "emulate_tensor_cores=false")))
     assert same_computation(saved, as_plain(compose_cfg(*overrides))) == (name == "resnet50_fp32_none")
-    assert not same_computation(saved, as_plain(compose_cfg(*overrides, "emulate_cpu_fp16_conv=false", "optim.lr=0.2")))
+    assert not same_computation(saved, as_plain(compose_cfg(*overrides, "emulate_tensor_cores=false", "optim.lr=0.2")))
+
+
+@pytest.mark.parametrize("old,same_as_false", [(False, True), (True, False)])
+def test_a_config_from_before_the_tensor_core_arithmetic_is_judged_by_what_it_ran(old, same_as_false):
+    """emulate_cpu_fp16_conv=false was torch's own kernels (emulate_tensor_cores=false today); true
+    emulated convolutions only, which no current setting reproduces."""
+    current = as_plain(compose_cfg("precision=mixed", "emulate_tensor_cores=false"))
+    saved = {k: v for k, v in current.items() if k != "emulate_tensor_cores"} | {"emulate_cpu_fp16_conv": old}
+    assert same_computation(saved, current) == same_as_false
+    assert not same_computation(saved, as_plain(compose_cfg("precision=mixed")))
+    fp32 = as_plain(compose_cfg("precision=fp32"))  # a mode without FP16 products: the flag never mattered
+    assert same_computation({k: v for k, v in fp32.items() if k != "emulate_tensor_cores"} | {"emulate_cpu_fp16_conv": old}, fp32)
 
 
 def test_a_tree_copied_without_git_names_the_commit_it_was_packed_from(tmp_path, monkeypatch):

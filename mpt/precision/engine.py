@@ -26,8 +26,8 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from ..config import ConfigError, DType, Update
-from .cpu_half_conv import emulate_half_convs
 from .cpu_lstm import low_precision_lstms
+from .cpu_tensor_cores import TensorCoreArithmetic
 from .optim import FP16MomentumSGD, build_torch_optimizer, effective_lr, lr_factor
 from .scaler import LossScaler
 
@@ -90,18 +90,23 @@ def _cast_floating(tree, dtype: torch.dtype):
     return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
 
 
-def uses_cpu_fp16_convs(mode: DictConfig, device: torch.device) -> bool:
-    return device.type == "cpu" and DType.float16 in (mode.param_dtype, mode.autocast)
+def computes_low_precision_on_cpu(mode: DictConfig, device: torch.device) -> bool:
+    """Whether the mode multiplies in FP16 or BF16 (its weights or its autocast) on a CPU."""
+    return device.type == "cpu" and any(d in (DType.float16, DType.bfloat16) for d in (mode.param_dtype, mode.autocast))
 
 
-def prepare_model(model: nn.Module, mode: DictConfig, device: torch.device, channels_last: bool, emulate_cpu_fp16_conv: bool = False) -> nn.Module:
+def arithmetic(mode: DictConfig, device: torch.device, emulate_tensor_cores: bool) -> contextlib.AbstractContextManager:
+    """Where the network's products run: the GPU's arithmetic emulated on a CPU, or the device's own."""
+    return TensorCoreArithmetic() if emulate_tensor_cores and computes_low_precision_on_cpu(mode, device) else contextlib.nullcontext()
+
+
+def prepare_model(model: nn.Module, mode: DictConfig, device: torch.device, channels_last: bool) -> nn.Module:
     """Put the model's weights where the mode says, on the device.
 
     FP16 (or BF16) weights get apex O2's casts at the model's boundary: floating inputs are cast to
     the weights' dtype on the way in, floating outputs to FP32 on the way out, so the loss is always
-    computed in FP32 and no task needs to know the mode. On a CPU, FP16 convolutions can run as the
-    GPU's arithmetic at FP32 speed (cpu_half_conv.py) instead of torch's slow reference kernels,
-    and FP16 or BF16 LSTMs run on a kernel this CPU has (cpu_lstm.py).
+    computed in FP32 and no task needs to know the mode. On a CPU, FP16 or BF16 LSTMs run on a
+    kernel this CPU has (cpu_lstm.py); the products' arithmetic is `arithmetic`'s.
     """
     dtype = torch_dtype(mode.param_dtype)
     model.to(device=device)
@@ -113,8 +118,6 @@ def prepare_model(model: nn.Module, mode: DictConfig, device: torch.device, chan
     for module, state in zip(norms, exact):
         module.float()
         module.load_state_dict(state)
-    if emulate_cpu_fp16_conv and uses_cpu_fp16_convs(mode, device):
-        emulate_half_convs(model)
     low = mode.autocast or (mode.param_dtype if mode.param_dtype != DType.float32 else None)
     if device.type == "cpu" and low is not None:
         low_precision_lstms(model, torch_dtype(low))
@@ -130,6 +133,13 @@ def autocast(mode: DictConfig, device: torch.device) -> contextlib.AbstractConte
     if mode.autocast is None:
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=torch_dtype(mode.autocast))
+
+
+@contextlib.contextmanager
+def forward_context(mode: DictConfig, device: torch.device, emulate_tensor_cores: bool) -> Iterator[None]:
+    """What a network's forward runs under: the mode's autocast, in the mode's arithmetic."""
+    with arithmetic(mode, device, emulate_tensor_cores), autocast(mode, device):
+        yield
 
 
 class _TorchUpdate:
@@ -213,7 +223,8 @@ class PrecisionEngine:
             for q in model.parameters()
             if mode.master_weights and mode.param_dtype != DType.float32 and q.requires_grad and id(q) not in kept_fp32
         }
-        self.model = prepare_model(model, cfg.precision, device, channels_last, cfg.emulate_cpu_fp16_conv)
+        self.model = prepare_model(model, cfg.precision, device, channels_last)
+        self.arithmetic = lambda: arithmetic(cfg.precision, device, cfg.emulate_tensor_cores)
         # Under torchrun: the maximum over processes, so that every rank skips the same steps and
         # keeps the same scale even where the gradients it holds are not averaged yet.
         self.reduce_max = reduce_max
@@ -237,7 +248,8 @@ class PrecisionEngine:
         # Start from clean gradients: another network's backward (a GAN's generator loss flows
         # through the discriminator) may have written into this one's since its last step.
         self._zero_grad()
-        (loss * self.scaler.scale).backward()
+        with self.arithmetic():  # the backward's products are the GPU's too
+            (loss * self.scaler.scale).backward()
 
     @torch.no_grad()
     def step(self) -> bool:

@@ -33,7 +33,10 @@ NOT_SETTINGS = ("hydra", "experiment")
 # Keys added after records were first written, with the value that reproduces how those runs
 # computed. A key missing from an old config and not listed here takes the current value: its default
 # reproduces the old behaviour. (A bench record without count_flops has no MFU: relaunching redoes it.)
-LEGACY_VALUES = {("emulate_cpu_fp16_conv",): False, ("schedule", "count_flops"): False}
+LEGACY_VALUES = {("emulate_tensor_cores",): False, ("schedule", "count_flops"): False}
+# Settings an older version had under another meaning. emulate_cpu_fp16_conv=true emulated FP16
+# convolutions only, an arithmetic no current setting gives; false was torch's own kernels.
+RENAMED = {"emulate_cpu_fp16_conv": ("emulate_tensor_cores", {False: False, True: "convolutions only"})}
 
 MAX_NAME = 119  # characters: short enough to read, paste and list; far below file systems' 255 bytes
 
@@ -57,15 +60,23 @@ def computational(plain: dict) -> dict:
         if isinstance(node, dict):
             node.pop(last, None)
     p = out.get("precision", {})
-    if "float16" not in (p.get("param_dtype"), p.get("autocast")):  # the flag changes FP16 convolutions only
-        out.pop("emulate_cpu_fp16_conv", None)
+    if not {"float16", "bfloat16"} & {p.get("param_dtype"), p.get("autocast")}:  # the flag changes FP16/BF16 products only
+        out.pop("emulate_tensor_cores", None)
     return out
 
 
 def same_computation(saved: dict, current: dict) -> bool:
     """Whether a config saved by a record or checkpoint (maybe by an older version) computes what
     `current` does."""
-    return computational(_with_missing_keys(_without_other_sources(saved, current), current)) == computational(current)
+    return computational(_with_missing_keys(_without_other_sources(_renamed(saved), current), current)) == computational(current)
+
+
+def _renamed(saved: dict) -> dict:
+    out = dict(saved)
+    for old, (new, values) in RENAMED.items():
+        if old in out:
+            out[new] = values[out.pop(old)]
+    return out
 
 
 def _with_missing_keys(old: Any, new: Any, path: tuple = ()) -> Any:

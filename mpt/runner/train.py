@@ -26,12 +26,12 @@ from ..models import build_task
 from ..precision import cpu_lstm
 from ..precision.engine import (
     PrecisionEngine,
-    autocast,
     check_device_support,
+    computes_low_precision_on_cpu,
     default_channels_last,
+    forward_context,
     set_fp32_math,
     torch_dtype,
-    uses_cpu_fp16_convs,
 )
 from ..precision.optim import effective_lr
 from ..precision.scaler import Diverged, build_scaler
@@ -129,7 +129,7 @@ class Run:
             self._wrap_for_data_parallel()
         if cfg.compile.backend is not None:
             self._compile_networks()
-        self.forward_context = lambda: autocast(cfg.precision, self.device)
+        self.forward_context = lambda: forward_context(cfg.precision, self.device, cfg.emulate_tensor_cores)
         self.grad_stats = GradStatsCollector(cfg.stats, {name: e.model for name, e in self.engines.items()}, self.device, s.throughput_warmup)
         self.meter = ThroughputMeter(self.device, s.throughput_warmup, s.throughput_window, self.task.sample_unit)
         self.step, self.last_loss, self.last_finite_loss = 0, None, None
@@ -291,7 +291,8 @@ class Run:
                 "fp32_math": self.fp32_math,
                 "tf32_active": bool(cfg.precision.tf32 and self.device.type == "cuda"),  # TF32 exists only on CUDA
                 "channels_last": self.channels_last,
-                "cpu_fp16_conv": ("emulated" if cfg.emulate_cpu_fp16_conv else "native") if uses_cpu_fp16_convs(cfg.precision, self.device) else None,
+                # FP16/BF16 products on a CPU: as a GPU's tensor cores (cpu_tensor_cores.py) or torch's own kernels
+                "cpu_arithmetic": ("emulated" if cfg.emulate_tensor_cores else "native") if computes_low_precision_on_cpu(cfg.precision, self.device) else None,
                 "cpu_lstm": cpu_lstm.describe([e.model for e in self.engines.values()]),  # the kernels FP16/BF16 LSTMs ran on a CPU (at the end)
             },
             scale_config={
