@@ -1,143 +1,156 @@
-"""FP16 and BF16 LSTMs on a CPU: autocast's rule applied by hand, torch's own kernel where oneDNN
-cannot run the dtype (forced here, so a CPU whose oneDNN can still tests the fallback), and the
-record naming the kernel."""
+"""FP16 and BF16 LSTMs on a CPU, as cuDNN runs them: products of the rounded values accumulated in
+FP32, the cell's sums, activations and update in FP32, h and c stored in the dtype. Checked against
+torch's own LSTM in float64 (the computation's structure: packed, bidirectional, projected, layered)
+and against a float64 evaluation of one step (the rounding)."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
 from torch import nn
 
-from mpt.precision import cpu_lstm
+from mpt.precision.cpu_tensor_cores import TensorCoreArithmetic, emulated_lstm
 
-from .conftest import ROOT, build_run, mpt_run, read_record
+from .conftest import ROOT, mpt_run, read_record
+from .test_cpu_tensor_cores import FP32_ACCUMULATION, ulp
 
-
-@pytest.fixture
-def onednn_fails(monkeypatch):
-    """This process's oneDNN 'cannot' run a low-precision LSTM, as on a CPU without AVX-512 BF16."""
-    cpu_lstm.kernels.cache_clear()
-    monkeypatch.setattr(
-        cpu_lstm, "_try_onednn", lambda dtype: ({"training": False, "evaluation": False}, "could not create a primitive descriptor (forced by the test)")
-    )
-    yield
-    cpu_lstm.kernels.cache_clear()
+LOW = [torch.float16, torch.bfloat16]
 
 
-def ops_of(fn) -> set[str]:
-    seen = cpu_lstm._SeenOps()
-    with seen:
-        fn()
-    return seen.names
+def lstm_call(lstm: nn.LSTM, x: torch.Tensor, lengths: list[int] | None, h0, c0):
+    """_VF.lstm's arguments for this module, time-major, packed when `lengths` are given."""
+    if lengths is None:
+        return (x, None, (h0, c0), lstm._flat_weights, lstm.bias, lstm.num_layers, 0.0, False, lstm.bidirectional)
+    p = nn.utils.rnn.pack_padded_sequence(x, lengths)
+    return (p.data, p.batch_sizes, (h0, c0), lstm._flat_weights, lstm.bias, lstm.num_layers, 0.0, False, lstm.bidirectional)
 
 
-def lstm_pair(dtype: torch.dtype) -> tuple[nn.LSTM, nn.LSTM]:
-    """An FP32 LSTM prepared as a run prepares it, and a plain copy with its weights in `dtype`."""
+@pytest.mark.parametrize(
+    "packed,bidirectional,proj_size,layers,bias",
+    [case for case in itertools.product([False, True], [False, True], [0, 3], [1, 2], [True]) if case[2] == 0 or case[3] == 2] + [(True, True, 0, 2, False)],
+)
+def test_the_computation_is_torchs_lstm(packed, bidirectional, proj_size, layers, bias):
+    """In float64 throughout, the emulation is torch's own LSTM, outputs and every gradient."""
     torch.manual_seed(0)
-    lstm = nn.LSTM(8, 8, batch_first=True, bidirectional=True)
-    low = nn.LSTM(8, 8, batch_first=True, bidirectional=True)
-    low.load_state_dict(lstm.state_dict())
-    low.to(dtype)
-    cpu_lstm.low_precision_lstms(lstm, dtype)
-    return lstm, low
+    lstm = nn.LSTM(5, 6, num_layers=layers, bidirectional=bidirectional, proj_size=proj_size, bias=bias).double()
+    d = 2 if bidirectional else 1
+    x = torch.randn(7, 4, 5, dtype=torch.double, requires_grad=True)
+    h0 = torch.randn(layers * d, 4, proj_size or 6, dtype=torch.double, requires_grad=True)
+    c0 = torch.randn(layers * d, 4, 6, dtype=torch.double, requires_grad=True)
+    lengths = [7, 5, 5, 2] if packed else None
+    args = lstm_call(lstm, x, lengths, h0, c0)
+    if packed:
+        ref = torch._VF.lstm(args[0], args[1], *args[2:])
+    else:
+        ref = torch._VF.lstm(args[0], *args[2:], False)
+    ours = emulated_lstm(*lstm_call(lstm, x, lengths, h0, c0), dtype=torch.double, math=torch.double)
+    inputs = [x, h0, c0, *lstm.parameters()]
+    weights = [torch.randn_like(t) for t in ref]  # one random cotangent for all three outputs
+    grads_ref = torch.autograd.grad(sum((t * w).sum() for t, w in zip(ref, weights)), inputs)
+    grads_ours = torch.autograd.grad(sum((t * w).sum() for t, w in zip(ours, weights)), inputs)
+    for a, b in zip([*ours, *grads_ours], [*ref, *grads_ref]):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
-def float64_lstm(lstm: nn.LSTM, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The oracle: the LSTM in float64 on the inputs and weights rounded to `dtype`."""
-    ref = nn.LSTM(8, 8, batch_first=True, bidirectional=True).double()
-    ref.load_state_dict({k: v.to(dtype).double() for k, v in lstm.state_dict().items()})
-    return ref(x.to(dtype).double())[0]
+def within_one_ulp(ours: torch.Tensor, reference: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    """One ulp of the dtype, plus what FP32 arithmetic may add (relative to the tensor's largest value)."""
+    assert ours.dtype == dtype, what
+    err = (ours.double() - reference).abs()
+    bound = ulp(reference, dtype) + FP32_ACCUMULATION * reference.abs().max()
+    assert (err <= bound).all(), f"{what}: {(err / bound).max().item():.3f} of the bound"
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_an_lstm_under_cpu_autocast_is_the_low_precision_lstm_on_the_cast_weights(dtype):
-    lstm, low = lstm_pair(dtype)
-    x = torch.randn(3, 5, 8)
-    with torch.autocast("cpu", dtype=dtype):
-        out, (h, c) = lstm(x)
-    ref, (rh, rc) = low(x.to(dtype))
-    assert out.dtype == dtype and torch.equal(out, ref) and torch.equal(h, rh) and torch.equal(c, rc)
-    out.float().sum().backward()
-    ref.float().sum().backward()
-    assert lstm.weight_hh_l0.grad.dtype == torch.float32  # the casts are differentiable: FP32 weights get gradients
-    assert torch.equal(lstm.weight_hh_l0.grad, low.weight_hh_l0.grad.float())
-    assert torch.equal(lstm(x)[0], nn.LSTM.forward(lstm, x)[0])  # outside autocast: the plain LSTM
+@pytest.mark.parametrize("dtype", LOW, ids=["fp16", "bf16"])
+def test_one_step_is_within_one_ulp_of_float64(dtype):
+    """One step from rounded inputs and states: h, c and every gradient are FP32 computations of
+    rounded values, rounded once, so each is within one ulp of float64 on the same values. (With a
+    projection, h is stored before it is projected: a second rounding, in the test below.)"""
+    proj_size = 0
+    torch.manual_seed(1)
+    lstm = nn.LSTM(24, 16, proj_size=proj_size, batch_first=True).to(dtype)
+    ref = nn.LSTM(24, 16, proj_size=proj_size, batch_first=True).double()
+    ref.load_state_dict({k: v.double() for k, v in lstm.state_dict().items()})
+    x = torch.randn(6, 1, 24).to(dtype).requires_grad_()
+    h0 = torch.randn(1, 6, proj_size or 16).to(dtype).requires_grad_()
+    c0 = (2 * torch.randn(1, 6, 16)).to(dtype).requires_grad_()
+    g_out, g_c = torch.randn(6, 1, proj_size or 16).to(dtype), torch.randn(1, 6, 16).to(dtype)
+    with TensorCoreArithmetic() as mode:
+        out, (h, c) = lstm(x, (h0, c0))
+        torch.autograd.backward([out, c], [g_out, g_c])
+    exact = [t.detach().double().requires_grad_() for t in (x, h0, c0)]
+    r_out, (_, r_c) = ref(exact[0], (exact[1], exact[2]))
+    torch.autograd.backward([r_out, r_c], [g_out.double(), g_c.double()])
+    assert mode.counts == {"lstm": 1}
+    within_one_ulp(out.detach(), r_out.detach(), dtype, "h")
+    within_one_ulp(c.detach(), r_c.detach(), dtype, "c")
+    for name, a, b in [("x", x, exact[0]), ("h0", h0, exact[1]), ("c0", c0, exact[2])]:
+        within_one_ulp(a.grad, b.grad, dtype, f"gradient of {name}")
+    for (name, p), q in zip(lstm.named_parameters(), ref.parameters()):
+        within_one_ulp(p.grad, q.grad, dtype, f"gradient of {name}")
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_where_onednn_cannot_the_lstm_runs_torchs_own_kernel_in_the_dtype(onednn_fails, dtype):
-    lstm, low = lstm_pair(dtype)
-    x = torch.randn(3, 5, 8)
-    with torch.autocast("cpu", dtype=dtype):
-        ops = ops_of(lambda: lstm(x)[0].float().sum().backward())
-    assert "mkldnn_rnn_layer" not in ops and "mkldnn_rnn_layer_backward" not in ops
-    with torch.autocast("cpu", dtype=dtype):
-        out = lstm(x)[0]
-    assert out.dtype == dtype
-    torch._C._set_mkldnn_enabled(False)
-    try:
-        ref = low(x.to(dtype))[0]  # torch's own kernel on the same tensors
-    finally:
-        torch._C._set_mkldnn_enabled(True)
-    assert torch.equal(out, ref)
-    assert torch._C._get_mkldnn_enabled()  # switched off for the call only
-    # Numerics: within the dtype's rounding of a float64 evaluation (outputs are in (-1, 1)).
-    eps = torch.finfo(dtype).eps
-    assert (out.double() - float64_lstm(lstm, x, dtype)).abs().max() < 16 * eps
-    assert lstm.weight_ih_l0.grad is not None and torch.isfinite(lstm.weight_ih_l0.grad).all()
-    # Weights already in the dtype (fp16 / mixed runs) take the same path.
-    low2 = nn.LSTM(8, 8, batch_first=True, bidirectional=True).to(dtype)
-    cpu_lstm.low_precision_lstms(low2, dtype)
+@pytest.mark.parametrize("dtype", LOW, ids=["fp16", "bf16"])
+def test_sequences_keep_fp32_registers_and_round_storage_each_step(dtype):
+    """Over a sequence the only roundings are of h and c at each step (and of h before its
+    projection): the emulation equals itself in float64 registers with the same storage rounding
+    to within one ulp."""
+    torch.manual_seed(2)
+    lstm = nn.LSTM(16, 32, num_layers=2, bidirectional=True, batch_first=True, proj_size=12).to(dtype)
+    x = torch.randn(5, 9, 16).to(dtype)
+    hx = (torch.zeros(4, 5, 12, dtype=dtype), torch.zeros(4, 5, 32, dtype=dtype))
+    args = (x.transpose(0, 1), None, hx, lstm._flat_weights, True, 2, 0.0, False, True)
+    with torch.no_grad(), TensorCoreArithmetic():
+        ours = lstm(x)[0]
     with torch.no_grad():
-        assert "mkldnn_rnn_layer" not in ops_of(lambda: low2(x.to(dtype)))
+        f64 = emulated_lstm(*args, dtype=dtype, math=torch.float64)[0].transpose(0, 1)
+    assert ours.dtype == dtype
+    assert ((ours.double() - f64.double()).abs() <= ulp(f64.double(), dtype)).all()
 
 
-def test_the_record_names_the_kernels_that_ran(onednn_fails, tmp_path, in_process):
-    small = ["model=gnmt", "model.hidden_size=16", "model.encoder_layers=2", "model.decoder_layers=2", "schedule=smoke",
-             "schedule.batch_size=8", "schedule.steps=2", "schedule.eval_batches=1", "checkpoint=false", "device=cpu"]  # fmt: skip
-    rec = build_run(tmp_path / "bf16", *small, "precision=bf16").execute()
-    assert rec.status == "ok", rec.message
-    assert rec.precision["cpu_lstm"] == {"dtype": "bfloat16", "training": ["native"], "evaluation": ["native"],
-                                            "onednn_error": "could not create a primitive descriptor (forced by the test)"}  # fmt: skip
-    assert build_run(tmp_path / "fp32", *small, "precision=fp32").record.precision["cpu_lstm"] is None
+def test_packed_sequences_in_any_order_match_each_sequence_alone():
+    """GNMT packs unsorted batches: each sequence's output and final state are those it has alone."""
+    torch.manual_seed(3)
+    lstm = nn.LSTM(8, 8, batch_first=True, bidirectional=True).half()
+    x = torch.randn(3, 6, 8).half()
+    lengths = [4, 6, 2]
+    packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+    with torch.no_grad(), TensorCoreArithmetic():
+        out, (h, c) = lstm(packed)
+        out, _ = nn.utils.rnn.pad_packed_sequence(out, batch_first=True)
+        for i, n in enumerate(lengths):
+            alone, (h1, c1) = lstm(x[i : i + 1, :n])
+            torch.testing.assert_close(out[i, :n], alone[0], rtol=0, atol=float(torch.finfo(torch.half).eps))
+            torch.testing.assert_close(h[:, i], h1[:, 0], rtol=0, atol=float(torch.finfo(torch.half).eps))
 
 
-@pytest.mark.parametrize("packed,bidirectional,proj_size", [(False, False, 0), (True, False, 0), (True, True, 0), (False, False, 4)],
-                         ids=["plain", "packed", "packed-bidirectional", "projected"])  # fmt: skip
-def test_the_recorded_kernel_is_the_one_torch_dispatched(packed, bidirectional, proj_size):
-    """torch's choice depends on more than the dtype (it never gives oneDNN an LSTM with projections):
-    the record must say what ran, here read off the dispatched ops."""
-    cpu_lstm.reset_usage()
-    lstm = nn.LSTM(8, 8, batch_first=True, bidirectional=bidirectional, proj_size=proj_size)
-    cpu_lstm.low_precision_lstms(lstm, torch.bfloat16)
-    x = torch.randn(3, 5, 8)
-    inputs = nn.utils.rnn.pack_padded_sequence(x, [5, 4, 2], batch_first=True) if packed else x
-    for _ in range(2):  # the first call of its kind is observed, the second reuses what was seen
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            ran = ops_of(lambda: (lstm(inputs)[0].data if packed else lstm(inputs)[0]).float().sum().backward())
-        assert cpu_lstm.describe([lstm])["training"] == ["onednn" if "mkldnn_rnn_layer" in ran else "native"]
-    if proj_size:
-        assert "mkldnn_rnn_layer" not in ran
-
-
-def test_the_lstms_hooks_run_once_per_call():
-    """Activation-gradient statistics hook layer outputs: a cast that re-entered the module would count them twice."""
-    lstm, _ = lstm_pair(torch.bfloat16)
-    calls = []
-    lstm.register_forward_hook(lambda *args: calls.append(1))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        lstm(torch.randn(3, 5, 8))
-    assert calls == [1]
+def test_fp32_lstms_and_the_native_switch_are_torchs_own():
+    torch.manual_seed(4)
+    lstm = nn.LSTM(8, 8, batch_first=True)
+    x = torch.randn(2, 5, 8)
+    with torch.no_grad():
+        ref = lstm(x)[0]
+        with TensorCoreArithmetic() as mode:
+            assert torch.equal(lstm(x)[0], ref) and mode.counts == {}
+        half = lstm.half()
+        native = half(x.half())[0]  # torch's choice of kernel, outside the mechanism
+        with TensorCoreArithmetic(emulate=False) as mode:
+            ours = half(x.half())[0]
+        assert mode.counts == {"lstm": 1} and torch._C._get_mkldnn_enabled()
+        torch.testing.assert_close(ours, native, rtol=0, atol=4 * float(torch.finfo(torch.half).eps))
 
 
 def test_bf16_lstms_train_on_a_cpu_whose_onednn_has_no_bf16_lstm(tmp_path):
-    """The failure of issue 18, for real: oneDNN capped at AVX2 has no BF16 LSTM primitive, which
-    torch's CPU autocast asked it for ("could not create a primitive descriptor")."""
-    r = mpt_run("model=gnmt", "model.hidden_size=16", "model.encoder_layers=2", "model.decoder_layers=2", "schedule=smoke",
-                "schedule.batch_size=8", "schedule.steps=2", "schedule.eval_batches=1", "checkpoint=false", "device=cpu",
-                "precision=bf16", f"hydra.run.dir={tmp_path}", cwd=ROOT, env={"ONEDNN_MAX_CPU_ISA": "AVX2"})  # fmt: skip
-    assert r.returncode == 0, r.stderr[-2000:]
-    rec = read_record(tmp_path)
-    assert rec["status"] == "ok" and rec["precision"]["cpu_lstm"]["dtype"] == "bfloat16"
-    # Capped at AVX2, oneDNN has no BF16 LSTM: torch's own kernel ran, by torch's choice or by the fallback.
-    assert rec["precision"]["cpu_lstm"]["training"] == rec["precision"]["cpu_lstm"]["evaluation"] == ["native"]
+    """The failure of issue 18: oneDNN capped at AVX2 has no BF16 LSTM primitive, which torch's CPU
+    autocast asks it for. CUDA's lists cast the LSTM before oneDNN is asked, with or without emulation."""
+    for emulate in ("true", "false"):
+        r = mpt_run("model=gnmt", "model.hidden_size=16", "model.encoder_layers=2", "model.decoder_layers=2", "schedule=smoke",
+                    "schedule.batch_size=8", "schedule.steps=2", "schedule.eval_batches=1", "checkpoint=false", "device=cpu",
+                    "precision=bf16", f"emulate_tensor_cores={emulate}", f"hydra.run.dir={tmp_path / emulate}", cwd=ROOT,
+                    env={"ONEDNN_MAX_CPU_ISA": "AVX2"})  # fmt: skip
+        assert r.returncode == 0, r.stderr[-2000:]
+        rec = read_record(tmp_path / emulate)
+        assert rec["status"] == "ok", rec.get("message")
+        assert rec["precision"]["cpu_arithmetic"] == ("emulated" if emulate == "true" else "native")
+        assert rec["precision"]["autocast_lists"] == "cuda"

@@ -72,8 +72,8 @@ def test_no_module_imports_a_layer_above_its_own():
 
 def test_the_check_resolves_relative_and_nested_imports():
     probe = PACKAGE / "datasets" / "probe.py"
-    source = "from ..runner.record import now_iso\ndef f():\n    from .. import preemption\n    from ..precision import cpu_lstm\n"
-    assert imported(probe, source) == {"mpt.runner.record", "mpt.preemption", "mpt.precision.cpu_lstm"}
+    source = "from ..runner.record import now_iso\ndef f():\n    from .. import preemption\n    from ..precision import cuda_autocast\n"
+    assert imported(probe, source) == {"mpt.runner.record", "mpt.preemption", "mpt.precision.cuda_autocast"}
     assert layer_of("mpt.runner.record") > layer_of(module_name(probe))
 
 

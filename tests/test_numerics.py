@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from mpt.precision import optim
 from mpt.precision.engine import PrecisionEngine, set_fp32_math
 from mpt.precision.scaler import Diverged, build_scaler
 
@@ -82,7 +83,10 @@ def fp16_oracle(w0, grads, scales, lr, m, wd, modified, clip=None, rescale=True)
 
 @pytest.mark.parametrize("precision,modified", [("fp16", False), ("fp16_modmom", True)])
 @pytest.mark.parametrize("scale,S", [("none", 1.0), ("static", 1024.0)])
-def test_fp16_updates_match_float64_evaluation_of_their_formulas(precision, modified, scale, S):
+@pytest.mark.parametrize("piece", [None, 96], ids=["whole", "in-pieces"])
+def test_fp16_updates_match_float64_evaluation_of_their_formulas(precision, modified, scale, S, piece, monkeypatch):
+    if piece is not None:  # the CPU's cache-sized pieces (the last one short), here of a small tensor
+        monkeypatch.setattr(optim, "CPU_PIECE", piece)
     gen = torch.Generator().manual_seed(1)
     w0 = torch.randn(256, generator=gen).to(F16).float()
     grads = [torch.randn(256, generator=gen) * 10.0 ** torch.randint(-6, 0, (256,), generator=gen) for _ in range(6)]

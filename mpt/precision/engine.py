@@ -26,8 +26,8 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from ..config import ConfigError, DType, Update
-from .cpu_lstm import low_precision_lstms
 from .cpu_tensor_cores import TensorCoreArithmetic
+from .cuda_autocast import cuda_autocast, cuda_lists
 from .optim import FP16MomentumSGD, build_torch_optimizer, effective_lr, lr_factor
 from .scaler import LossScaler
 
@@ -96,8 +96,9 @@ def computes_low_precision_on_cpu(mode: DictConfig, device: torch.device) -> boo
 
 
 def arithmetic(mode: DictConfig, device: torch.device, emulate_tensor_cores: bool) -> contextlib.AbstractContextManager:
-    """Where the network's products run: the GPU's arithmetic emulated on a CPU, or the device's own."""
-    return TensorCoreArithmetic() if emulate_tensor_cores and computes_low_precision_on_cpu(mode, device) else contextlib.nullcontext()
+    """How the network's FP16 and BF16 ops run: on a CPU, as a GPU's (emulated) or on torch's own
+    kernels, LSTMs on CUDA's path either way (cpu_tensor_cores.py); on a GPU, as they do."""
+    return TensorCoreArithmetic(emulate_tensor_cores) if computes_low_precision_on_cpu(mode, device) else contextlib.nullcontext()
 
 
 def prepare_model(model: nn.Module, mode: DictConfig, device: torch.device, channels_last: bool) -> nn.Module:
@@ -105,8 +106,8 @@ def prepare_model(model: nn.Module, mode: DictConfig, device: torch.device, chan
 
     FP16 (or BF16) weights get apex O2's casts at the model's boundary: floating inputs are cast to
     the weights' dtype on the way in, floating outputs to FP32 on the way out, so the loss is always
-    computed in FP32 and no task needs to know the mode. On a CPU, FP16 or BF16 LSTMs run on a
-    kernel this CPU has (cpu_lstm.py); the products' arithmetic is `arithmetic`'s.
+    computed in FP32 and no task needs to know the mode. On a CPU, the arithmetic of FP16 and BF16
+    ops is `arithmetic`'s.
     """
     dtype = torch_dtype(mode.param_dtype)
     model.to(device=device)
@@ -118,9 +119,6 @@ def prepare_model(model: nn.Module, mode: DictConfig, device: torch.device, chan
     for module, state in zip(norms, exact):
         module.float()
         module.load_state_dict(state)
-    low = mode.autocast or (mode.param_dtype if mode.param_dtype != DType.float32 else None)
-    if device.type == "cpu" and low is not None:
-        low_precision_lstms(model, torch_dtype(low))
     if channels_last:
         model.to(memory_format=torch.channels_last)
     if dtype != torch.float32:
@@ -130,9 +128,18 @@ def prepare_model(model: nn.Module, mode: DictConfig, device: torch.device, chan
 
 
 def autocast(mode: DictConfig, device: torch.device) -> contextlib.AbstractContextManager:
+    """The mode's autocast; on a CPU, casting what CUDA's autocast casts (cuda_autocast.py)."""
     if mode.autocast is None:
         return contextlib.nullcontext()
+    if device.type == "cpu":
+        return cuda_autocast(torch_dtype(mode.autocast))
     return torch.autocast(device.type, dtype=torch_dtype(mode.autocast))
+
+
+def held_for_the_run(mode: DictConfig, device: torch.device) -> contextlib.AbstractContextManager:
+    """What a run holds while it trains: on a CPU, autocast's CUDA lists, registered once rather
+    than at every forward."""
+    return cuda_lists() if device.type == "cpu" and mode.autocast is not None else contextlib.nullcontext()
 
 
 @contextlib.contextmanager

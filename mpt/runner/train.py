@@ -23,13 +23,13 @@ from ..datasets import build_data
 from ..distributed import Dist, allreduce_in, backend, from_env
 from ..distributed import setup as setup_distributed
 from ..models import build_task
-from ..precision import cpu_lstm
 from ..precision.engine import (
     PrecisionEngine,
     check_device_support,
     computes_low_precision_on_cpu,
     default_channels_last,
     forward_context,
+    held_for_the_run,
     set_fp32_math,
     torch_dtype,
 )
@@ -111,7 +111,6 @@ class Run:
         self.eval_every = s.eval_every if s.eval_every is not None else (per_epoch if s.epochs is not None else self.total_steps)
 
         self.channels_last = cfg.channels_last if cfg.channels_last is not None else default_channels_last(cfg.precision, self.device)
-        cpu_lstm.reset_usage()  # the kernels this run's LSTMs run, for its record
         self.engines = {
             name: PrecisionEngine(
                 net,
@@ -291,9 +290,9 @@ class Run:
                 "fp32_math": self.fp32_math,
                 "tf32_active": bool(cfg.precision.tf32 and self.device.type == "cuda"),  # TF32 exists only on CUDA
                 "channels_last": self.channels_last,
-                # FP16/BF16 products on a CPU: as a GPU's tensor cores (cpu_tensor_cores.py) or torch's own kernels
+                # FP16/BF16 products and LSTMs on a CPU: as a GPU's (cpu_tensor_cores.py) or torch's own kernels
                 "cpu_arithmetic": ("emulated" if cfg.emulate_tensor_cores else "native") if computes_low_precision_on_cpu(cfg.precision, self.device) else None,
-                "cpu_lstm": cpu_lstm.describe([e.model for e in self.engines.values()]),  # the kernels FP16/BF16 LSTMs ran on a CPU (at the end)
+                "autocast_lists": "cuda" if cfg.precision.autocast else None,  # on a CPU too (cuda_autocast.py)
             },
             scale_config={
                 "strategy": cfg.scale.name,
@@ -354,7 +353,7 @@ class Run:
         # meet in the collectives below; a rank leaving on an exception is alone and skips them.
         together = False
         try:
-            with preemption.catching():
+            with preemption.catching(), held_for_the_run(self.cfg.precision, self.device):
                 for _ in self.steps():
                     pass
             rec.status = "ok"
@@ -392,7 +391,6 @@ class Run:
             if self.grad_stats.sampled_steps:
                 rec.memory["note"] = self.grad_stats.MEMORY_NOTE
             rec.loss_scale = {name: e.scaler.summary() for name, e in self.engines.items()}
-            rec.precision["cpu_lstm"] = cpu_lstm.describe([e.model for e in self.engines.values()])
             rec.grad_stats = self.grad_stats.summary()
             rec.finished_at = now_iso()
             rec.duration_s = time.perf_counter() - t_start

@@ -1,0 +1,126 @@
+#!/usr/bin/env python3
+"""What each precision mode costs on a CPU: the step time of fp16, mixed, fp16_modmom, amp and bf16
+as a ratio to fp32, for one model, all six runs alive in one process.
+
+Each run is the runner's own (`Run.steps()`), on synthetic data, from the same seed. After the
+warm-up steps, the runs advance one window at a time in rotating order, so that whatever else the
+machine is doing falls on all of them alike; a window is timed between two synchronizations. The
+figure per mode is its median seconds per step over the windows, and its ratio to fp32's median.
+The goal (issue 20) is every ratio at most 1.5.
+
+    python scripts/bench_cpu_modes.py --model resnet50 --out results/cpu-modes
+    python scripts/bench_cpu_modes.py --all --out results/cpu-modes
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from mpt.config import register_configs  # noqa: E402
+from mpt.precision.cuda_autocast import cuda_lists  # noqa: E402
+from mpt.runner.record import environment, git_commit, now_iso, write_json_atomic  # noqa: E402
+from mpt.runner.throughput import synchronize  # noqa: E402
+from mpt.runner.train import Run, resolve_device  # noqa: E402
+from mpt.runner.validation import validate  # noqa: E402
+
+MODES = {"fp32": "none", "fp16": "static", "mixed": "static", "fp16_modmom": "static", "amp": "dynamic", "bf16": "none"}
+# The paper's six models at the sizes of this project's reduced-scale runs (schedule=smoke's batch).
+# The FP16 updates are momentum SGD, so the models trained with Adam or Adagrad (GNMT, bigLSTM,
+# DCGAN) take SGD here in every mode: each model's six runs differ in their precision only.
+MODELS = {
+    "alexnet": ["model=alexnet"],
+    "resnet50": ["model=resnet50"],
+    "ssd": ["model=ssd", "schedule.batch_size=2"],
+    "gnmt": ["model=gnmt_small", "optim.name=sgd"],
+    "biglstm": ["model=biglstm_tiny", "optim.name=sgd"],
+    "dcgan": ["model=dcgan64", "optim.name=sgd"],
+}
+
+
+def compose(model: str, mode: str, steps: int):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
+
+    register_configs()
+    overrides = [*MODELS[model], f"precision={mode}", f"scale={MODES[mode]}", "schedule=smoke", f"schedule.steps={steps}",
+                 "schedule.log_every=1000", "checkpoint=false", "device=cpu"]  # fmt: skip
+    with initialize_config_module(config_module="mpt.configs", version_base="1.3"):
+        cfg = hydra_compose(config_name="config", overrides=overrides)
+    validate(cfg)
+    return cfg, overrides
+
+
+def time_window(steps, n: int, device) -> float:
+    synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        next(steps)
+    synchronize(device)
+    return (time.perf_counter() - t0) / n
+
+
+def bench(model: str, args) -> dict:
+    total = args.warmup + args.windows * args.window + 1
+    with tempfile.TemporaryDirectory() as tmp, cuda_lists():  # held, as Run.train() holds it
+        runs, overrides = {}, {}
+        for mode in MODES:
+            cfg, overrides[mode] = compose(model, mode, total)
+            (Path(tmp) / mode).mkdir()
+            runs[mode] = Run(cfg, Path(tmp) / mode).steps()
+        device = resolve_device("cpu")
+        for _ in range(args.warmup):
+            for steps in runs.values():
+                next(steps)
+        times: dict[str, list[float]] = {mode: [] for mode in MODES}
+        order = list(MODES)
+        for i in range(args.windows):
+            for mode in order[i % len(order) :] + order[: i % len(order)]:
+                times[mode].append(time_window(runs[mode], args.window, device))
+            print(f"{model} window {i + 1}/{args.windows}: " + ", ".join(f"{m} {t[-1] * 1e3:.0f}" for m, t in times.items()) + " ms/step", flush=True)
+    median = {mode: statistics.median(t) for mode, t in times.items()}
+    return {
+        "benchmark": "cpu_modes",
+        "model": model,
+        "overrides": overrides,
+        "warmup_steps": args.warmup,
+        "window_steps": args.window,
+        "windows": args.windows,
+        "unit": "seconds per training step (median over windows)",
+        "step_s": times,
+        "median_step_s": median,
+        "ratio_to_fp32": {mode: median[mode] / median["fp32"] for mode in MODES},
+        "environment": environment(resolve_device("cpu")),
+        "commit": git_commit(ROOT),
+        "finished_at": now_iso(),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=sorted(MODELS), nargs="+")
+    ap.add_argument("--all", action="store_true", help="every model, one after another")
+    ap.add_argument("--warmup", type=int, default=2, help="steps of each run before timing")
+    ap.add_argument("--window", type=int, default=2, help="steps per timed window")
+    ap.add_argument("--windows", type=int, default=5, help="timed windows per run")
+    ap.add_argument("--out", type=Path, default=None, help="folder for the JSON records")
+    args = ap.parse_args()
+    if not args.all and args.model is None:
+        ap.error("give --model or --all")
+    for model in MODELS if args.all else args.model:
+        record = bench(model, args)
+        print(model, " ".join(f"{m} {r:.2f}" for m, r in record["ratio_to_fp32"].items()), flush=True)
+        if args.out is not None:
+            args.out.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(args.out / f"{model}.json", record)
+
+
+if __name__ == "__main__":
+    main()
