@@ -141,6 +141,7 @@ def test_fp32_lstms_and_the_native_switch_are_torchs_own():
         torch.testing.assert_close(ours, native, rtol=0, atol=4 * float(torch.finfo(torch.half).eps))
 
 
+@pytest.mark.slow
 def test_bf16_lstms_train_on_a_cpu_whose_onednn_has_no_bf16_lstm(tmp_path):
     """The failure of issue 18: oneDNN capped at AVX2 has no BF16 LSTM primitive, which torch's CPU
     autocast asks it for. CUDA's lists cast the LSTM before oneDNN is asked, with or without emulation."""

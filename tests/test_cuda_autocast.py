@@ -42,7 +42,9 @@ def test_each_policy_casts_as_cudas(dtype):
         assert torch.softmax(y, 1, dtype=torch.float64).dtype == torch.float64  # a dtype the caller set stays
         assert y.sum().dtype == torch.float32 and y.exp().dtype == torch.float32 and y.pow(2).dtype == torch.float32
         assert F.layer_norm(y, (5,)).dtype == torch.float32
-        assert y.norm().dtype == torch.float32  # norm: the overload that takes a dtype
+        assert y.norm().dtype == torch.float32  # linalg_vector_norm: through its dtype
+        aten = torch.ops.aten
+        assert aten.norm.Scalar(y).dtype == aten.norm.ScalarOpt_dim(y, 2, [1]).dtype == torch.float32  # the overload that takes a dtype
         assert torch.addcmul(y, y, y).dtype == dtype and torch.addcmul(y, y, y.float()).dtype == torch.float32  # promote
         assert y.long().sum().dtype == torch.int64  # not eligible: untouched
         lstm = nn.LSTM(6, 3)
