@@ -106,6 +106,7 @@ def test_two_processes_follow_one_process_with_the_same_global_batch_and_fp16_al
     assert read_record(fp16)["distributed"]["allreduce_dtype"] == "float16"
 
 
+@pytest.mark.slow  # over 20 s on 2 cores: the fast tier's budget
 def test_an_overflow_on_one_rank_is_skipped_by_every_rank(tmp_path):
     """mixed + dynamic, an infinite loss injected into rank 1's second backward only: both ranks
     skip that step, halve the scale, and end with identical weights, masters and scaler."""

@@ -50,6 +50,7 @@ def test_each_configuration_has_its_own_folder_named_from_its_choices(swept):
     assert recs[diverged[0]]["variant"] == "optim.lr=1000000000000.0"  # how often it logs is not what it computes
 
 
+@pytest.mark.slow  # over 20 s on 2 cores: the fast tier's budget
 def test_relaunching_a_sweep_skips_finished_runs_and_force_reruns(swept):
     before = {p: p.stat().st_mtime_ns for p in swept.glob("*/result.json")}
     r = mpt_run(*SWEEP, f"hydra.sweep.dir={swept}", cwd=ROOT)

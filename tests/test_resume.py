@@ -156,6 +156,7 @@ def test_a_stopped_and_rebuilt_run_matches_an_uninterrupted_one(tmp_path, in_pro
     assert_resumed_as_uninterrupted(reference, stopped)
 
 
+@pytest.mark.slow  # over 20 s on 2 cores: the fast tier's budget
 def test_a_run_killed_with_sigkill_and_relaunched_matches_an_uninterrupted_one(tmp_path):
     """The command line itself, killed by the kernel wherever it is after a checkpoint."""
     args = resume_args("mobilenet_v3_small", "mixed", "dynamic", ["data.train_samples=12"])

@@ -381,6 +381,7 @@ def test_bad_translation_config_is_rejected_naming_the_key(overrides, named):
     assert named in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.slow  # over 20 s on 2 cores: the fast tier's budget
 def test_every_precision_mode_translates_end_to_end(tmp_path):
     modes = ["fp32", "tf32", "fp16", "mixed", "fp16_modmom", "amp", "bf16"]
     small = ["model.hidden_size=16", "model.encoder_layers=2", "model.decoder_layers=2", "schedule.batch_size=8"]
