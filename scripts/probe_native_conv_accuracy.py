@@ -1,0 +1,82 @@
+#!/usr/bin/env python3
+"""How far torch's own FP16 and BF16 CPU convolution is from one rounding of an exact sum, forward
+and backward, beside the tensor-core emulation: each output and gradient's worst error against a
+float64 evaluation of the same rounded inputs, in units of the tests' bound (one ulp of the dtype
+plus the FP32 accumulation term; tests/test_cpu_tensor_cores.py). 1.0 or less is within it.
+
+    python scripts/probe_native_conv_accuracy.py --out results/cpu-fp16-conv
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from mpt.precision.cpu_tensor_cores import TensorCoreArithmetic  # noqa: E402
+from mpt.runner.record import environment, git_commit, now_iso, write_json_atomic  # noqa: E402
+from tests.test_cpu_tensor_cores import FP32_ACCUMULATION, ulp  # noqa: E402
+
+SHAPES = [(2, 6, 7, 7), (4, 6, 3, 3), (4,)]  # input, weight, bias; padding 1
+
+
+def worst_errors(dtype: torch.dtype, emulate: bool, seed: int) -> dict[str, float]:
+    torch.manual_seed(seed)
+    fn = lambda x, w, b: F.conv2d(x, w, b, padding=1)  # noqa: E731
+    low = [torch.randn(*s).to(dtype).requires_grad_() for s in SHAPES]
+    exact = [t.detach().double().requires_grad_() for t in low]
+    size = [t.detach().double().abs().requires_grad_() for t in low]
+    with TensorCoreArithmetic() if emulate else contextlib.nullcontext():
+        out = fn(*low)
+        grad = torch.randn_like(out, dtype=torch.float32).to(dtype)
+        out.backward(grad)
+    ref = fn(*exact)
+    ref.backward(grad.double())
+    bound = fn(*size)
+    bound.backward(grad.double().abs())
+
+    def worst(ours, reference, magnitude):
+        return float(((ours.double() - reference).abs() / (ulp(reference, dtype) + FP32_ACCUMULATION * magnitude)).max())
+
+    result = {"forward": worst(out.detach(), ref.detach(), bound.detach())}
+    for name, a, b, m in zip(["input", "weight", "bias"], low, exact, size):
+        result[f"gradient of {name}"] = worst(a.grad, b.grad, m.grad)
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    rows = []
+    for dtype in (torch.float16, torch.bfloat16):
+        for kernel in ("native", "emulated"):
+            per_seed = [worst_errors(dtype, kernel == "emulated", seed) for seed in range(args.seeds)]
+            row = {"dtype": str(dtype).removeprefix("torch."), "kernel": kernel, **{k: max(r[k] for r in per_seed) for k in per_seed[0]}}
+            rows.append(row)
+            print(row, flush=True)
+    record = {
+        "probe": "native_conv_accuracy",
+        "what": "worst error over seeds, in units of one ulp plus the FP32 accumulation term, against float64 on the same rounded inputs",
+        "conv2d": {"input": SHAPES[0], "weight": SHAPES[1], "bias": SHAPES[2], "padding": 1},
+        "seeds": args.seeds,
+        "rows": rows,
+        "environment": environment(torch.device("cpu")),
+        "commit": git_commit(ROOT),
+        "finished_at": now_iso(),
+    }
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(args.out / "native_conv_accuracy.json", record)
+
+
+if __name__ == "__main__":
+    main()
