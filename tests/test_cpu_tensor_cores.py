@@ -124,8 +124,8 @@ def test_a_module_keeps_its_memory_format_and_is_caught_inside():
         ("addmm", lambda c, a, b: torch.addmm(c, a, b), [(13, 9), (13, 37), (37, 9)], True),
         ("bmm", torch.bmm, [(3, 7, 21), (3, 21, 5)], True),
         # torch's own FP16/BF16 convolution backward on a CPU is not one rounding of an FP32 sum:
-        # in a probe its input gradient was 9x (FP16) and 57x (BF16) this bound off float64, its
-        # weight gradient 1.3x and 5x. The emulation's are within it (test above); only the forwards compare.
+        # its gradients were many times this bound off float64 (results/cpu-fp16-conv/
+        # native_conv_accuracy.json). The emulation's are within it (test above); only forwards compare.
         ("conv2d", lambda x, w, b: F.conv2d(x, w, b, padding=1), [(2, 6, 7, 7), (4, 6, 3, 3), (4,)], False),
     ],
 )
