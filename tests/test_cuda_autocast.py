@@ -162,3 +162,24 @@ def test_a_training_step_of_each_model_casts_what_cuda_casts(model, precision, t
     assert rec.status == "ok", rec.message
     assert kernels.violations() == set()
     assert kernels.low() & PRODUCT_KERNELS, kernels.low()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", LOW, ids=["fp16", "bf16"])
+def test_on_a_gpu_cudas_autocast_casts_as_the_table_says(dtype):
+    """What the CPU copies, checked on CUDA itself: cuDNN's LSTM in FP16 whatever autocast's dtype
+    (read in AutocastRNN.cpp, unconfirmed until a GPU runs this), softmax and sum in FP32, and
+    cross_entropy's log_softmax in the logits' dtype."""
+    cuda = torch.device("cuda")
+    x = torch.randn(4, 6, device=cuda)
+    w = torch.randn(10, 6, device=cuda)
+    lstm = nn.LSTM(6, 3).to(cuda)
+    kernels = Kernels()
+    with torch.autocast("cuda", dtype=dtype):
+        y = F.linear(x, w)
+        assert y.dtype == dtype and torch.softmax(y, 1).dtype == torch.float32 and y.sum().dtype == torch.float32
+        out, (h, c) = lstm(x.unsqueeze(1))
+        assert out.dtype == h.dtype == c.dtype == torch.float16
+        with kernels:
+            F.cross_entropy(y, torch.randint(0, 10, (4,), device=cuda))
+    assert ("_log_softmax", dtype) in kernels.seen
