@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 
 from mpt.precision.cpu_tensor_cores import TensorCoreArithmetic  # noqa: E402
 from mpt.runner.record import environment, git_commit, now_iso, write_json_atomic  # noqa: E402
-from tests.test_cpu_tensor_cores import FP32_ACCUMULATION, ulp  # noqa: E402
+from tests.test_cpu_tensor_cores import against_float64, bound_fraction  # noqa: E402
 
 SHAPES = [(2, 6, 7, 7), (4, 6, 3, 3), (4,)]  # input, weight, bias; padding 1
 
@@ -30,24 +30,10 @@ SHAPES = [(2, 6, 7, 7), (4, 6, 3, 3), (4,)]  # input, weight, bias; padding 1
 def worst_errors(dtype: torch.dtype, emulate: bool, seed: int) -> dict[str, float]:
     torch.manual_seed(seed)
     fn = lambda x, w, b: F.conv2d(x, w, b, padding=1)  # noqa: E731
-    low = [torch.randn(*s).to(dtype).requires_grad_() for s in SHAPES]
-    exact = [t.detach().double().requires_grad_() for t in low]
-    size = [t.detach().double().abs().requires_grad_() for t in low]
-    with TensorCoreArithmetic() if emulate else contextlib.nullcontext():
-        out = fn(*low)
-        grad = torch.randn_like(out, dtype=torch.float32).to(dtype)
-        out.backward(grad)
-    ref = fn(*exact)
-    ref.backward(grad.double())
-    bound = fn(*size)
-    bound.backward(grad.double().abs())
-
-    def worst(ours, reference, magnitude):
-        return float(((ours.double() - reference).abs() / (ulp(reference, dtype) + FP32_ACCUMULATION * magnitude)).max())
-
-    result = {"forward": worst(out.detach(), ref.detach(), bound.detach())}
-    for name, a, b, m in zip(["input", "weight", "bias"], low, exact, size):
-        result[f"gradient of {name}"] = worst(a.grad, b.grad, m.grad)
+    e = against_float64(fn, [torch.randn(*s) for s in SHAPES], dtype, TensorCoreArithmetic() if emulate else contextlib.nullcontext())
+    result = {"forward": bound_fraction(e.out, e.ref, e.bound, dtype)}
+    for name, a, b, m in zip(["input", "weight", "bias"], e.low, e.exact, e.size):
+        result[f"gradient of {name}"] = bound_fraction(a.grad, b.grad, m.grad, dtype)
     return result
 
 

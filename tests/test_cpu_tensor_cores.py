@@ -5,6 +5,8 @@ zero, whose ulp is tiny); accumulating in FP16 instead would exceed it some 8000
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -28,22 +30,40 @@ TERMS = 256  # at most this many products are summed into one result in these te
 FP32_ACCUMULATION = TERMS * 2.0**-24  # the classic bound for summing TERMS terms in FP32, relative to the sum of |terms|
 
 
-def assert_within_one_ulp(ours: torch.Tensor, reference: torch.Tensor, magnitude: torch.Tensor, dtype: torch.dtype, what: str) -> None:
-    """`magnitude`: the sum of the absolute values of the products that make each element."""
-    assert ours.dtype == dtype, what
+def bound_fraction(ours: torch.Tensor, reference: torch.Tensor, magnitude: torch.Tensor, dtype: torch.dtype) -> float:
+    """The worst error as a fraction of the bound. `magnitude`: the sum of the absolute values of
+    the products that make each element."""
     err = (ours.double() - reference).abs()
-    worst = (err / (ulp(reference, dtype) + FP32_ACCUMULATION * magnitude)).max().item()
+    return (err / (ulp(reference, dtype) + FP32_ACCUMULATION * magnitude)).max().item()
+
+
+def assert_within_one_ulp(ours: torch.Tensor, reference: torch.Tensor, magnitude: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    assert ours.dtype == dtype, what
+    worst = bound_fraction(ours, reference, magnitude, dtype)
     assert worst <= 1.0, f"{what}: {worst:.3f} of the bound"
 
 
-def check(fn, inputs: list[torch.Tensor], dtype: torch.dtype, what: str) -> dict[str, int]:
-    """fn on `inputs` rounded to dtype, inside the mode, against fn on the same values in float64:
-    the output, then each input's gradient for the same (rounded) output gradient."""
+@dataclasses.dataclass
+class Evaluation:
+    """fn on inputs rounded to a dtype (`low`, `out`), the output gradient it was given, and fn on
+    the same values in float64 (`exact`, `ref`) and on their absolute values (`size`, `bound`)."""
+
+    low: list[torch.Tensor]
+    out: torch.Tensor
+    grad: torch.Tensor
+    exact: list[torch.Tensor]
+    ref: torch.Tensor
+    size: list[torch.Tensor]
+    bound: torch.Tensor
+
+
+def against_float64(fn, inputs: list[torch.Tensor], dtype: torch.dtype, arithmetic) -> Evaluation:
+    """fn forward and backward on `inputs` rounded to dtype, inside `arithmetic`, and in float64."""
     low = [x.to(dtype).requires_grad_() for x in inputs]
     exact = [x.detach().double().requires_grad_() for x in low]
     # Each op here is linear in each input, so on |inputs| and |gradient| it sums |products|.
     size = [x.detach().double().abs().requires_grad_() for x in low]
-    with TensorCoreArithmetic() as mode:
+    with arithmetic:
         out = fn(*low)
         grad = torch.randn_like(out, dtype=torch.float32).to(dtype)
         out.backward(grad)
@@ -51,8 +71,16 @@ def check(fn, inputs: list[torch.Tensor], dtype: torch.dtype, what: str) -> dict
     ref.backward(grad.double())
     bound = fn(*size)
     bound.backward(grad.double().abs())
-    assert_within_one_ulp(out.detach(), ref.detach(), bound.detach(), dtype, f"{what} forward")
-    for i, (a, b, m) in enumerate(zip(low, exact, size)):
+    return Evaluation(low, out.detach(), grad, exact, ref.detach(), size, bound.detach())
+
+
+def check(fn, inputs: list[torch.Tensor], dtype: torch.dtype, what: str) -> dict[str, int]:
+    """fn on `inputs` rounded to dtype, inside the mode, against fn on the same values in float64:
+    the output, then each input's gradient for the same (rounded) output gradient."""
+    mode = TensorCoreArithmetic()
+    e = against_float64(fn, inputs, dtype, mode)
+    assert_within_one_ulp(e.out, e.ref, e.bound, dtype, f"{what} forward")
+    for i, (a, b, m) in enumerate(zip(e.low, e.exact, e.size)):
         assert_within_one_ulp(a.grad, b.grad, m.grad, dtype, f"{what} gradient of input {i}")
     return mode.counts
 
@@ -133,19 +161,12 @@ def test_within_one_ulp_of_torchs_native_kernel(dtype, name, fn, shapes, gradien
     """torch's own FP16/BF16 matrix products on a CPU also accumulate in FP32 and round once: the
     emulation and the native kernel agree within the same bound."""
     torch.manual_seed(4)
-    inputs = [randn(*s).to(dtype) for s in shapes]
-    ours = [x.clone().requires_grad_() for x in inputs]
-    native = [x.clone().requires_grad_() for x in inputs]
-    size = [x.detach().double().abs().requires_grad_() for x in inputs]
-    with TensorCoreArithmetic() as mode:
-        out = fn(*ours)
-        grad = torch.randn_like(out, dtype=torch.float32).to(dtype)
-        out.backward(grad)
+    mode = TensorCoreArithmetic()
+    e = against_float64(fn, [randn(*s) for s in shapes], dtype, mode)
+    native = [x.detach().clone().requires_grad_() for x in e.low]
     ref = fn(*native)
-    ref.backward(grad)
-    bound = fn(*size)
-    bound.backward(grad.double().abs())
+    ref.backward(e.grad)
     assert mode.counts, "the emulation ran"
-    assert_within_one_ulp(out.detach(), ref.detach().double(), bound.detach(), dtype, f"{name} forward")
-    for i, (a, b, m) in enumerate(zip(ours, native, size) if gradients else []):
+    assert_within_one_ulp(e.out, ref.detach().double(), e.bound, dtype, f"{name} forward")
+    for i, (a, b, m) in enumerate(zip(e.low, native, e.size) if gradients else []):
         assert_within_one_ulp(a.grad, b.grad.double(), m.grad, dtype, f"{name} gradient of input {i}")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.utils._pytree import tree_flatten
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 # Every aten op a matrix product or a convolution of training reaches on a CPU, forward and backward.
@@ -27,23 +28,12 @@ LSTMS = ("lstm.input", "lstm.data")
 def low_precision_dtype(args: tuple, kwargs: dict) -> torch.dtype | None:
     """The op's low-precision dtype when all its floating tensors have it; None otherwise (an FP32
     op, or a mix, which is left to torch)."""
-    dtypes = {t.dtype for t in _tensors((args, kwargs)) if t.is_floating_point()}
+    dtypes = {t.dtype for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.is_floating_point()}
     if len(dtypes) == 1:
         (dtype,) = dtypes
         if dtype in LOW_PRECISION:
             return dtype
     return None
-
-
-def _tensors(tree):
-    if isinstance(tree, torch.Tensor):
-        yield tree
-    elif isinstance(tree, (list, tuple)):
-        for t in tree:
-            yield from _tensors(t)
-    elif isinstance(tree, dict):
-        for t in tree.values():
-            yield from _tensors(t)
 
 
 def _product(original, name: str, counts: dict[str, int]):

@@ -16,6 +16,7 @@ import functools
 from typing import Iterator
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_map
 
 # CUDA's lists, by policy (torch 2.x; the AutocastCUDA kernels of the installed torch are checked
 # against them in the tests). Names are aten's, with the overload where CUDA registers one.
@@ -77,46 +78,31 @@ def _eligible(t) -> bool:
 
 
 def _cast(tree, dtype: torch.dtype):
-    if _eligible(tree):
-        return tree.to(dtype)
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_cast(t, dtype) for t in tree)
-    return tree
-
-
-def _widest(tree, low: torch.dtype) -> torch.dtype:
-    """autocast's `promote`: FP32 if any eligible argument is FP32, else the low dtype."""
-    if _eligible(tree):
-        return torch.float32 if tree.dtype == torch.float32 else low
-    if isinstance(tree, (list, tuple)):
-        return torch.float32 if any(_widest(t, low) == torch.float32 for t in tree) else low
-    return low
+    return tree_map(lambda t: t.to(dtype) if _eligible(t) else t, tree)
 
 
 def _kernel(name: str, policy: str):
     op = _overload(name)
-    low = torch.get_autocast_dtype
 
     def call(args, kwargs):
         with torch._C._ExcludeDispatchKeyGuard(_NO_AUTOCAST):
             return op(*args, **kwargs)
 
-    if policy == "lower_precision_fp":
+    # The policies that cast every eligible argument to one dtype, and how each picks it.
+    cast_to = {
+        "lower_precision_fp": lambda args: torch.get_autocast_dtype("cpu"),
+        "fp32": lambda args: torch.float32,
+        # the widest: FP32 if any eligible argument is FP32, else the low dtype
+        "promote": lambda args: (
+            torch.float32 if any(_eligible(t) and t.dtype == torch.float32 for t in tree_flatten(args)[0]) else torch.get_autocast_dtype("cpu")
+        ),
+    }.get(policy)
+    if cast_to is not None:
 
-        def lower(keyset, *a, **k):
-            dtype = low("cpu")
-            return call(_cast(a, dtype), {n: _cast(v, dtype) for n, v in k.items()})
+        def cast_all(keyset, *a, **k):
+            return call(*_cast((a, k), cast_to((a, k))))
 
-        return lower
-    if policy == "fp32":
-        return lambda keyset, *a, **k: call(_cast(a, torch.float32), {n: _cast(v, torch.float32) for n, v in k.items()})
-    if policy == "promote":
-
-        def promote(keyset, *a, **k):
-            dtype = _widest([*a, *k.values()], low("cpu"))
-            return call(_cast(a, dtype), {n: _cast(v, dtype) for n, v in k.items()})
-
-        return promote
+        return cast_all
     if policy == "fp32_set_opt_dtype":
         where = [arg.name for arg in op._schema.arguments].index("dtype")
 
