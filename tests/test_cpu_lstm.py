@@ -109,6 +109,64 @@ def test_sequences_keep_fp32_registers_and_round_storage_each_step(dtype):
     assert ((ours.double() - f64.double()).abs() <= ulp(f64.double(), dtype)).all()
 
 
+class Stored(torch.autograd.Function):
+    """x rounded to `dtype` and kept in x's dtype; its gradient, once summed, rounded the same way."""
+
+    @staticmethod
+    def forward(ctx, x, dtype):
+        ctx.dtype = dtype
+        return x.to(dtype).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.to(ctx.dtype).to(g.dtype), None
+
+
+def stored_roundings_by_autograd(x, h, c, w_ih, w_hh, b_ih, b_hh, w_hr, dtype, math):
+    """The emulation's forward written out for one layer and direction, its gradients left to
+    autograd: every value the emulation stores (h, c, h before its projection) rounded to `dtype`,
+    and the gradient that reaches it rounded once."""
+    x, h, c, w_ih, w_hh, b_ih, b_hh = (t.to(math) for t in (x, h, c, w_ih, w_hh, b_ih, b_hh))
+    w_hr = None if w_hr is None else w_hr.to(math)
+    xw = x @ w_ih.t() + b_ih + b_hh
+    outs = []
+    for t in range(x.shape[0]):
+        i, f, g, o = (xw[t] + h @ w_hh.t()).chunk(4, 1)
+        c32 = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+        h = Stored.apply(torch.sigmoid(o) * torch.tanh(c32), dtype)
+        if w_hr is not None:
+            h = Stored.apply(h @ w_hr.t(), dtype)
+        c = Stored.apply(c32, dtype)
+        outs.append(h)
+    return torch.stack(outs).to(dtype), h.to(dtype), c.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("proj_size", [0, 5])
+def test_the_written_out_backward_is_autograds_through_the_stored_values(dtype, proj_size):
+    """In float64 registers (so that no FP32 summation order can flip a rounding), the emulation's
+    outputs and gradients over a sequence are bit for bit those autograd derives from the same
+    forward with the same values stored in the dtype."""
+    torch.manual_seed(5)
+    lstm = nn.LSTM(8, 12, proj_size=proj_size).to(dtype)
+    x = torch.randn(9, 3, 8).to(dtype)
+    h0, c0 = torch.randn(1, 3, proj_size or 12).to(dtype), torch.randn(1, 3, 12).to(dtype)
+    cotangents = [torch.randn(9, 3, proj_size or 12).to(dtype), torch.randn(3, proj_size or 12).to(dtype), torch.randn(3, 12).to(dtype)]
+    results = []
+    for ours in (True, False):
+        leaves = [t.detach().requires_grad_() for t in (x, h0, c0, *lstm._flat_weights)]
+        xx, hh, cc, *w = leaves
+        if ours:
+            out, hn, cn = emulated_lstm(xx, None, (hh, cc), w, True, 1, 0.0, False, False, dtype=dtype, math=torch.float64)
+            hn, cn = hn[0], cn[0]
+        else:
+            out, hn, cn = stored_roundings_by_autograd(xx, hh[0], cc[0], *w[:4], w[4] if proj_size else None, dtype, torch.float64)
+        torch.autograd.backward([out, hn, cn], cotangents)
+        results.append([out, hn, cn, *(t.grad for t in leaves)])
+    for name, a, b in zip(["out", "h_n", "c_n", "x", "h0", "c0", *(n for n, _ in lstm.named_parameters())], *results):
+        assert a.dtype == dtype and torch.equal(a, b), name
+
+
 def test_packed_sequences_in_any_order_match_each_sequence_alone():
     """GNMT packs unsorted batches: each sequence's output and final state are those it has alone."""
     torch.manual_seed(3)

@@ -10,7 +10,8 @@ products so, its cell's sums, activations and update in FP32, its h and c stored
 The products are replaced at the CPU kernels of the aten ops (torch.library, for the context's
 duration), below autograd: so they catch what composite modules call inside (linear is an addmm,
 matmul an mm or a bmm) and the ops of the backward pass, and every other op runs at full speed.
-The LSTM is replaced at its autograd kernel, so its gradients are those of the computation above.
+The LSTM is replaced at its autograd kernel, with its backward written out: the gradients autograd
+would derive through the same stored values, with one recurrent product per step.
 """
 
 from __future__ import annotations
@@ -114,42 +115,131 @@ class TensorCoreArithmetic:
 # --- LSTMs: the gate products as above, the cell's elementwise math as cuDNN does it ---------------
 
 
-def _cell_steps(xw, h, c, w_hh, w_hr, batch_sizes, reverse, dtype, math):
-    """One direction of one layer. `xw`: the input's gate products and biases for every step, in
-    `math` ((T, B, 4H); packed: (N, 4H) with `batch_sizes`). h and c are stored in `dtype`; each
-    step's sums, activations and cell update run in `math` (a GPU's FP32 registers)."""
-    w_hh32, w_hr32 = w_hh.to(math), None if w_hr is None else w_hr.to(math)
-    steps = batch_sizes.tolist() if batch_sizes is not None else [h.shape[0]] * xw.shape[0]
-    starts = [0]
-    for b in steps[:-1]:
-        starts.append(starts[-1] + b)
-    order = range(len(steps) - 1, -1, -1) if reverse else range(len(steps))
-    h0, c0 = h, c
-    if reverse and batch_sizes is not None:  # the shortest sequences start first, from their initial state
-        h, c = h0[: steps[-1]], c0[: steps[-1]]
-    done_h, done_c = [], []  # final states of sequences that ended, for a packed batch (longest first)
-    outputs = [None] * len(steps)
-    for t in order:
-        b = steps[t]
-        if b < h.shape[0]:  # forward, packed: the shortest sequences have ended
-            done_h.append(h[b:])
-            done_c.append(c[b:])
-            h, c = h[:b], c[:b]
-        elif b > h.shape[0]:  # reverse, packed: longer sequences start here, from their initial state
-            h = torch.cat([h, h0[h.shape[0] : b]])
-            c = torch.cat([c, c0[c.shape[0] : b]])
-        gates = torch.addmm(xw[starts[t] : starts[t] + b] if batch_sizes is not None else xw[t], h.to(math), w_hh32.t())
-        i, f, g, o = gates.chunk(4, 1)
-        c32 = torch.sigmoid(f) * c.to(math) + torch.sigmoid(i) * torch.tanh(g)
-        h = (torch.sigmoid(o) * torch.tanh(c32)).to(dtype)
-        if w_hr32 is not None:  # the projection is a product of the stored h
-            h = (h.to(math) @ w_hr32.t()).to(dtype)
-        c = c32.to(dtype)
-        outputs[t] = h
-    if done_h:
-        h = torch.cat([h, *reversed(done_h)])
-        c = torch.cat([c, *reversed(done_c)])
-    return torch.cat(outputs) if batch_sizes is not None else torch.stack(outputs), h, c
+def _per_step(steps: list[int], *tensors: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+    """Each tensor's rows of each step, as views made once: the step loops below are a few ops per
+    step, and a Python slice costs about as much as one of them."""
+    return list(zip(*(t.split(steps) for t in tensors)))
+
+
+class _Recurrence(torch.autograd.Function):
+    """One direction of one layer, from the input's gate products and biases `xw` ((N, 4H) in `math`,
+    N the rows of every step: T*B, or a packed batch's total). h and c are stored in `dtype` at each
+    step; each step's sums, activations and cell update run in `math` (a GPU's FP32 registers).
+
+    The backward is written out, as cuDNN's is, because autograd through a Python step loop costs
+    several times the FP32 LSTM: per step, the elementwise gradients and one recurrent product; each
+    weight's gradient one product over all steps. The gradients of the stored values (h, c, h before
+    its projection) are stored in `dtype`, each rounded once when it is complete.
+
+    A step reads its first b rows of the state (a packed batch's sizes fall with t): rows past b are
+    the final state of sequences that have ended (forward) or the initial state of those yet to
+    start (reverse)."""
+
+    @staticmethod
+    def forward(ctx, xw, h0, c0, w_hh, w_hr, steps: list[int], reverse: bool, dtype, math):
+        n, hidden, size = xw.shape[0], c0.shape[1], h0.shape[1]
+        order = list(range(len(steps) - 1, -1, -1) if reverse else range(len(steps)))
+        starts = [0]
+        for b in steps[:-1]:
+            starts.append(starts[-1] + b)
+        w_hh_t = w_hh.to(math).t()
+        w_hr_t = None if w_hr is None else w_hr.to(math).t()
+        h_prev = xw.new_empty(n, size)  # what each step read, in `math`
+        c_prev = xw.new_empty(n, hidden)
+        gates = xw.new_empty(n, 4 * hidden)  # after their activations
+        tanh_c = xw.new_empty(n, hidden)
+        c_all = c0.new_empty(n, hidden)  # stored
+        out = h0.new_empty(n, size)
+        h_pre = None if w_hr is None else h0.new_empty(n, hidden)  # h before its projection, stored
+        c32 = xw.new_empty(c0.shape)
+        c32_rows = {b: c32[:b] for b in set(steps)}
+        i, f, g, o = gates.view(n, 4, hidden).unbind(1)
+        views = _per_step(steps, xw, h_prev, c_prev, gates, gates[:, : 2 * hidden], i, f, g, o, tanh_c, c_all, out)
+        pre = None if h_pre is None else _per_step(steps, h_pre)
+        # What each step reads, copied to h_prev and c_prev: the previous step's h and c, and where a
+        # packed batch's reverse direction starts sequences, rows of the initial state.
+        reads = []
+        for k, t in enumerate(order):
+            b, hp, cp = steps[t], views[t][1], views[t][2]
+            if k == 0:
+                reads.append([(hp, h0[:b]), (cp, c0[:b])])
+                continue
+            p = order[k - 1]
+            h_p, c_p = views[p][-1], views[p][-2]
+            if b == steps[p]:
+                reads.append([(hp, h_p), (cp, c_p)])
+            elif b < steps[p]:
+                reads.append([(hp, h_p[:b]), (cp, c_p[:b])])
+            else:
+                e = steps[p]
+                reads.append([(hp[:e], h_p), (cp[:e], c_p), (hp[e:], h0[e:b]), (cp[e:], c0[e:b])])
+        for t, copies in zip(order, reads):
+            xw_t, hp, cp, a, sig_if, i_t, f_t, g_t, o_t, tc, c_t, out_t = views[t]
+            for dst, src in copies:
+                dst.copy_(src)
+            torch.addmm(xw_t, hp, w_hh_t, out=a)
+            sig_if.sigmoid_()
+            g_t.tanh_()
+            o_t.sigmoid_()
+            cc = torch.mul(f_t, cp, out=c32_rows[steps[t]]).addcmul_(i_t, g_t)
+            torch.tanh(cc, out=tc)
+            c_t.copy_(cc)
+            if pre is None:
+                torch.mul(o_t, tc, out=out_t)  # rounded as it is written
+            else:  # the projection is a product of the stored h
+                out_t.copy_(torch.mul(o_t, tc, out=pre[t][0]).to(math) @ w_hr_t)
+        # Each sequence's final state: from the last step (in the loop's order) that has its row.
+        last = [0] * steps[0]
+        for t in order:
+            for r in range(steps[t]):
+                last[r] = starts[t] + r
+        last = torch.tensor(last)
+        ctx.save_for_backward(w_hh, w_hr, h_prev, c_prev, gates, tanh_c, h_pre)
+        ctx.steps, ctx.order, ctx.math = steps, order, math
+        return out, out.index_select(0, last), c_all.index_select(0, last)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_out, d_hn, d_cn):
+        w_hh, w_hr, h_prev, c_prev, gates, tanh_c, h_pre = ctx.saved_tensors
+        steps, math, dtype = ctx.steps, ctx.math, w_hh.dtype
+        n, hidden = c_prev.shape
+        i, f, g, o = gates.view(n, 4, hidden).unbind(1)
+        # Every factor that does not depend on the gradients flowing back, for all steps at once:
+        # times dh, o(1 - tanh(c)^2) for dc and tanh(c) o(1 - o) for o; times dc, g i(1 - i) for i,
+        # c' f(1 - f) for f and i(1 - g^2) for g.
+        o_tc, g_i, c_f = o * tanh_c, g * i, c_prev * f
+        dc_from_h = torch.addcmul(o, o_tc, tanh_c, value=-1)
+        d_o = torch.addcmul(o_tc, o_tc, o, value=-1)
+        d_ifg = gates.new_empty(n, 3, hidden)
+        torch.addcmul(g_i, g_i, i, value=-1, out=d_ifg[:, 0])
+        torch.addcmul(c_f, c_f, f, value=-1, out=d_ifg[:, 1])
+        torch.addcmul(i, g_i, g, value=-1, out=d_ifg[:, 2])
+        w_hh32 = w_hh.to(math)
+        w_hr32 = None if w_hr is None else w_hr.to(math)
+        dh = d_hn.to(math)  # the gradient of the h each step reads, as the recurrent product leaves it
+        dc = d_cn.clone()  # of the c each step reads, stored
+        dct = gates.new_empty(dc.shape)
+        rows = {b: (dh[:b], dc[:b], dct[:b], dct[:b].unsqueeze(1)) for b in set(steps)}
+        d_gates = torch.empty_like(gates)
+        dh_stored = torch.empty_like(d_out)  # each step's h gradient, stored
+        dg4 = d_gates.view(n, 4, hidden)
+        views = _per_step(steps, d_out, dh_stored, dc_from_h, d_o, d_ifg, f, d_gates, dg4[:, 3], dg4[:, :3])
+        dh_pre = None if w_hr is None else _per_step(steps, torch.empty(n, hidden, dtype=dtype))
+        for t in reversed(ctx.order):
+            d_out_t, dh_t, dc_from_h_t, d_o_t, d_ifg_t, f_t, dg, dg_o, dg_ifg = views[t]
+            dh_b, dc_b, dct_b, dct_bu = rows[steps[t]]
+            dh_pre_t = torch.add(d_out_t, dh_b, out=dh_t)
+            if dh_pre is not None:
+                dh_pre_t = dh_pre[t][0].copy_(dh_t.to(math) @ w_hr32)
+            torch.addcmul(dc_b, dh_pre_t, dc_from_h_t, out=dct_b)
+            torch.mul(dh_pre_t, d_o_t, out=dg_o)
+            torch.mul(d_ifg_t, dct_bu, out=dg_ifg)
+            torch.mul(dct_b, f_t, out=dc_b)
+            torch.mm(dg, w_hh32, out=dh_b)
+        d_w_hh = (d_gates.t() @ h_prev).to(dtype)
+        d_w_hr = None if w_hr is None else (dh_stored.to(math).t() @ h_pre.to(math)).to(dtype)
+        return d_gates, dh.to(dtype), dc, d_w_hh, d_w_hr, None, None, None, None
 
 
 def emulated_lstm(x, batch_sizes, hx, weights, has_biases, num_layers, dropout, train, bidirectional, dtype, math=torch.float32):
@@ -169,12 +259,16 @@ def emulated_lstm(x, batch_sizes, hx, weights, has_biases, num_layers, dropout, 
             k = layer * directions + d
             w = weights[k * per : (k + 1) * per]
             w_ih, w_hh = w[0], w[1]
-            bias = (w[2].to(math) + w[3].to(math)) if has_biases else None
             w_hr = w[4 if has_biases else 2] if len(w) > (4 if has_biases else 2) else None
-            xw = x32 @ w_ih.to(math).t()
-            if bias is not None:
-                xw = xw + bias
-            out, h, c = _cell_steps(xw, h0[k], c0[k], w_hh, w_hr, batch_sizes, reverse=d == 1, dtype=dtype, math=math)
+            x2 = x32.reshape(-1, x32.shape[-1])
+            if has_biases:
+                xw = torch.addmm(w[2].to(math) + w[3].to(math), x2, w_ih.to(math).t())
+            else:
+                xw = x2 @ w_ih.to(math).t()
+            steps = batch_sizes.tolist() if batch_sizes is not None else [x.shape[1]] * x.shape[0]
+            out, h, c = _Recurrence.apply(xw, h0[k], c0[k], w_hh, w_hr, steps, d == 1, dtype, math)
+            if batch_sizes is None:
+                out = out.view(x.shape[0], x.shape[1], -1)
             outs.append(out)
             hs.append(h)
             cs.append(c)
