@@ -4,7 +4,9 @@ as a ratio to fp32, for one model, all six runs alive in one process.
 
 Each run is the runner's own (`Run.steps()`), on synthetic data, from the same seed. After the
 warm-up steps, the runs advance one window at a time in rotating order, so that whatever else the
-machine is doing falls on all of them alike; a window is timed between two synchronizations. The
+machine is doing falls on all of them alike; a window is timed between two synchronizations, with
+what the run holds in `Run.train()` held around it (on a CPU: autocast's CUDA lists and the mode's
+arithmetic, cpu_tensor_cores.py). mpt's CPU allocator settings apply (mpt/__init__.py). The
 figure per mode is its median seconds per step over the windows, and its ratio to fp32's median.
 The goal (issue 20) is every ratio at most 1.5.
 
@@ -25,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from mpt.config import register_configs  # noqa: E402
-from mpt.precision.cuda_autocast import cuda_lists  # noqa: E402
+from mpt.precision.engine import held_for_the_run  # noqa: E402
 from mpt.runner.record import environment, git_commit, now_iso, write_json_atomic  # noqa: E402
 from mpt.runner.throughput import synchronize  # noqa: E402
 from mpt.runner.train import Run, resolve_device  # noqa: E402
@@ -58,32 +60,35 @@ def compose(model: str, mode: str, steps: int):
     return cfg, overrides
 
 
-def time_window(steps, n: int, device) -> float:
-    synchronize(device)
-    t0 = time.perf_counter()
-    for _ in range(n):
-        next(steps)
-    synchronize(device)
+def time_window(steps, n: int, device, held) -> float:
+    """Seconds per step over n steps, with what the run holds while it trains held around them (as
+    Run.train() holds it, and only for this run: an FP32 run never sees another mode's)."""
+    with held:
+        synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            next(steps)
+        synchronize(device)
     return (time.perf_counter() - t0) / n
 
 
 def bench(model: str, args) -> dict:
     total = args.warmup + args.windows * args.window + 1
-    with tempfile.TemporaryDirectory() as tmp, cuda_lists():  # held, as Run.train() holds it
-        runs, overrides = {}, {}
+    device = resolve_device("cpu")
+    with tempfile.TemporaryDirectory() as tmp:
+        runs, overrides, held = {}, {}, {}
         for mode in MODES:
             cfg, overrides[mode] = compose(model, mode, total)
             (Path(tmp) / mode).mkdir()
             runs[mode] = Run(cfg, Path(tmp) / mode).steps()
-        device = resolve_device("cpu")
-        for _ in range(args.warmup):
-            for steps in runs.values():
-                next(steps)
+            held[mode] = lambda cfg=cfg: held_for_the_run(cfg.precision, device, cfg.emulate_tensor_cores)
+        for mode, steps in runs.items():
+            time_window(steps, args.warmup, device, held[mode]())
         times: dict[str, list[float]] = {mode: [] for mode in MODES}
         order = list(MODES)
         for i in range(args.windows):
             for mode in order[i % len(order) :] + order[: i % len(order)]:
-                times[mode].append(time_window(runs[mode], args.window, device))
+                times[mode].append(time_window(runs[mode], args.window, device, held[mode]()))
             print(f"{model} window {i + 1}/{args.windows}: " + ", ".join(f"{m} {t[-1] * 1e3:.0f}" for m, t in times.items()) + " ms/step", flush=True)
     median = {mode: statistics.median(t) for mode, t in times.items()}
     return {

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mpt.precision.cpu_tensor_cores import TensorCoreArithmetic
+from mpt.precision.cpu_tensor_cores import TensorCoreArithmetic, _Scratch
 
 LOW = [torch.float16, torch.bfloat16]
 # (mantissa bits, smallest normal exponent)
@@ -142,6 +142,45 @@ def test_a_module_keeps_its_memory_format_and_is_caught_inside():
         y = conv(x)
     assert y.dtype == torch.float16 and y.is_contiguous(memory_format=torch.channels_last)
     assert mode.counts == {"convolution": 1}
+
+
+def test_large_inputs_widen_into_reused_buffers_to_the_same_result():
+    """Inputs of a million elements or more are widened into buffers kept from call to call: the
+    results are those of widening each afresh, bit for bit, in every layout, and a buffer is reused."""
+    torch.manual_seed(4)
+    a, b = randn(1100, 1000).half(), randn(1000, 30).half()
+    x = randn(1, 16, 300, 300).half().contiguous(memory_format=torch.channels_last)
+    w = randn(8, 16, 3, 3).half()
+    with TensorCoreArithmetic() as mode:
+        products = [a @ b, a.t().contiguous().t() @ b, a[:, :999] @ b[:999], a @ b]
+        conv = F.conv2d(x, w)
+    fresh = [a.float() @ b.float(), a.float() @ b.float(), a[:, :999].float() @ b[:999].float(), a.float() @ b.float()]
+    for ours, theirs in zip(products, fresh):
+        assert torch.equal(ours, theirs.half())
+    assert torch.equal(conv, F.conv2d(x.float(), w.float()).half()) and conv.is_contiguous(memory_format=torch.channels_last)
+    assert mode.counts == {"mm": 4, "convolution": 1}
+    scratch = _Scratch()
+    taken: list = []
+    first = scratch.widen(a, taken)
+    scratch.give_back(taken)
+    assert scratch.widen(a.t(), []).data_ptr() == first.data_ptr()
+
+
+def test_a_large_weight_widened_for_the_forward_is_taken_again_only_while_unchanged():
+    """The backward takes the forward's widening of a large weight; a weight changed in place since
+    is widened anew."""
+    torch.manual_seed(5)
+    lin = nn.Linear(1000, 1100, bias=False).half()
+    x, g = randn(3, 1000).half().requires_grad_(), randn(3, 1100).half()
+    w = lin.weight.detach().clone()
+    with TensorCoreArithmetic():
+        lin(x).backward(g)
+        with torch.no_grad():
+            lin.weight.mul_(0.5)
+            changed = lin(x)
+    assert torch.equal(x.grad, (g.float() @ w.float()).half())
+    assert torch.equal(lin.weight.grad, (g.float().t() @ x.detach().float()).half())
+    assert torch.equal(changed, (x.detach().float() @ lin.weight.detach().float().t()).half())
 
 
 @pytest.mark.parametrize("dtype", LOW, ids=["fp16", "bf16"])

@@ -16,6 +16,8 @@ would derive through the same stored values, with one recurrent product per step
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_flatten
@@ -37,7 +39,63 @@ def low_precision_dtype(args: tuple, kwargs: dict) -> torch.dtype | None:
     return None
 
 
-def _product(original, name: str, counts: dict[str, int]):
+def _dense(t: torch.Tensor) -> bool:
+    """Whether t's elements fill a block of memory exactly once, in some order of its dimensions."""
+    expected = 1
+    for d in sorted(range(t.dim()), key=t.stride):
+        if t.size(d) != 1:
+            if t.stride(d) != expected:
+                return False
+            expected *= t.size(d)
+    return True
+
+
+def _stale(held: tuple | None) -> bool:
+    whose = None if held is None else held[0]()
+    return whose is None or whose._version != held[1]
+
+
+class _Scratch:
+    """FP32 buffers for the widened inputs of large products, reused from call to call.
+
+    A fresh buffer that large is mapped from the OS and faulted in page by page, which costs more
+    than the copy into it; a widened input lives only for the call, so a few buffers serve them
+    all. A buffer also remembers whose widening it holds: a weight widened for the forward product
+    is widened again, unchanged, for the backward's, and is then taken as it is. It is the same
+    only while the same tensor lives at the same version, the test autograd applies to the tensors
+    it saves for the backward."""
+
+    LARGE = 1 << 20  # elements
+    KEEP = 4
+
+    def __init__(self):
+        self.free: list[tuple[torch.Tensor, tuple | None]] = []  # (buffer, (whose, version)), oldest first
+
+    def widen(self, t: torch.Tensor, taken: list) -> torch.Tensor:
+        base = t if t._base is None else t._base  # a weight reaches a product as itself and as its transpose
+        whole = base.numel() == t.numel() and _dense(base)
+        src = base if whole else t
+        if t.numel() < self.LARGE or t.device.type != "cpu" or not _dense(src):
+            return t.float()  # .float() keeps a dense tensor's strides, so channels-last stays so
+        held = None
+        if whole:
+            for k, (buf, h) in enumerate(self.free):
+                if h is not None and h[0]() is base and h[1] == base._version:
+                    taken.append(self.free.pop(k))
+                    return buf.as_strided(t.size(), t.stride(), t.storage_offset() - base.storage_offset())
+            held = (weakref.ref(base), base._version)
+        # A buffer that still holds a live widening is kept for it; the oldest go when more are kept.
+        fits = [k for k, (b, h) in enumerate(self.free) if b.numel() >= src.numel() and _stale(h)]
+        buf = self.free.pop(min(fits, key=lambda k: self.free[k][0].numel()))[0] if fits else torch.empty(src.numel())
+        taken.append((buf, held))
+        buf.as_strided(src.size(), src.stride()).copy_(src)
+        return buf.as_strided(t.size(), t.stride(), t.storage_offset() - src.storage_offset())
+
+    def give_back(self, taken: list) -> None:
+        self.free = (self.free + taken)[-self.KEEP :]
+
+
+def _product(original, name: str, counts: dict[str, int], scratch: _Scratch):
     def kernel(keyset, *args, **kwargs):
         # Every FP32 product of the process passes here while the context is open: the first
         # argument's dtype (these ops' inputs share one) decides most calls cheaply.
@@ -45,9 +103,12 @@ def _product(original, name: str, counts: dict[str, int]):
         if not (isinstance(first, torch.Tensor) and first.dtype in LOW_PRECISION) or (dtype := low_precision_dtype(args, kwargs)) is None:
             return original.call_boxed(keyset, *args, **kwargs)
         counts[name] = counts.get(name, 0) + 1
-        # .float() and .to() keep the memory format, so channels-last stays channels-last.
-        widen = [a.float() if isinstance(a, torch.Tensor) and a.dtype == dtype else a for a in args]
-        out = original.call_boxed(keyset, *widen, **kwargs)
+        taken: list[torch.Tensor] = []
+        try:
+            widen = [scratch.widen(a, taken) if isinstance(a, torch.Tensor) and a.dtype == dtype else a for a in args]
+            out = original.call_boxed(keyset, *widen, **kwargs)
+        finally:
+            scratch.give_back(taken)
         if isinstance(out, torch.Tensor):
             return out.to(dtype)
         return tuple(o.to(dtype) if isinstance(o, torch.Tensor) else o for o in out)
@@ -97,8 +158,10 @@ class TensorCoreArithmetic:
         _active += 1
         if _active == 1:
             self._lib = torch.library.Library("aten", "IMPL")
+            scratch = _Scratch()
             for name in PRODUCTS if self.emulate else ():
-                self._lib.impl(name, _product(torch.library.get_kernel(f"aten::{name}", "CPU"), name, self.counts), "CPU", with_keyset=True)
+                kernel = _product(torch.library.get_kernel(f"aten::{name}", "CPU"), name, self.counts, scratch)
+                self._lib.impl(name, kernel, "CPU", with_keyset=True)
             for name in LSTMS:
                 original = torch.library.get_kernel(f"aten::{name}", "AutogradCPU")
                 self._lib.impl(name, _lstm(original, name == "lstm.data", self.emulate, self.counts), "AutogradCPU", with_keyset=True)

@@ -136,10 +136,16 @@ def autocast(mode: DictConfig, device: torch.device) -> contextlib.AbstractConte
     return torch.autocast(device.type, dtype=torch_dtype(mode.autocast))
 
 
-def held_for_the_run(mode: DictConfig, device: torch.device) -> contextlib.AbstractContextManager:
-    """What a run holds while it trains: on a CPU, autocast's CUDA lists, registered once rather
-    than at every forward."""
-    return cuda_lists() if device.type == "cpu" and mode.autocast is not None else contextlib.nullcontext()
+@contextlib.contextmanager
+def held_for_the_run(mode: DictConfig, device: torch.device, emulate_tensor_cores: bool) -> Iterator[None]:
+    """What a run holds while it trains: on a CPU, autocast's CUDA lists and the mode's arithmetic,
+    registered once rather than at every forward and backward (and the arithmetic's widened
+    weights kept from a forward to its backward)."""
+    with contextlib.ExitStack() as held:
+        if device.type == "cpu" and mode.autocast is not None:
+            held.enter_context(cuda_lists())
+        held.enter_context(arithmetic(mode, device, emulate_tensor_cores))
+        yield
 
 
 @contextlib.contextmanager

@@ -240,10 +240,21 @@ def environment(device: torch.device) -> dict:
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
         "platform": platform.platform(),
         "hostname": socket.gethostname(),
+        "huge_pages": huge_pages(),
     }
     if device.type == "cuda":
         env["capability"] = ".".join(map(str, torch.cuda.get_device_capability(device)))
     return env
+
+
+def huge_pages() -> dict:
+    """Whether THP_MEM_ALLOC_ENABLE asks torch's CPU allocator for transparent huge pages, and the
+    kernel's policy (null off Linux): CPU step times depend on both."""
+    try:
+        policy = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        policy = None
+    return {"torch_thp_alloc": os.environ.get("THP_MEM_ALLOC_ENABLE") == "1", "kernel_policy": policy}
 
 
 def now_iso() -> str:

@@ -353,7 +353,7 @@ class Run:
         # meet in the collectives below; a rank leaving on an exception is alone and skips them.
         together = False
         try:
-            with preemption.catching(), held_for_the_run(self.cfg.precision, self.device):
+            with preemption.catching(), held_for_the_run(self.cfg.precision, self.device, self.cfg.emulate_tensor_cores):
                 for _ in self.steps():
                     pass
             rec.status = "ok"
