@@ -12,6 +12,7 @@ The goal (issue 20) is every ratio at most 1.5.
 
     python scripts/bench_cpu_modes.py --model resnet50 --out results/cpu-modes
     python scripts/bench_cpu_modes.py --all --out results/cpu-modes
+    python scripts/bench_cpu_modes.py --model gnmt --override schedule.batch_size=32 --out results/cpu-modes-batch32
 """
 
 from __future__ import annotations
@@ -47,13 +48,13 @@ MODELS = {
 }
 
 
-def compose(model: str, mode: str, steps: int):
+def compose(model: str, mode: str, steps: int, extra: tuple[str, ...] = ()):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_module
 
     register_configs()
     overrides = [*MODELS[model], f"precision={mode}", f"scale={MODES[mode]}", "schedule=smoke", f"schedule.steps={steps}",
-                 "schedule.log_every=1000", "checkpoint=false", "device=cpu"]  # fmt: skip
+                 "schedule.log_every=1000", "checkpoint=false", "device=cpu", *extra]  # fmt: skip
     with initialize_config_module(config_module="mpt.configs", version_base="1.3"):
         cfg = hydra_compose(config_name="config", overrides=overrides)
     validate(cfg)
@@ -78,7 +79,7 @@ def bench(model: str, args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         runs, overrides, held = {}, {}, {}
         for mode in MODES:
-            cfg, overrides[mode] = compose(model, mode, total)
+            cfg, overrides[mode] = compose(model, mode, total, tuple(args.override))
             (Path(tmp) / mode).mkdir()
             runs[mode] = Run(cfg, Path(tmp) / mode).steps()
             held[mode] = lambda cfg=cfg: held_for_the_run(cfg.precision, device, cfg.emulate_tensor_cores)
@@ -116,6 +117,7 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=2, help="steps per timed window")
     ap.add_argument("--windows", type=int, default=5, help="timed windows per run")
     ap.add_argument("--out", type=Path, default=None, help="folder for the JSON records")
+    ap.add_argument("--override", nargs="*", default=[], help="Hydra overrides for every run, after the model's (e.g. schedule.batch_size=32)")
     args = ap.parse_args()
     if not args.all and args.model is None:
         ap.error("give --model or --all")
