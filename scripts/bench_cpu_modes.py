@@ -63,18 +63,20 @@ def compose(model: str, mode: str, steps: int, extra: tuple[str, ...] = ()):
 
 def time_window(steps, n: int, device, held) -> float:
     """Seconds per step over n steps, with what the run holds while it trains held around them (as
-    Run.train() holds it, and only for this run: an FP32 run never sees another mode's)."""
+    Run.train() holds it, and only for this run: an FP32 run never sees another mode's). One step
+    runs untimed first: a run holds this for all its steps, the window only from its start."""
     with held:
+        next(steps)
         synchronize(device)
         t0 = time.perf_counter()
         for _ in range(n):
             next(steps)
         synchronize(device)
-    return (time.perf_counter() - t0) / n
+        return (time.perf_counter() - t0) / n
 
 
 def bench(model: str, args) -> dict:
-    total = args.warmup + args.windows * args.window + 1
+    total = args.warmup + args.windows * (args.window + 1) + 1
     device = resolve_device("cpu")
     with tempfile.TemporaryDirectory() as tmp:
         runs, overrides, held = {}, {}, {}
@@ -115,7 +117,7 @@ def main() -> None:
     ap.add_argument("--all", action="store_true", help="every model, one after another")
     ap.add_argument("--warmup", type=int, default=2, help="steps of each run before timing")
     ap.add_argument("--window", type=int, default=2, help="steps per timed window")
-    ap.add_argument("--windows", type=int, default=5, help="timed windows per run")
+    ap.add_argument("--windows", type=int, default=9, help="timed windows per run")
     ap.add_argument("--out", type=Path, default=None, help="folder for the JSON records")
     ap.add_argument("--override", nargs="*", default=[], help="Hydra overrides for every run, after the model's (e.g. schedule.batch_size=32)")
     args = ap.parse_args()
