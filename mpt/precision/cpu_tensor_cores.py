@@ -103,7 +103,7 @@ def _product(original, name: str, counts: dict[str, int], scratch: _Scratch):
         if not (isinstance(first, torch.Tensor) and first.dtype in LOW_PRECISION) or (dtype := low_precision_dtype(args, kwargs)) is None:
             return original.call_boxed(keyset, *args, **kwargs)
         counts[name] = counts.get(name, 0) + 1
-        taken: list[torch.Tensor] = []
+        taken: list = []  # the buffers this call widened into, given back when it returns
         try:
             widen = [scratch.widen(a, taken) if isinstance(a, torch.Tensor) and a.dtype == dtype else a for a in args]
             out = original.call_boxed(keyset, *widen, **kwargs)
