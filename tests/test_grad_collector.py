@@ -3,6 +3,7 @@ torch.autograd.grad, and through the real command line."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -125,6 +126,7 @@ def test_runs_count_unscaled_gradients_in_any_precision_and_the_report_draws_the
         "schedule.steps=7",
         "checkpoint=false",
         "stats.grad_hist=true",
+        "stats.lost_updates=true",
         "stats.every=3",
         "schedule.throughput_warmup=1",
         "schedule.throughput_window=2",
@@ -147,9 +149,14 @@ def test_runs_count_unscaled_gradients_in_any_precision_and_the_report_draws_the
         for net, count in [("generator", 9), ("discriminator", 8)]:  # G: 5 transposed convolutions, 4 batch-norms; D: 5 and 3
             for kind in ("activation", "weight"):
                 assert len(g["networks"][net][kind]["layers"]) == count, (net, kind)
+        lost = g["lost_updates"]["networks"]
+        for net, count in [("generator", 9), ("discriminator", 8)]:
+            assert len(lost[net]["layers"]) == count and [s["step"] for s in lost[net]["steps"]] == [2, 5]
+            assert lost[net]["total"]["updated"] > 0 and 0 <= lost[net]["total"]["lost_fp16"] <= lost[net]["total"]["updated"]
     plain, scaled = recs[("fp32", "none")]["grad_stats"], recs[("fp32", "static")]["grad_stats"]
     assert scaled["loss_scales"] == {"discriminator": [8.0, 8.0], "generator": [8.0, 8.0]}
     assert scaled["networks"] == plain["networks"]
+    assert scaled["lost_updates"] == plain["lost_updates"]  # the same updates: a scale of 8 is exact
 
     out = tmp_path / "report"
     build_report([sweep], out, None)
@@ -172,3 +179,36 @@ def test_a_sampled_step_is_left_out_of_its_throughput_window(monkeypatch):
         clock[0] += seconds
         meter.step(10, 0.0, excluded_s=seconds if sampled else None)
     assert meter.pipeline == [10.0, 10.0]  # without the exclusion the first window would read 20 images in 7 s
+
+
+def test_lost_updates_are_counted_per_layer_on_sampled_steps_only():
+    """The values an update writes, before and after, against numpy: the update added in FP32 to
+    the weight's FP16 rounding and rounded to FP16. Per layer, per sampled step with its lr, and
+    nothing on other steps."""
+    model = net()
+    fp16 = net()  # updated in place in FP16: the engine gives no values to compare (engine.updated())
+    c = GradStatsCollector(OmegaConf.create({"grad_hist": False, "lost_updates": True, "every": 2, "keep": 0.999}), {"model": model, "fp16": fp16}, CPU)
+    params = list(model.parameters())
+    g = torch.Generator().manual_seed(3)
+    updates = [torch.randn(p.shape, generator=g) * 2.0 ** torch.randint(-16, -6, p.shape, generator=g) for p in params]
+    oracle = {}
+    for step in range(2):
+        with c.step(step), c.update("fp16", [], lr=0.1), c.update("model", [(p, p) for p in params], lr=0.1 * (step + 1)), torch.no_grad():
+            before = [p.detach().clone() for p in params]
+            for p, u in zip(params, updates):
+                p.add_(u)
+        if step == 1:
+            for p, b in zip(params, before):
+                u = (p.detach().double() - b.double()).numpy().astype(np.float32)
+                w16 = b.half().numpy()
+                lost = (u != 0) & (np.float16(w16.astype(np.float32) + u) == w16)  # added in FP32, rounded once
+                name = c.layer_of["model"][id(p)]
+                prev = oracle.get(name, (0, 0))
+                oracle[name] = (prev[0] + int((u != 0).sum()), prev[1] + int(lost.sum()))
+    s = c.summary()
+    assert s["networks"] == {} and s["sampled_steps"] == [1]
+    assert s["lost_updates"]["networks"]["fp16"] is None  # not counted, rather than counted as none lost
+    lost = s["lost_updates"]["networks"]["model"]
+    assert {name: (v["updated"], v["lost_fp16"]) for name, v in lost["layers"].items()} == oracle
+    assert lost["steps"] == [{"step": 1, "lr": 0.2, **lost["total"]}]
+    assert 0 < lost["total"]["lost_fp16"] < lost["total"]["updated"]

@@ -189,6 +189,9 @@ class _TorchUpdate:
     def master_weights(self) -> list[torch.Tensor]:
         return [m for _, m in self.low_pairs]
 
+    def updated(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        return list(zip(self.params, self.masters))
+
 
 class _FP16Update:
     """FP16 weights updated in place by FP16 momentum SGD; the loss scale is divided out inside the update."""
@@ -209,6 +212,11 @@ class _FP16Update:
         self.optimizer.step(grad_scale=scale, grad_coef=1.0 if coef is None else coef, clipped={id(p) for p, c in zip(with_grads, clipped) if c})
 
     def master_weights(self) -> list[torch.Tensor]:
+        return []
+
+    def updated(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        # An update this FP16 weight lost leaves no trace in it (before and after are equal, as for
+        # no update at all): counting those needs the update's own FP32 values, inside the step.
         return []
 
 
@@ -314,6 +322,11 @@ class PrecisionEngine:
 
     def master_weights(self) -> list[torch.Tensor]:
         return self.update.master_weights()
+
+    def updated(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """Each weight the update changes, with the tensor it writes: the FP32 master where there
+        is one, else the FP32 weight itself; none for FP16 weights updated in place."""
+        return self.update.updated()
 
     def state_dict(self) -> dict:
         return {

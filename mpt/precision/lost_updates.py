@@ -42,6 +42,11 @@ class LostUpdates:
         self.counts += other.counts.to(self.counts.device)
         return self
 
+    def merge_all(self, others) -> "LostUpdates":
+        for other in others:
+            self.merge(other)
+        return self
+
     def summary(self) -> dict:
         updated, lost = (int(c) for c in self.counts.cpu())
         return {"updated": updated, "lost_fp16": lost, "share_lost_fp16": lost / updated if updated else 0.0}

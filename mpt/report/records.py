@@ -142,6 +142,11 @@ def record_row(rec: RunRecord, path: Path) -> dict:
         for kind, hist in kinds.items():
             for key in GRAD_FIELDS:
                 row[f"grad.{net}.{kind}.{key}"] = _number(hist["total"].get(key))
+    for net, lost in ((stats.get("lost_updates") or {}).get("networks") or {}).items():
+        if lost is None:
+            continue
+        for key in ("updated", "lost_fp16", "share_lost_fp16"):
+            row[f"lost.{net}.{key}"] = _number(lost["total"].get(key))
     _flatten("config", rec.config or {}, row)
     return row
 

@@ -8,6 +8,11 @@ weight gradients are counted. Every value is counted unscaled: divided by the lo
 backward ran with, so runs in any precision and with any scale are comparable with FP32's. On
 other steps no hook is installed at all, so they cost nothing; a sampled step's cost is timed
 against the step before it, and sampled steps are left out of throughput.
+
+With stats.lost_updates, a sampled step also keeps a copy of the values its update writes (the FP32
+masters where there are some, else the FP32 weights) and counts, per layer, the updates an FP16
+weight would lose (the paper's Section 3.1), with each step's total and learning rate. FP16 weights
+updated in place (fp16, fp16_modmom) are not counted: what they lost leaves no trace in them.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from ..precision.grad_histogram import CHUNK, GradHistogram
+from ..precision.lost_updates import LostUpdates
 from .throughput import synchronize
 
 KINDS = ("activation", "weight")
@@ -35,18 +41,23 @@ def parameterized_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 class GradStatsCollector:
-    """One per run, over every network of the task. Disabled (stats.grad_hist=false), every
-    method returns at once and `summary()` is None."""
+    """One per run, over every network of the task. Disabled (stats.grad_hist and
+    stats.lost_updates false), every method returns at once and `summary()` is None."""
 
     MEMORY_NOTE = f"includes the sampled steps' histogram temporaries: {CHUNK} values at a time, some tens of bytes each"
 
     def __init__(self, stats: DictConfig, networks: dict[str, nn.Module], device: torch.device, warmup: int = 0):
-        self.enabled, self.every, self.keep = bool(stats.grad_hist), int(stats.every), float(stats.keep)
+        self.hist_on, self.updates_on = bool(stats.grad_hist), bool(stats.get("lost_updates", False))
+        self.enabled, self.every, self.keep = self.hist_on or self.updates_on, int(stats.every), float(stats.keep)
         self.device = device
         self.warmup = warmup  # steps of this process not timed: the first ones are slow for reasons of their own
         self._steps_seen = 0  # in this process: a resumed run warms up again
         self.layers = {net: parameterized_layers(model) for net, model in networks.items()}
         self.hists: dict[str, dict[str, dict[str, GradHistogram]]] = {net: {k: {} for k in KINDS} for net in networks}
+        self.layer_of = {net: {id(p): name for name, m in layers for p in m.parameters(recurse=False)} for net, layers in self.layers.items()}
+        self.lost: dict[str, dict[str, LostUpdates]] = {net: {} for net in networks}
+        self.lost_steps: dict[str, list[dict]] = {net: [] for net in networks}  # per sampled step: step, lr, counts
+        self._sampled_step: int | None = None  # the step being sampled, while it runs
         self.sampled_steps: list[int] = []
         self.loss_scales: dict[str, list[float]] = {net: [] for net in networks}
         self.step_seconds: dict[str, list[float]] = {"sampled": [], "plain": []}
@@ -73,10 +84,12 @@ class GradStatsCollector:
         t0 = time.perf_counter()
         if sampled:
             self._install()
+            self._sampled_step = step
         try:
             yield info
         finally:
             self._remove()
+            self._sampled_step = None
             if sampled:  # also when the step failed: its counts are in
                 self.sampled_steps.append(step)
         if timed:
@@ -103,7 +116,27 @@ class GradStatsCollector:
                 if p.grad is not None:
                     self._hist(network, "weight", name).add(p.grad, scale)
 
+    @contextlib.contextmanager
+    def update(self, network: str, updated: list[tuple[nn.Parameter, torch.Tensor]], lr: float) -> Iterator[None]:
+        """Around one network's update: on a sampled step, the values it writes are copied before
+        and compared after, layer by layer (a skipped step updates nothing)."""
+        if not (self.updates_on and self._sampled_step is not None and updated):
+            yield
+            return
+        before = [v.detach().clone() for _, v in updated]
+        yield
+        step = LostUpdates(self.device)
+        for (p, after), b in zip(updated, before):
+            name = self.layer_of[network].get(id(p), "(other)")
+            counts = LostUpdates(self.device)
+            counts.add(b, after)
+            self.lost[network].setdefault(name, LostUpdates(self.device)).merge(counts)
+            step.merge(counts)
+        self.lost_steps[network].append({"step": self._sampled_step, "lr": float(lr), **step.summary()})
+
     def _install(self) -> None:
+        if not self.hist_on:
+            return
         for net, layers in self.layers.items():
             for name, module in layers:
                 # First among the hooks: a network's boundary hook casts FP16 outputs to FP32 (precision.py).
@@ -142,15 +175,32 @@ class GradStatsCollector:
                 for h in layers.values():
                     total.merge(h)
                 networks[net][kind] = {"total": total.summary(self.keep), "layers": {name: h.summary(self.keep) for name, h in layers.items()}}
+        updates = None
+        if self.updates_on:
+            updates = {
+                "what": "updates an FP16 weight would lose: the update, added in FP32 to the weight's FP16 rounding and rounded once, gives that FP16 weight back; counted on the FP32 master where there is one",
+                "networks": {
+                    net: {
+                        "total": LostUpdates().merge_all(layers.values()).summary(),
+                        "layers": {name: c.summary() for name, c in layers.items()},
+                        "steps": list(self.lost_steps[net]),
+                    }
+                    if self.lost_steps[net]
+                    else None  # no step counted: FP16 weights updated in place, or no sampled step
+                    for net, layers in self.lost.items()
+                },
+            }
         return {
             "every": self.every,
             "keep": self.keep,
+            "grad_hist": self.hist_on,
+            "lost_updates": updates,
             "sampled_steps": list(self.sampled_steps),
             "loss_scales": {net: list(v) for net, v in self.loss_scales.items()},
             "values": "unscaled: divided by the loss scale of their step's backward; values a scaled FP16 backward had already flushed count as zeros",
             "activation": "gradient of the loss with respect to the output of each module that owns parameters",
             "cost": self._cost(),
-            "networks": networks,
+            "networks": networks if self.hist_on else {},
         }
 
     def _cost(self) -> dict:
@@ -172,6 +222,8 @@ class GradStatsCollector:
             "sampled_steps": list(self.sampled_steps),
             "loss_scales": {net: list(v) for net, v in self.loss_scales.items()},
             "step_seconds": {k: list(v) for k, v in self.step_seconds.items()},
+            "lost": {net: {name: c.counts.cpu() for name, c in layers.items()} for net, layers in self.lost.items()},
+            "lost_steps": {net: list(v) for net, v in self.lost_steps.items()},
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -182,3 +234,7 @@ class GradStatsCollector:
         self.sampled_steps = list(state["sampled_steps"])
         self.loss_scales = {net: list(v) for net, v in state["loss_scales"].items()}
         self.step_seconds = {k: list(v) for k, v in state["step_seconds"].items()}
+        for net, layers in state.get("lost", {}).items():  # checkpoints before lost updates have none
+            for name, counts in layers.items():
+                self.lost[net].setdefault(name, LostUpdates(self.device)).counts = counts.to(self.device)
+        self.lost_steps.update({net: list(v) for net, v in state.get("lost_steps", {}).items()})
