@@ -190,7 +190,8 @@ class _TorchUpdate:
         return [m for _, m in self.low_pairs]
 
     def updated(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
-        return list(zip(self.params, self.masters))
+        # A low-precision weight updated without a master lost what it lost without trace.
+        return [(p, m) for p, m in zip(self.params, self.masters) if m.dtype == torch.float32]
 
 
 class _FP16Update:
