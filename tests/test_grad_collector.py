@@ -166,6 +166,11 @@ def test_runs_count_unscaled_gradients_in_any_precision_and_the_report_draws_the
     assert len(figs) == 16 and all((out / "figures" / f).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for f in figs)
     csv = (out / "tables" / "gradient_stats.csv").read_text().splitlines()
     assert len(csv) == 17 and "share_lost_fp16" in csv[0]
+    lost_csv = (out / "tables" / "lost_updates.csv").read_text().splitlines()
+    assert len(lost_csv) == 9 and "share_lost_fp16" in lost_csv[0]  # 4 runs x 2 networks
+    lost_md = (out / "tables" / "lost_updates.md").read_text()
+    mixed = recs[("mixed", "none")]["grad_stats"]["lost_updates"]["networks"]["generator"]["total"]
+    assert f"| {mixed['updated']} | {mixed['share_lost_fp16'] * 100:.2f} |" in lost_md
 
 
 def test_a_sampled_step_is_left_out_of_its_throughput_window(monkeypatch):

@@ -47,6 +47,7 @@ def build_report(paths: list[Path], out: Path, published_path: Path | None) -> l
     ls = tables.loss_scaling(runs)
     util = tables.mfu(runs)
     gs = tables.gradient_stats(runs)
+    lu = tables.lost_updates(runs)
     sections = [
         ("Accuracy", "accuracy", acc, tables.render_accuracy(acc)),
         (
@@ -68,6 +69,12 @@ def build_report(paths: list[Path], out: Path, published_path: Path | None) -> l
             "gradient_stats",
             gs,
             tables.render_gradient_stats(gs),
+        ),
+        (
+            "Updates FP16 weights would lose (of the weight elements the sampled steps updated, counted on FP32 masters or weights)",
+            "lost_updates",
+            lu,
+            tables.render_lost_updates(lu),
         ),
     ]
     if published_path is not None and published_path.exists():

@@ -193,6 +193,41 @@ def gradient_stats(runs: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def lost_updates(runs: pd.DataFrame) -> pd.DataFrame:
+    """Per run and network: of the weight elements its sampled steps updated, how many updates an
+    FP16 weight would lose (the paper's Section 3.1)."""
+    cols = [c for c in runs.columns if c.startswith("lost.") and c.endswith(".updated")]
+    rows = []
+    for col in cols:
+        net = col.split(".")[1]
+        for _, run in runs[runs[col].notna()].iterrows():
+            rows.append(
+                {
+                    **{k: run[k] for k in [*CELL_KEYS, *MODE_KEYS, "seed", "status"]},
+                    "network": net,
+                    "sampled_steps": run["grad_sampled_steps"],
+                    **{k: run[f"lost.{net}.{k}"] for k in ("updated", "lost_fp16", "share_lost_fp16")},
+                }
+            )
+    return pd.DataFrame(rows)
+
+
+def render_lost_updates(table: pd.DataFrame) -> str:
+    if table.empty:
+        return "_no runs with stats.lost_updates=true on FP32 masters or weights_"
+    parts = []
+    for model, rows in table.groupby("model", sort=False):
+        out = pd.DataFrame(
+            {
+                **{k: rows[k] for k in [*CELL_KEYS[1:], "mode", "seed", "network", "sampled_steps"]},
+                "updated": rows.updated.map(lambda v: f"{v:.0f}"),
+                "% an FP16 weight would lose": rows.share_lost_fp16.map(lambda v: f"{v * 100:.2f}"),
+            }
+        )
+        parts.append(f"### {model}\n\n" + _md(out))
+    return "\n\n".join(parts)
+
+
 def paper_comparison(runs: pd.DataFrame, published: pd.DataFrame) -> pd.DataFrame:
     """Each published cell next to ours for the same model, precision, scale and metric."""
     ours = metric_summary(runs)
