@@ -9,11 +9,13 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
+from mpt.precision.engine import PrecisionEngine
 from mpt.precision.grad_histogram import GradHistogram
+from mpt.precision.scaler import build_scaler
 from mpt.report.cli import build_report
 from mpt.runner.grad_collector import GradStatsCollector
 
-from .conftest import CPU, ROOT, mpt_run, read_record
+from .conftest import CPU, ROOT, compose_cfg, mpt_run, read_record
 
 
 def stats_cfg(every: int = 1):
@@ -152,6 +154,7 @@ def test_runs_count_unscaled_gradients_in_any_precision_and_the_report_draws_the
         lost = g["lost_updates"]["networks"]
         for net, count in [("generator", 9), ("discriminator", 8)]:
             assert len(lost[net]["layers"]) == count and [s["step"] for s in lost[net]["steps"]] == [2, 5]
+            assert lost[net]["counted"] == "would_be_lost"
             assert lost[net]["total"]["updated"] > 0 and 0 <= lost[net]["total"]["lost_fp16"] <= lost[net]["total"]["updated"]
     plain, scaled = recs[("fp32", "none")]["grad_stats"], recs[("fp32", "static")]["grad_stats"]
     assert scaled["loss_scales"] == {"discriminator": [8.0, 8.0], "generator": [8.0, 8.0]}
@@ -170,7 +173,9 @@ def test_runs_count_unscaled_gradients_in_any_precision_and_the_report_draws_the
     assert len(lost_csv) == 9 and "share_lost_fp16" in lost_csv[0]  # 4 runs x 2 networks
     lost_md = (out / "tables" / "lost_updates.md").read_text()
     mixed = recs[("mixed", "none")]["grad_stats"]["lost_updates"]["networks"]["generator"]["total"]
-    assert f"| {mixed['updated']} | {mixed['share_lost_fp16'] * 100:.2f} |" in lost_md
+    assert f"| an FP16 weight would lose | {mixed['updated']} | {mixed['share_lost_fp16'] * 100:.2f} |" in lost_md
+    lost_figs = list((out / "figures").glob("lost_updates_*.png"))  # one cell: one figure of its 4 modes and 2 networks
+    assert len(lost_figs) == 1 and lost_figs[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_a_sampled_step_is_left_out_of_its_throughput_window(monkeypatch):
@@ -186,34 +191,43 @@ def test_a_sampled_step_is_left_out_of_its_throughput_window(monkeypatch):
     assert meter.pipeline == [10.0, 10.0]  # without the exclusion the first window would read 20 images in 7 s
 
 
+def engine_for(model: nn.Module, precision: str) -> PrecisionEngine:
+    cfg = compose_cfg(f"precision={precision}", "schedule.batch_size=256", "optim.lr=0.1", "optim.momentum=0", "optim.weight_decay=0")
+    return PrecisionEngine(model, cfg, build_scaler(cfg), [], CPU)
+
+
 def test_lost_updates_are_counted_per_layer_on_sampled_steps_only():
-    """The values an update writes, before and after, against numpy: the update added in FP32 to
-    the weight's FP16 rounding and rounded to FP16. Per layer, per sampled step with its lr, and
-    nothing on other steps."""
-    model = net()
-    fp16 = net()  # updated in place in FP16: the engine gives no values to compare (engine.updated())
-    c = GradStatsCollector(OmegaConf.create({"grad_hist": False, "lost_updates": True, "every": 2, "keep": 0.999}), {"model": model, "fp16": fp16}, CPU)
-    params = list(model.parameters())
+    """Per layer, per sampled step with its lr, nothing on other steps, against numpy: an FP32
+    network's updates (after minus before) added in FP32 to the weights' FP16 rounding and rounded
+    to FP16; an FP16 network's (updated in place, momentum 0) -lr*g computed in FP32, lost where
+    the stored weight did not change."""
+    nets = {"model": net(), "fp16": net()}
+    engines = {name: engine_for(m, precision) for (name, m), precision in zip(nets.items(), ["fp32", "fp16"])}
+    c = GradStatsCollector(OmegaConf.create({"grad_hist": False, "lost_updates": True, "every": 2, "keep": 0.999}), nets, CPU)
     g = torch.Generator().manual_seed(3)
-    updates = [torch.randn(p.shape, generator=g) * 2.0 ** torch.randint(-16, -6, p.shape, generator=g) for p in params]
-    oracle = {}
+    oracle = {name: {} for name in nets}
     for step in range(2):
-        with c.step(step), c.update("fp16", [], lr=0.1), c.update("model", [(p, p) for p in params], lr=0.1 * (step + 1)), torch.no_grad():
-            before = [p.detach().clone() for p in params]
-            for p, u in zip(params, updates):
-                p.add_(u)
-        if step == 1:
-            for p, b in zip(params, before):
-                u = (p.detach().double() - b.double()).numpy().astype(np.float32)
-                w16 = b.half().numpy()
-                lost = (u != 0) & (np.float16(w16.astype(np.float32) + u) == w16)  # added in FP32, rounded once
-                name = c.layer_of["model"][id(p)]
-                prev = oracle.get(name, (0, 0))
-                oracle[name] = (prev[0] + int((u != 0).sum()), prev[1] + int(lost.sum()))
+        with c.step(step):
+            for name, model in nets.items():
+                params = list(model.parameters())
+                for p in params:  # gradients that make updates of 2^-16 to 2^-6
+                    p.grad = (torch.randn(p.shape, generator=g) * 2.0 ** torch.randint(-16, -6, p.shape, generator=g) * 10).to(p.dtype)
+                before = [p.detach().clone() for p in params]
+                grads = [p.grad.float().numpy() for p in params]
+                with c.update(name, engines[name]):
+                    engines[name].step()
+                for p, b, gr in zip(params, before, grads) if step == 1 else []:
+                    w16 = b.half().numpy()
+                    u = (p.detach().double() - b.double()).numpy().astype(np.float32) if name == "model" else -np.float32(0.1) * gr
+                    lost = (u != 0) & (np.float16(w16.astype(np.float32) + u) == w16)  # added in FP32, rounded once
+                    layer = c.layer_of[name][id(p)]
+                    prev = oracle[name].get(layer, (0, 0))
+                    oracle[name][layer] = (prev[0] + int((u != 0).sum()), prev[1] + int(lost.sum()))
     s = c.summary()
     assert s["networks"] == {} and s["sampled_steps"] == [1]
-    assert s["lost_updates"]["networks"]["fp16"] is None  # not counted, rather than counted as none lost
-    lost = s["lost_updates"]["networks"]["model"]
-    assert {name: (v["updated"], v["lost_fp16"]) for name, v in lost["layers"].items()} == oracle
-    assert lost["steps"] == [{"step": 1, "lr": 0.2, **lost["total"]}]
-    assert 0 < lost["total"]["lost_fp16"] < lost["total"]["updated"]
+    for name, counted in [("model", "would_be_lost"), ("fp16", "lost")]:
+        lost = s["lost_updates"]["networks"][name]
+        assert lost["counted"] == counted
+        assert {layer: (v["updated"], v["lost_fp16"]) for layer, v in lost["layers"].items()} == oracle[name]
+        assert lost["steps"] == [{"step": 1, "lr": 0.1, **lost["total"]}]
+        assert 0 < lost["total"]["lost_fp16"] < lost["total"]["updated"]

@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_map
 from ..config import ConfigError, DType, Update
 from .cpu_tensor_cores import TensorCoreArithmetic
 from .cuda_autocast import cuda_autocast, cuda_lists
+from .lost_updates import LostUpdates
 from .optim import FP16MomentumSGD, build_torch_optimizer, effective_lr, lr_factor
 from .scaler import LossScaler
 
@@ -159,6 +160,7 @@ class _TorchUpdate:
     """The optimizer on FP32 tensors: the weights, or an FP32 master copy of FP16 weights."""
 
     carries_scale = False  # gradients are unscaled in place before the update
+    in_place_fp16 = False  # lost updates are those FP16 weights would lose
 
     def __init__(self, params: list[nn.Parameter], cfg: DictConfig, lr: float, fp32_values: dict[nn.Parameter, torch.Tensor]):
         self.params = params
@@ -189,15 +191,25 @@ class _TorchUpdate:
     def master_weights(self) -> list[torch.Tensor]:
         return [m for _, m in self.low_pairs]
 
-    def updated(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
-        # A low-precision weight updated without a master lost what it lost without trace.
-        return [(p, m) for p, m in zip(self.params, self.masters) if m.dtype == torch.float32]
+    @contextlib.contextmanager
+    def counting_lost(self) -> Iterator[dict[nn.Parameter, LostUpdates]]:
+        # The values the optimizer writes are FP32: what an FP16 weight would lose is asked of
+        # their FP16 rounding. A low-precision weight updated without a master lost what it lost
+        # without trace (before and after are equal, as for no update at all): it is not counted.
+        written = [(p, m) for p, m in zip(self.params, self.masters) if m.dtype == torch.float32]
+        before = [m.detach().clone() for _, m in written]
+        counts: dict[nn.Parameter, LostUpdates] = {}
+        yield counts
+        for (p, after), b in zip(written, before):
+            counts[p] = LostUpdates(after.device)
+            counts[p].add(b, after)
 
 
 class _FP16Update:
     """FP16 weights updated in place by FP16 momentum SGD; the loss scale is divided out inside the update."""
 
     carries_scale = True
+    in_place_fp16 = True  # lost updates are those the FP16 weights did lose
 
     def __init__(self, params: list[nn.Parameter], cfg: DictConfig, lr: float, fp32_values: dict[nn.Parameter, torch.Tensor]):
         self.params = params
@@ -215,10 +227,15 @@ class _FP16Update:
     def master_weights(self) -> list[torch.Tensor]:
         return []
 
-    def updated(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
-        # An update this FP16 weight lost leaves no trace in it (before and after are equal, as for
-        # no update at all): counting those needs the update's own FP32 values, inside the step.
-        return []
+    @contextlib.contextmanager
+    def counting_lost(self) -> Iterator[dict[nn.Parameter, LostUpdates]]:
+        # An update an FP16 weight lost leaves no trace in it: the optimizer counts, inside the
+        # step, where its FP32 update was not zero and the stored weight did not change.
+        self.optimizer.lost = counts = {}
+        try:
+            yield counts
+        finally:
+            self.optimizer.lost = None
 
 
 class PrecisionEngine:
@@ -324,10 +341,17 @@ class PrecisionEngine:
     def master_weights(self) -> list[torch.Tensor]:
         return self.update.master_weights()
 
-    def updated(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
-        """Each weight the update changes, with the tensor it writes: the FP32 master where there
-        is one, else the FP32 weight itself; none for FP16 weights updated in place."""
-        return self.update.updated()
+    @property
+    def lost_counted(self) -> str:
+        """What `counting_lost` counts as lost: "lost" (FP16 weights updated in place) or "would_be_lost"."""
+        return "lost" if self.update.in_place_fp16 else "would_be_lost"
+
+    def counting_lost(self) -> contextlib.AbstractContextManager[dict[nn.Parameter, LostUpdates]]:
+        """Around one `step()`: per weight, the updates it made and those FP16 lost. Of FP16
+        weights updated in place (fp16, fp16_modmom), the updates they lost; of FP32 tensors (the
+        masters, or FP32 weights), the updates an FP16 weight would have lost. The dict is filled
+        when the context exits (a skipped step leaves it empty)."""
+        return self.update.counting_lost()
 
     def state_dict(self) -> dict:
         return {

@@ -6,7 +6,8 @@ registers, rounded once to FP16. The update is lost when that rounding gives bac
 |u| is below half an ulp of w. `would_be_lost` asks this of any weight and update, whatever the
 run's mode: of an FP32 weight or master, about its FP16 rounding, the working copy `mixed` computes
 with. `LostUpdates` counts, per layer, the elements with a non-zero update and how many of those
-an FP16 weight would lose. Counts accumulate on the tensors' device, as the gradient histograms'
+an FP16 weight would lose; of FP16 weights updated in place (fp16, fp16_modmom), `add_applied`
+counts those they did lose, from the update's FP32 values and the stored weight. Counts accumulate on the tensors' device, as the gradient histograms'
 do: nothing reaches the host until `summary()`.
 """
 
@@ -37,6 +38,12 @@ class LostUpdates:
         for b, a in zip(flat_view(before.detach()).split(CHUNK), flat_view(after.detach()).split(CHUNK)):
             update = a.double() - b.double()  # exact: both are FP32 or narrower
             self.counts += torch.stack([(update != 0).sum(), would_be_lost(b, update).sum()])
+
+    def add_applied(self, before: torch.Tensor, after: torch.Tensor, update: torch.Tensor) -> None:
+        """Count one step of an FP16 weight updated in place, from what it did: an update is lost
+        where it was not zero and the stored weight is unchanged."""
+        changed = (update != 0).flatten()
+        self.counts += torch.stack([changed.sum(), (changed & (after == before).flatten()).sum()])
 
     def merge(self, other: "LostUpdates") -> "LostUpdates":
         self.counts += other.counts.to(self.counts.device)

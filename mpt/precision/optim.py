@@ -14,6 +14,8 @@ import math
 import torch
 from omegaconf import DictConfig
 
+from .lost_updates import LostUpdates
+
 
 class FP16MomentumSGD(torch.optim.Optimizer):
     """SGD for FP16 weights without a master copy.
@@ -32,6 +34,7 @@ class FP16MomentumSGD(torch.optim.Optimizer):
     def __init__(self, params, lr: float, momentum: float, weight_decay: float, modified: bool):
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay))
         self.modified = modified
+        self.lost: dict[torch.nn.Parameter, LostUpdates] | None = None  # while a dict, steps count the updates each weight lost
         for group in self.param_groups:
             for p in group["params"]:
                 if p.dtype != torch.float16:
@@ -52,8 +55,10 @@ class FP16MomentumSGD(torch.optim.Optimizer):
                     state["momentum"] = torch.zeros_like(p)
                     state["scale"] = held
                 coef = grad_coef if clipped is None or id(p) in clipped else 1.0
+                lost = None if self.lost is None else self.lost.setdefault(p, LostUpdates(p.device))
                 for w16, g16, buf in _pieces(p, p.grad, state["momentum"]):
                     w = w16.float()
+                    before = None if lost is None else w16.clone()
                     if self.modified:
                         # G/held = m*(G/held) + coef*g + wd*w, where the gradient arrives as S*g.
                         g = g16.float().mul_(coef * held / grad_scale).add_(w, alpha=wd * held)
@@ -65,6 +70,8 @@ class FP16MomentumSGD(torch.optim.Optimizer):
                         v = buf.float().mul_(m).sub_(g, alpha=lr)
                         buf.copy_(v)
                         w16.copy_(w.add_(v))
+                    if lost is not None:
+                        lost.add_applied(before, w16, G.mul_(-lr / held) if self.modified else v)
                 state["scale"] = held
         return None
 

@@ -71,7 +71,7 @@ def build_report(paths: list[Path], out: Path, published_path: Path | None) -> l
             tables.render_gradient_stats(gs),
         ),
         (
-            "Updates FP16 weights would lose (of the weight elements the sampled steps updated, counted on FP32 masters or weights)",
+            "Updates lost in FP16 (of the weight elements the sampled steps updated: lost by FP16 weights updated in place, or that an FP16 weight would lose, counted on FP32 masters or weights)",
             "lost_updates",
             lu,
             tables.render_lost_updates(lu),
@@ -88,6 +88,7 @@ def build_report(paths: list[Path], out: Path, published_path: Path | None) -> l
     curves = load_curves(runs)
     figs = figures.loss_curves(curves, out / "figures") + figures.loss_scale_curves(curves, out / "figures") + figures.throughput_bars(tp, out / "figures")
     figs += figures.sample_grids(runs, out / "figures") + figures.gradient_histograms(runs, out / "figures")
+    figs += figures.lost_update_curves(runs, out / "figures")
     written += figs
     text.append("## Figures\n\n" + "\n".join(f"![{p.stem}](figures/{p.name})" for p in figs) + "\n")
     (out / "report.md").write_text("\n".join(text))

@@ -244,3 +244,49 @@ def gradient_histograms(runs: pd.DataFrame, out: Path) -> list[Path]:
                 )
                 written.append(_save(fig, out / f"{identity.named(f'grads_{kind}_{cell}_{net}', run['variant'])}.png"))
     return written
+
+
+def lost_update_curves(runs: pd.DataFrame, out: Path) -> list[Path]:
+    """For each model: the share of updates lost in FP16 at each sampled step, one line per mode
+    and network (mean over seeds), above the learning rate those steps ran with. The paper's case
+    for a master copy (Section 3.1) is that this share grows as the learning rate falls. FP16
+    weights updated in place count what they lost; the others what an FP16 weight would lose."""
+    written = []
+    counted = [c for c in runs.columns if c.startswith("lost.") and c.endswith(".updated")]
+    if not counted:
+        return written
+    rows = []
+    for _, run in runs[runs[counted].notna().any(axis=1)].fillna({"variant": ""}).iterrows():
+        stats = RunRecord.load(Path(run["run_dir"]) / "result.json").grad_stats or {}
+        nets = {net: lost for net, lost in (stats.get("lost_updates") or {}).get("networks", {}).items() if lost}
+        for net, lost in nets.items():
+            for s in lost["steps"]:
+                rows.append(
+                    {
+                        **{k: run[k] for k in [*CELL_KEYS, "mode", "precision_order", "scale_order", "seed"]},
+                        "group": net,
+                        "counted": lost.get("counted", "would_be_lost"),
+                        **{k: s[k] for k in ("step", "lr", "share_lost_fp16")},
+                    }
+                )
+    if not rows:
+        return written
+    for keys, df in pd.DataFrame(rows).groupby(CELL_KEYS):
+        stem, title = _cell_name(keys)
+        fig, (ax, ax_lr) = plt.subplots(2, 1, sharex=True, figsize=(7, 5.5), height_ratios=[3, 1], layout="constrained")
+        for label, lines in _lines(df):
+            per_step = lines.groupby("step")["share_lost_fp16"].mean() * 100
+            lost_in_place = (lines["counted"] == "lost").all()
+            ax.plot(
+                per_step.index, per_step.values, label=f"{label}: {'lost' if lost_in_place else 'would be lost'}", lw=1.2, ls="-" if lost_in_place else "--"
+            )
+            lr = lines.groupby("step")["lr"].median()
+            ax_lr.step(lr.index, lr.values, where="post", lw=1, label=label)
+        ax.set(ylabel="% of updates lost in FP16\n(mean over seeds)", title=f"updates lost in FP16 weights: {title}")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+        ax_lr.set(xlabel="step", ylabel="learning rate")
+        ax_lr.set_yscale("log")
+        ax_lr.grid(alpha=0.3)
+        written.append(_save(fig, out / f"lost_updates_{stem}.png"))
+    return written

@@ -147,6 +147,7 @@ def record_row(rec: RunRecord, path: Path) -> dict:
             continue
         for key in ("updated", "lost_fp16", "share_lost_fp16"):
             row[f"lost.{net}.{key}"] = _number(lost["total"].get(key))
+        row[f"lost.{net}.counted"] = lost.get("counted", "would_be_lost")  # records before fp16's own count had only this
     _flatten("config", rec.config or {}, row)
     return row
 

@@ -194,8 +194,9 @@ def gradient_stats(runs: pd.DataFrame) -> pd.DataFrame:
 
 
 def lost_updates(runs: pd.DataFrame) -> pd.DataFrame:
-    """Per run and network: of the weight elements its sampled steps updated, how many updates an
-    FP16 weight would lose (the paper's Section 3.1)."""
+    """Per run and network: of the weight elements its sampled steps updated, how many updates its
+    FP16 weights lost (`counted`: lost, FP16 weights updated in place) or an FP16 weight would lose
+    (would_be_lost, counted on FP32 masters or weights): the paper's Section 3.1."""
     cols = [c for c in runs.columns if c.startswith("lost.") and c.endswith(".updated")]
     rows = []
     for col in cols:
@@ -206,7 +207,7 @@ def lost_updates(runs: pd.DataFrame) -> pd.DataFrame:
                     **{k: run[k] for k in [*CELL_KEYS, *MODE_KEYS, "seed", "status"]},
                     "network": net,
                     "sampled_steps": run["grad_sampled_steps"],
-                    **{k: run[f"lost.{net}.{k}"] for k in ("updated", "lost_fp16", "share_lost_fp16")},
+                    **{k: run[f"lost.{net}.{k}"] for k in ("counted", "updated", "lost_fp16", "share_lost_fp16")},
                 }
             )
     return pd.DataFrame(rows)
@@ -214,14 +215,15 @@ def lost_updates(runs: pd.DataFrame) -> pd.DataFrame:
 
 def render_lost_updates(table: pd.DataFrame) -> str:
     if table.empty:
-        return "_no runs with stats.lost_updates=true on FP32 masters or weights_"
+        return "_no runs with stats.lost_updates=true_"
     parts = []
     for model, rows in table.groupby("model", sort=False):
         out = pd.DataFrame(
             {
                 **{k: rows[k] for k in [*CELL_KEYS[1:], "mode", "seed", "network", "sampled_steps"]},
+                "counted": rows.counted.map({"lost": "lost by the FP16 weights", "would_be_lost": "an FP16 weight would lose"}),
                 "updated": rows.updated.map(lambda v: f"{v:.0f}"),
-                "% an FP16 weight would lose": rows.share_lost_fp16.map(lambda v: f"{v * 100:.2f}"),
+                "% lost in FP16": rows.share_lost_fp16.map(lambda v: f"{v * 100:.2f}"),
             }
         )
         parts.append(f"### {model}\n\n" + _md(out))

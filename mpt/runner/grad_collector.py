@@ -12,7 +12,7 @@ against the step before it, and sampled steps are left out of throughput.
 With stats.lost_updates, a sampled step also keeps a copy of the values its update writes (the FP32
 masters where there are some, else the FP32 weights) and counts, per layer, the updates an FP16
 weight would lose (the paper's Section 3.1), with each step's total and learning rate. FP16 weights
-updated in place (fp16, fp16_modmom) are not counted: what they lost leaves no trace in them.
+updated in place (fp16, fp16_modmom) are counted inside their update: the updates they did lose.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from omegaconf import DictConfig
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from ..precision.engine import PrecisionEngine
 from ..precision.grad_histogram import CHUNK, GradHistogram
 from ..precision.lost_updates import LostUpdates
 from .throughput import synchronize
@@ -57,6 +58,7 @@ class GradStatsCollector:
         self.layer_of = {net: {id(p): name for name, m in layers for p in m.parameters(recurse=False)} for net, layers in self.layers.items()}
         self.lost: dict[str, dict[str, LostUpdates]] = {net: {} for net in networks}
         self.lost_steps: dict[str, list[dict]] = {net: [] for net in networks}  # per sampled step: step, lr, counts
+        self.lost_counted: dict[str, str] = {}  # per network: "lost" (FP16 weights updated in place) or "would_be_lost"
         self._sampled_step: int | None = None  # the step being sampled, while it runs
         self.sampled_steps: list[int] = []
         self.loss_scales: dict[str, list[float]] = {net: [] for net in networks}
@@ -117,22 +119,20 @@ class GradStatsCollector:
                     self._hist(network, "weight", name).add(p.grad, scale)
 
     @contextlib.contextmanager
-    def update(self, network: str, updated: list[tuple[nn.Parameter, torch.Tensor]], lr: float) -> Iterator[None]:
-        """Around one network's update: on a sampled step, the values it writes are copied before
-        and compared after, layer by layer (a skipped step updates nothing)."""
-        if not (self.updates_on and self._sampled_step is not None and updated):
+    def update(self, network: str, engine: PrecisionEngine) -> Iterator[None]:
+        """Around one network's update: on a sampled step, the engine counts per weight the
+        updates made and lost (a skipped step makes none), summed here per layer."""
+        if not (self.updates_on and self._sampled_step is not None):
             yield
             return
-        before = [v.detach().clone() for _, v in updated]
-        yield
+        self.lost_counted[network] = engine.lost_counted
+        with engine.counting_lost() as counts:
+            yield
         step = LostUpdates(self.device)
-        for (p, after), b in zip(updated, before):
-            name = self.layer_of[network].get(id(p), "(other)")
-            counts = LostUpdates(self.device)
-            counts.add(b, after)
-            self.lost[network].setdefault(name, LostUpdates(self.device)).merge(counts)
-            step.merge(counts)
-        self.lost_steps[network].append({"step": self._sampled_step, "lr": float(lr), **step.summary()})
+        for p, c in counts.items():
+            self.lost[network].setdefault(self.layer_of[network].get(id(p), "(other)"), LostUpdates(self.device)).merge(c)
+            step.merge(c)
+        self.lost_steps[network].append({"step": self._sampled_step, "lr": float(engine.lr), **step.summary()})
 
     def _install(self) -> None:
         if not self.hist_on:
@@ -178,15 +178,16 @@ class GradStatsCollector:
         updates = None
         if self.updates_on:
             updates = {
-                "what": "updates an FP16 weight would lose: the update, added in FP32 to the weight's FP16 rounding and rounded once, gives that FP16 weight back; counted on the FP32 master where there is one",
+                "what": "per network, `counted`: `lost`, the updates its FP16 weights (updated in place) lost: a non-zero FP32 update left the stored weight unchanged; or `would_be_lost`, the updates an FP16 weight would lose: the update, added in FP32 to the FP16 rounding of the FP32 master (or FP32 weight) and rounded once, gives that FP16 weight back",
                 "networks": {
                     net: {
+                        "counted": self.lost_counted[net],
                         "total": LostUpdates().merge_all(layers.values()).summary(),
                         "layers": {name: c.summary() for name, c in layers.items()},
                         "steps": list(self.lost_steps[net]),
                     }
                     if self.lost_steps[net]
-                    else None  # no step counted: FP16 weights updated in place, or no sampled step
+                    else None  # no sampled step
                     for net, layers in self.lost.items()
                 },
             }
@@ -224,6 +225,7 @@ class GradStatsCollector:
             "step_seconds": {k: list(v) for k, v in self.step_seconds.items()},
             "lost": {net: {name: c.counts.cpu() for name, c in layers.items()} for net, layers in self.lost.items()},
             "lost_steps": {net: list(v) for net, v in self.lost_steps.items()},
+            "lost_counted": dict(self.lost_counted),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -238,3 +240,4 @@ class GradStatsCollector:
             for name, counts in layers.items():
                 self.lost[net].setdefault(name, LostUpdates(self.device)).counts = counts.to(self.device)
         self.lost_steps.update({net: list(v) for net, v in state.get("lost_steps", {}).items()})
+        self.lost_counted.update(state.get("lost_counted", {}))

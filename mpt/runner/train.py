@@ -475,7 +475,7 @@ class Run:
             row = {"kind": "train", "step": step, "group": term.group, "lr": engine.lr, "scale": engine.scaler.scale}
             with self.grad_stats.backward(term.group, engine.scaler.scale):
                 engine.backward(term.loss)
-            with self.grad_stats.update(term.group, engine.updated(), engine.lr):
+            with self.grad_stats.update(term.group, engine):
                 applied = engine.step()
             row["overflow"] = (not applied) if engine.scaler.checks_overflow else None
             row["loss"] = term.loss.detach()
