@@ -99,6 +99,24 @@ def test_each_network_counts_the_gradients_of_its_own_loss_only():
     assert c.hists["discriminator"] == {"activation": {}, "weight": {}}
 
 
+def test_each_sampled_step_keeps_its_own_totals():
+    """Per sampled step, the network's histogram of that step's gradients alone (the paper's
+    Figure 3 at the start, middle and end of training), against the gradients autograd left."""
+    model = net()
+    c = GradStatsCollector(stats_cfg(every=2), {"model": model}, CPU)
+    grads = {}
+    for step, x in enumerate([torch.randn(4, 6), torch.randn(4, 6) * 1e-3, torch.randn(4, 6), torch.randn(4, 6)]):
+        model.zero_grad()
+        with c.step(step), c.backward("model", 1.0):
+            model(x).pow(2).sum().backward()
+        grads[step] = [p.grad.clone() for p in model.parameters()]
+    steps = c.summary()["networks"]["model"]["weight"]["steps"]
+    assert [s["step"] for s in steps] == [1, 3]
+    for s in steps:
+        assert {k: v for k, v in s.items() if k != "step"} == hist_of(*grads[s["step"]])
+    assert steps[0]["log2_bins"] != steps[1]["log2_bins"]
+
+
 def test_the_state_round_trips():
     model = net()
     c = GradStatsCollector(stats_cfg(), {"model": model}, CPU)
@@ -165,8 +183,10 @@ def test_runs_count_unscaled_gradients_in_any_precision_and_the_report_draws_the
     build_report([sweep], out, None)
     table = (out / "tables" / "gradient_stats.md").read_text()
     assert table.count("| activation |") == 8 and table.count("| weight |") == 8
-    figs = sorted(p.name for p in (out / "figures").glob("grads_*.png"))
+    figs = sorted(p.name for p in (out / "figures").glob("grads_*.png") if not p.name.startswith("grads_over_training_"))
     assert len(figs) == 16 and all((out / "figures" / f).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for f in figs)
+    over_training = list((out / "figures").glob("grads_over_training_*.png"))  # 4 modes x 2 networks x 2 kinds, 2 sampled steps each
+    assert len(over_training) == 16 and all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in over_training)
     csv = (out / "tables" / "gradient_stats.csv").read_text().splitlines()
     assert len(csv) == 17 and "share_lost_fp16" in csv[0]
     lost_csv = (out / "tables" / "lost_updates.csv").read_text().splitlines()

@@ -88,7 +88,7 @@ def build_report(paths: list[Path], out: Path, published_path: Path | None) -> l
     curves = load_curves(runs)
     figs = figures.loss_curves(curves, out / "figures") + figures.loss_scale_curves(curves, out / "figures") + figures.throughput_bars(tp, out / "figures")
     figs += figures.sample_grids(runs, out / "figures") + figures.gradient_histograms(runs, out / "figures")
-    figs += figures.lost_update_curves(runs, out / "figures")
+    figs += figures.gradient_histograms_over_training(runs, out / "figures") + figures.lost_update_curves(runs, out / "figures")
     written += figs
     text.append("## Figures\n\n" + "\n".join(f"![{p.stem}](figures/{p.name})" for p in figs) + "\n")
     (out / "report.md").write_text("\n".join(text))

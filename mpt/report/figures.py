@@ -290,3 +290,42 @@ def lost_update_curves(runs: pd.DataFrame, out: Path) -> list[Path]:
         ax_lr.grid(alpha=0.3)
         written.append(_save(fig, out / f"lost_updates_{stem}.png"))
     return written
+
+
+def gradient_histograms_over_training(runs: pd.DataFrame, out: Path) -> list[Path]:
+    """For each mode's lowest seed with gradient statistics, each network and kind: the histogram
+    of one sampled step's gradients at the start, middle and end of training, side by side on one
+    axis (the paper's Figure 3 is one moment; where the values move as training goes on shows
+    whether one loss scale serves a whole run)."""
+    written = []
+    if "grad_sampled_steps" not in runs:
+        return written
+    sampled = runs[runs["grad_sampled_steps"].notna()].fillna({"variant": ""})
+    for _, run in sampled.sort_values("seed").drop_duplicates([*CELL_KEYS, "mode"]).iterrows():
+        stats = RunRecord.load(Path(run["run_dir"]) / "result.json").grad_stats or {}
+        _, title = _cell_name(tuple(run[k] for k in CELL_KEYS))
+        cell = f"{run['model']}_{run['data']}_{run['schedule']}_{run['precision']}_{run['scale']}_seed{run['seed']}"
+        for net, kinds in (stats.get("networks") or {}).items():
+            for kind, hist in kinds.items():
+                steps = hist.get("steps") or []  # records before per-step histograms have none
+                if len(steps) < 2:
+                    continue
+                shown = [steps[0], steps[len(steps) // 2], steps[-1]] if len(steps) > 2 else steps
+                all_bins = [{int(e): c for e, c in s["log2_bins"].items()} for s in shown]
+                exps = [e for b in all_bins for e in b] + [FP16_LOST_EXP - 6]
+                span = (min(exps), max([*exps, 17]))
+                fig, axes = plt.subplots(1, len(shown), figsize=(6 * len(shown), 4.6), sharey=True, squeeze=False, constrained_layout=True)
+                for ax, s, bins in zip(axes[0], shown, all_bins):
+                    _histogram_panel(ax, bins, s["zeros"], 0, span)
+                    ax.set_title(
+                        f"step {s['step']}: {s['share_zero'] * 100:.1f}% zeros; of the rest {s['share_lost_fp16'] * 100:.2f}% become 0 in FP16,"
+                        f" {s['share_subnormal_fp16'] * 100:.1f}% subnormal",
+                        fontsize=8,
+                    )
+                axes[0][-1].legend(fontsize=7, loc="upper right")
+                where = f"{net}, " if len(stats["networks"]) > 1 else ""
+                fig.suptitle(
+                    f"{kind} gradients over training ({FIGURE_OF_KIND[kind]}), {where}{run['mode']}, seed {run['seed']}, unscaled\n{title}", fontsize=9
+                )
+                written.append(_save(fig, out / f"{identity.named(f'grads_over_training_{kind}_{cell}_{net}', run['variant'])}.png"))
+    return written

@@ -55,6 +55,10 @@ class GradStatsCollector:
         self._steps_seen = 0  # in this process: a resumed run warms up again
         self.layers = {net: parameterized_layers(model) for net, model in networks.items()}
         self.hists: dict[str, dict[str, dict[str, GradHistogram]]] = {net: {k: {} for k in KINDS} for net in networks}
+        # The sampled step's own counts, per layer, merged into `hists` when it ends; and each
+        # sampled step's total per network and kind, so the record shows how the gradients move.
+        self._this_step: dict[str, dict[str, dict[str, GradHistogram]]] = {net: {k: {} for k in KINDS} for net in networks}
+        self.step_hists: dict[str, dict[str, list[tuple[int, GradHistogram]]]] = {net: {k: [] for k in KINDS} for net in networks}
         self.layer_of = {net: {id(p): name for name, m in layers for p in m.parameters(recurse=False)} for net, layers in self.layers.items()}
         self.lost: dict[str, dict[str, LostUpdates]] = {net: {} for net in networks}
         self.lost_steps: dict[str, list[dict]] = {net: [] for net in networks}  # per sampled step: step, lr, counts
@@ -94,6 +98,7 @@ class GradStatsCollector:
             self._sampled_step = None
             if sampled:  # also when the step failed: its counts are in
                 self.sampled_steps.append(step)
+                self._close_step(step)
         if timed:
             synchronize(self.device)
             seconds = time.perf_counter() - t0
@@ -158,8 +163,25 @@ class GradStatsCollector:
         if self._backward_of is not None and self._backward_of[0] == net:
             self._hist(net, "activation", name).add(grad, self._backward_of[1])
 
-    def _hist(self, net: str, kind: str, layer: str) -> GradHistogram:
+    def _close_step(self, step: int) -> None:
+        for net, kinds in self._this_step.items():
+            for kind, layers in kinds.items():
+                if layers:
+                    total = GradHistogram(self.device)
+                    for name, h in layers.items():
+                        self._layer_total(net, kind, name).merge(h)
+                        total.merge(h)
+                    self.step_hists[net][kind].append((step, total))
+                    layers.clear()
+
+    def _layer_total(self, net: str, kind: str, layer: str) -> GradHistogram:
         layers = self.hists[net][kind]
+        if layer not in layers:
+            layers[layer] = GradHistogram(self.device)
+        return layers[layer]
+
+    def _hist(self, net: str, kind: str, layer: str) -> GradHistogram:
+        layers = self._this_step[net][kind]
         if layer not in layers:
             layers[layer] = GradHistogram(self.device)
         return layers[layer]
@@ -174,7 +196,11 @@ class GradStatsCollector:
                 total = GradHistogram(self.device)
                 for h in layers.values():
                     total.merge(h)
-                networks[net][kind] = {"total": total.summary(self.keep), "layers": {name: h.summary(self.keep) for name, h in layers.items()}}
+                networks[net][kind] = {
+                    "total": total.summary(self.keep),
+                    "layers": {name: h.summary(self.keep) for name, h in layers.items()},
+                    "steps": [{"step": step, **h.summary(self.keep)} for step, h in self.step_hists[net][kind]],
+                }
         updates = None
         if self.updates_on:
             updates = {
@@ -226,13 +252,21 @@ class GradStatsCollector:
             "lost": {net: {name: c.counts.cpu() for name, c in layers.items()} for net, layers in self.lost.items()},
             "lost_steps": {net: list(v) for net, v in self.lost_steps.items()},
             "lost_counted": dict(self.lost_counted),
+            "step_hists": {
+                net: {kind: [(step, h.state_dict()) for step, h in steps] for kind, steps in kinds.items()} for net, kinds in self.step_hists.items()
+            },
         }
 
     def load_state_dict(self, state: dict) -> None:
         for net, kinds in state["hists"].items():
             for kind, layers in kinds.items():
                 for name, saved in layers.items():
-                    self._hist(net, kind, name).load_state_dict(saved)
+                    self._layer_total(net, kind, name).load_state_dict(saved)
+        for net, kinds in state.get("step_hists", {}).items():  # checkpoints before per-step histograms have none
+            for kind, steps in kinds.items():
+                self.step_hists[net][kind] = [(step, GradHistogram(self.device)) for step, _ in steps]
+                for (_, h), (_, saved) in zip(self.step_hists[net][kind], steps):
+                    h.load_state_dict(saved)
         self.sampled_steps = list(state["sampled_steps"])
         self.loss_scales = {net: list(v) for net, v in state["loss_scales"].items()}
         self.step_seconds = {k: list(v) for k, v in state["step_seconds"].items()}

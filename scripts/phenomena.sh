@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The paper's phenomena at reduced scale on the real data in ../shared/data (issue 21), one sweep per
+# phenomenon, 3 seeds per cell, into results/phenomena/<name>/ with its report:
+#   scripts/phenomena.sh classifiers|detection|translation|lm|gan [--report-only]
+# Run from the project root of a clean checkout: each record names the commit it ran. A relaunch
+# skips the runs already finished (their folders are named from their choices), so a sweep can be
+# spread over several sittings. Tarred data is unpacked once into the ignored .data/. Sizes and
+# schedules are chosen to fit the whole set into about 10 hours on 2 CPU cores; every schedule's
+# learning rate falls 100x (two drops of 10x, at 1/2 and 3/4 of the run, or at epochs), since
+# updates are lost only once it is small. README, "What we reproduced", says what each one shows.
+set -euo pipefail
+name=${1:?usage: scripts/phenomena.sh classifiers|detection|translation|lm|gan [--report-only]}
+report_only=${2:-}
+data=../shared/data
+out=results/phenomena/$name
+
+unpack() {  # unpack() <tarball> <folder it holds>
+  [ -d ".data/$2" ] || { mkdir -p .data && tar -xzf "$data/$1" -C .data; }
+}
+
+sweep() {
+  [ "$report_only" = --report-only ] || python -m mpt.runner.cli -m "$@" device=cpu seed=0,1,2 checkpoint=false "hydra.sweep.dir=$out"
+}
+
+case $name in
+classifiers)
+  # The paper's Table 1 and the seeds' FP16 results: CIFAR-10 (50,000 training, 10,000 test images),
+  # ResNet-50 at 32 px and AlexNet at 64 px (its three 3x3/2 poolings leave nothing of 32 px;
+  # the images are upsampled), each model's ImageNet recipe (SGD, momentum 0.9, lr per 256 images)
+  # at batch 64, the test images whole (resize_ratio 1).
+  unpack cifar10.tar.gz cifar10
+  steps=1000
+  for model in resnet50 alexnet; do
+    size=$([ $model = alexnet ] && echo 64 || echo 32)
+    common=(model=$model data=imagefolder data.root=.data/cifar10 data.val_split=test data.resize_ratio=1.0
+      schedule.batch_size=64 schedule.image_size=$size schedule.steps=$steps "schedule.lr_milestones=[$((steps / 2)),$((steps * 3 / 4))]"
+      schedule.eval_every=$((steps / 4)) schedule.eval_batches=null schedule.log_every=25
+      stats.lost_updates=true stats.every=50)
+    sweep "${common[@]}" precision=fp32,mixed,fp16 scale=none
+    sweep "${common[@]}" precision=fp16,fp16_modmom scale=static  # the model's static scale, 1000
+  done
+  ;;
+lm)
+  # bigLSTM's structure at 2 x 256 cells (projection 64) on PTB, 3 epochs of batch 32 (4,356 steps),
+  # Adagrad 0.2 falling to 0.02 at epoch 1.5 and to 0.002 at 2.5; perplexity on the full softmax.
+  common=(model=biglstm_tiny data=text_corpus data.root=$data/ptb 'data.train_split=ptb.train.txt*' 'data.val_split=ptb.valid.txt*'
+    'data.test_split=ptb.test.txt*' data.min_count=1 schedule.batch_size=32 schedule.steps=null schedule.epochs=3
+    'schedule.lr_milestones=[1.5,2.5]' schedule.eval_every=null schedule.eval_batches=null schedule.log_every=50
+    stats.lost_updates=true stats.every=100)
+  # The first sweep ran with checkpoint=false, device=cpu and the seeds given before these (the order
+  # does not change a run's folder).
+  sweep "${common[@]}" precision=fp32,mixed scale=none
+  sweep "${common[@]}" precision=mixed scale=static scale.value=128
+  ;;
+*)
+  echo "scripts/phenomena.sh: no phenomenon '$name' (expected classifiers, detection, translation, lm or gan)" >&2
+  exit 2
+  ;;
+esac
+python -m mpt.report.cli "$out" --out "$out/report"
