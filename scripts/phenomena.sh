@@ -52,6 +52,25 @@ lm)
   sweep "${common[@]}" precision=fp32,mixed scale=none
   sweep "${common[@]}" precision=mixed scale=static scale.value=128
   ;;
+translation)
+  # GNMT at 128 units on Multi30k en-de (29,000 pairs; an 8,000-piece sentencepiece vocabulary
+  # trained on them), 2 epochs of batch 64 (906 steps), Adam 5e-3 falling 10x at epoch 1 and again
+  # at 1.5; BLEU on test_2016_flickr (1,000 sentences), validation on 512 of val's.
+  common=(model=gnmt_small data=parallel_text data.root=$data/multi30k data.val_split=val data.test_split=test_2016_flickr data.vocab_size=8000
+    schedule.batch_size=64 schedule.steps=null schedule.epochs=2 'schedule.lr_milestones=[1.0,1.5]' schedule.eval_every=null schedule.eval_batches=8
+    schedule.log_every=50 stats.grad_hist=true stats.lost_updates=true stats.every=50)
+  sweep "${common[@]}" precision=fp32,mixed scale=none
+  sweep "${common[@]}" precision=mixed scale=static scale.value=1024
+  sweep "${common[@]}" precision=mixed scale=none model.loss_reduction=sum
+  ;;
+gan)
+  # Radford's 64x64 DCGAN at half width (ngf = ndf = 32) on the 4,741 UTKFace faces, 1,200 steps of
+  # batch 64 (16 epochs), Adam 2e-4 falling 10x at steps 600 and 900; a fixed-noise grid every 300.
+  unpack utkface.tar.gz utkface
+  sweep model=dcgan64 model.ngf=32 model.ndf=32 data=image_dir data.root=.data/utkface data.val_samples=256 data.num_workers=1 \
+    schedule.batch_size=64 schedule.steps=1200 'schedule.lr_milestones=[600,900]' schedule.eval_every=300 schedule.log_every=50 \
+    stats.lost_updates=true stats.every=50 precision=fp32,mixed scale=none
+  ;;
 *)
   echo "scripts/phenomena.sh: no phenomenon '$name' (expected classifiers, detection, translation, lm or gan)" >&2
   exit 2
