@@ -19,7 +19,7 @@ unpack() {  # unpack() <tarball> <folder it holds>
 }
 
 sweep() {
-  [ "$report_only" = --report-only ] || python -m mpt.runner.cli -m "$@" device=cpu seed=0,1,2 checkpoint=false "hydra.sweep.dir=$out"
+  [ "$report_only" = --report-only ] || python -m mpt.runner.cli -m "$@" device=cpu "seed=${seeds:-0,1,2}" checkpoint=false "hydra.sweep.dir=$out"
 }
 
 case $name in
@@ -51,6 +51,8 @@ lm)
   # does not change a run's folder).
   sweep "${common[@]}" precision=fp32,mixed scale=none
   sweep "${common[@]}" precision=mixed scale=static scale.value=128
+  # Where the gradients lie against FP16's range, for the verdict on loss scaling: FP32, one seed.
+  seeds=0 sweep "${common[@]}" stats.grad_hist=true precision=fp32 scale=none
   ;;
 translation)
   # GNMT at 128 units on Multi30k en-de (29,000 pairs; an 8,000-piece sentencepiece vocabulary
