@@ -54,6 +54,19 @@ lm)
   # Where the gradients lie against FP16's range, for the verdict on loss scaling: FP32, one seed.
   seeds=0 sweep "${common[@]}" stats.grad_hist=true precision=fp32 scale=none
   ;;
+detection)
+  # Multibox SSD300 (VGG-16, random init: no ImageNet weights here) on the raccoon set (160
+  # training images, 40 test), batch 8, 48 steps (2.4 epochs), the recipe's SGD at 2.5e-4 (8e-3 per
+  # 256 images) falling 10x at steps 24 and 36. SSD300 trains at about half an image per second on
+  # 2 cores (results/cpu-grad-stats/), so this is what 9 runs afford: its mAP is noise, and what it
+  # can show is where the gradients lie (sampled every 8th step, start to end) and whether mixed
+  # without scaling breaks.
+  common=(model=ssd data=voc data.root=$data/raccoon 'data.train_sets=[train_labels.csv]' 'data.val_sets=[test_labels.csv]' 'data.class_names=[raccoon]'
+    schedule=smoke schedule.batch_size=8 schedule.steps=48 'schedule.lr_milestones=[24,36]' schedule.eval_batches=null schedule.log_every=4
+    schedule.throughput_warmup=2 schedule.throughput_window=4 stats.grad_hist=true stats.lost_updates=true stats.every=8)
+  sweep "${common[@]}" precision=fp32,mixed scale=none
+  sweep "${common[@]}" precision=mixed scale=static  # the model's static scale, the paper's 8
+  ;;
 translation)
   # GNMT at 128 units on Multi30k en-de (29,000 pairs; an 8,000-piece sentencepiece vocabulary
   # trained on them), 2 epochs of batch 64 (906 steps), Adam 5e-3 falling 10x at epoch 1 and again
