@@ -29,7 +29,7 @@ classifiers)
   # the images are upsampled), each model's ImageNet recipe (SGD, momentum 0.9, lr per 256 images)
   # at batch 64, the test images whole (resize_ratio 1).
   unpack cifar10.tar.gz cifar10
-  steps=1000
+  steps=600
   for model in resnet50 alexnet; do
     size=$([ $model = alexnet ] && echo 64 || echo 32)
     common=(model=$model data=imagefolder data.root=.data/cifar10 data.val_split=test data.resize_ratio=1.0
