@@ -313,10 +313,10 @@ class OptimConfig:
 class StatsConfig:
     """Gradient statistics (runner/grad_collector.py): histograms of log2|g| of activation gradients
     (each parameterized layer's output) and weight gradients, per layer and in total; and the
-    weight updates an FP16 weight would lose."""
+    weight updates FP16 weights lose."""
 
     grad_hist: bool = False  # on: sample every `every`-th step; off: no hook is ever installed
-    lost_updates: bool = False  # on: on the same sampled steps, count the updates FP16 weights would lose (precision/lost_updates.py)
+    lost_updates: bool = False  # on: on the same sampled steps, count the updates FP16 weights lose or would lose (precision/lost_updates.py)
     every: int = 100  # the every-th, 2*every-th, ... step is sampled (1: every step)
     keep: float = 0.999  # the share of non-zero gradients the recommended scale keeps from FP16's zero
 

@@ -7,8 +7,8 @@ registers, rounded once to FP16. The update is lost when that rounding gives bac
 run's mode: of an FP32 weight or master, about its FP16 rounding, the working copy `mixed` computes
 with. `LostUpdates` counts, per layer, the elements with a non-zero update and how many of those
 an FP16 weight would lose; of FP16 weights updated in place (fp16, fp16_modmom), `add_applied`
-counts those they did lose, from the update's FP32 values and the stored weight. Counts accumulate on the tensors' device, as the gradient histograms'
-do: nothing reaches the host until `summary()`.
+counts those they did lose, from the update's FP32 values and the stored weight. Counts accumulate
+on the tensors' device, as the gradient histograms' do: nothing reaches the host until `summary()`.
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ def would_be_lost(weight: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
 
 
 class LostUpdates:
-    """Counts over one set of weights (a layer's, or all of them), accumulated over calls to `add`:
-    elements updated (a non-zero update) and, of those, updates an FP16 weight would lose."""
+    """Counts over one set of weights (a layer's, or all of them), accumulated over steps: elements
+    updated (a non-zero update) and, of those, updates lost in FP16."""
 
     def __init__(self, device: torch.device | str = "cpu"):
-        self.counts = torch.zeros(2, dtype=torch.int64, device=device)  # updated, would be lost
+        self.counts = torch.zeros(2, dtype=torch.int64, device=device)  # updated, lost in FP16
 
     def add(self, before: torch.Tensor, after: torch.Tensor) -> None:
         """Count one step of one weight: its values before and after the update (the master's

@@ -207,6 +207,13 @@ def _kept(bins: dict[int, int], shift: int) -> float:
     return sum(c for e, c in bins.items() if e + shift >= FP16_LOST_EXP) / nonzero if nonzero else 1.0
 
 
+def _grad_stats_of(run: pd.Series) -> tuple[dict, str, str]:
+    """A run's gradient statistics from its record, its cell's title, and its file stem."""
+    stats = RunRecord.load(Path(run["run_dir"]) / "result.json").grad_stats or {}
+    _, title = _cell_name(tuple(run[k] for k in CELL_KEYS))
+    return stats, title, f"{run['model']}_{run['data']}_{run['schedule']}_{run['precision']}_{run['scale']}_seed{run['seed']}"
+
+
 def gradient_histograms(runs: pd.DataFrame, out: Path) -> list[Path]:
     """For each run with gradient statistics, each network and each kind: the histogram of
     log2|g| against FP16's range (activation gradients: the paper's Figure 3; weight gradients:
@@ -216,9 +223,7 @@ def gradient_histograms(runs: pd.DataFrame, out: Path) -> list[Path]:
     if "grad_sampled_steps" not in runs:
         return written
     for _, run in runs[runs["grad_sampled_steps"].notna()].fillna({"variant": ""}).iterrows():
-        stats = RunRecord.load(Path(run["run_dir"]) / "result.json").grad_stats or {}
-        _, title = _cell_name(tuple(run[k] for k in CELL_KEYS))
-        cell = f"{run['model']}_{run['data']}_{run['schedule']}_{run['precision']}_{run['scale']}_seed{run['seed']}"
+        stats, title, cell = _grad_stats_of(run)
         for net, kinds in (stats.get("networks") or {}).items():
             for kind, hist in kinds.items():
                 t = hist["total"]
@@ -257,7 +262,7 @@ def lost_update_curves(runs: pd.DataFrame, out: Path) -> list[Path]:
         return written
     rows = []
     for _, run in runs[runs[counted].notna().any(axis=1)].fillna({"variant": ""}).iterrows():
-        stats = RunRecord.load(Path(run["run_dir"]) / "result.json").grad_stats or {}
+        stats = _grad_stats_of(run)[0]
         nets = {net: lost for net, lost in (stats.get("lost_updates") or {}).get("networks", {}).items() if lost}
         for net, lost in nets.items():
             for s in lost["steps"]:
@@ -302,9 +307,7 @@ def gradient_histograms_over_training(runs: pd.DataFrame, out: Path) -> list[Pat
         return written
     sampled = runs[runs["grad_sampled_steps"].notna()].fillna({"variant": ""})
     for _, run in sampled.sort_values("seed").drop_duplicates([*CELL_KEYS, "mode"]).iterrows():
-        stats = RunRecord.load(Path(run["run_dir"]) / "result.json").grad_stats or {}
-        _, title = _cell_name(tuple(run[k] for k in CELL_KEYS))
-        cell = f"{run['model']}_{run['data']}_{run['schedule']}_{run['precision']}_{run['scale']}_seed{run['seed']}"
+        stats, title, cell = _grad_stats_of(run)
         for net, kinds in (stats.get("networks") or {}).items():
             for kind, hist in kinds.items():
                 steps = hist.get("steps") or []  # records before per-step histograms have none

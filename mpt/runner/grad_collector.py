@@ -9,10 +9,10 @@ backward ran with, so runs in any precision and with any scale are comparable wi
 other steps no hook is installed at all, so they cost nothing; a sampled step's cost is timed
 against the step before it, and sampled steps are left out of throughput.
 
-With stats.lost_updates, a sampled step also keeps a copy of the values its update writes (the FP32
-masters where there are some, else the FP32 weights) and counts, per layer, the updates an FP16
-weight would lose (the paper's Section 3.1), with each step's total and learning rate. FP16 weights
-updated in place (fp16, fp16_modmom) are counted inside their update: the updates they did lose.
+With stats.lost_updates, a sampled step's update is counted by the precision engine
+(`counting_lost`): per weight, the updates an FP16 weight would lose, asked of the FP32 values it
+writes, or for FP16 weights updated in place (fp16, fp16_modmom) the updates they did lose (the
+paper's Section 3.1). The collector sums them per layer, with each step's total and learning rate.
 """
 
 from __future__ import annotations
@@ -175,14 +175,14 @@ class GradStatsCollector:
                     layers.clear()
 
     def _layer_total(self, net: str, kind: str, layer: str) -> GradHistogram:
-        layers = self.hists[net][kind]
-        if layer not in layers:
-            layers[layer] = GradHistogram(self.device)
-        return layers[layer]
+        return self._histogram_in(self.hists[net][kind], layer)
 
     def _hist(self, net: str, kind: str, layer: str) -> GradHistogram:
-        layers = self._this_step[net][kind]
-        if layer not in layers:
+        """The sampled step's own histogram of one layer's gradients."""
+        return self._histogram_in(self._this_step[net][kind], layer)
+
+    def _histogram_in(self, layers: dict[str, GradHistogram], layer: str) -> GradHistogram:
+        if layer not in layers:  # made once, not on every hook call
             layers[layer] = GradHistogram(self.device)
         return layers[layer]
 
