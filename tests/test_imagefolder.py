@@ -21,9 +21,9 @@ def make_folder(root, splits=("train", "val"), classes=("cat", "dog"), per_class
     return root
 
 
-def loader(root, *overrides):
+def loader(root, *overrides, seed=0):
     cfg = compose_cfg("data=imagefolder", f"data.root={root}", "data.num_workers=0", "schedule=smoke", *overrides)
-    return ImageFolderData(cfg.data, cfg.schedule, seed=0, device=CPU)
+    return ImageFolderData(cfg.data, cfg.schedule, seed=seed, device=CPU)
 
 
 def test_reads_the_layout_and_applies_the_crops(tmp_path):
@@ -43,6 +43,16 @@ def test_cifar10_mini_from_shared_data():
     assert (data.info["train_samples"], data.info["val_samples"]) == (1000, 200)
     images, _ = next(iter(data.epoch(0)))
     assert images.shape == (20, 3, 32, 32)
+
+
+def test_a_capped_evaluation_samples_every_class_the_same_for_every_seed(tmp_path):
+    # The split lists cat's images before dog's: in file order the first batch would be all cats.
+    root = make_folder(tmp_path, per_class=8)
+    first = [next(iter(loader(root, "schedule.batch_size=8", seed=s).val()))[1] for s in (0, 1)]
+    assert set(first[0].tolist()) == {0, 1}
+    assert torch.equal(first[0], first[1])
+    labels = torch.cat([y for _, y in loader(root, "schedule.batch_size=8").val()])
+    assert sorted(labels.tolist()) == [0] * 8 + [1] * 8  # still every image, once
 
 
 def test_missing_split_names_it(tmp_path):

@@ -82,7 +82,11 @@ class ImageFolderData(LoaderData):
         self.order = torch.Generator().manual_seed(seed)
         self.batches = EpochBatches(len(self.train_set), schedule.batch_size, self.order, shard)
         self.train_loader = DataLoader(SeededSamples(self.train_set, seed), batch_sampler=self.batches, generator=torch.Generator().manual_seed(seed), **common)
-        self.val_loader = DataLoader(self.val_set, batch_size=schedule.batch_size, shuffle=False, generator=torch.Generator().manual_seed(seed), **common)
+        # ImageFolder lists a split class by class, so a capped evaluation (schedule.eval_batches)
+        # would score the first classes only. One fixed order, the same for every seed and mode,
+        # makes any prefix a uniform sample and lets every run score the same images.
+        val_order = torch.randperm(len(self.val_set), generator=torch.Generator().manual_seed(0)).tolist()
+        self.val_loader = DataLoader(self.val_set, batch_size=schedule.batch_size, sampler=val_order, generator=torch.Generator().manual_seed(seed), **common)
         self.steps_per_epoch = len(self.train_set) // schedule.batch_size
         self.info = {
             "num_classes": len(self.train_set.classes),
