@@ -9,6 +9,7 @@ import shutil
 import tarfile
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -19,7 +20,7 @@ from torch import nn
 from mpt.config import ConfigError
 from mpt.models.dcgan import GAN, Discriminator, Generator
 from mpt.report.cli import build_report
-from mpt.report.figures import _lines
+from mpt.report.figures import _lines, sample_grids
 from mpt.runner.train import Run
 from mpt.runner.validation import validate
 
@@ -239,6 +240,26 @@ def test_a_gans_loss_curves_are_drawn_per_network_never_averaged():
     assert lines == {"Mixed [discriminator]": [1.5, 1.4], "Mixed [generator]": [0.6, 0.7]}
     one = curves[curves["group"] == "generator"]
     assert [label for label, _ in _lines(one)] == ["Mixed"]  # a one-network model keeps the mode as its label
+
+
+def test_the_sample_figure_shows_every_seed_of_every_mode(tmp_path):
+    # Each grid is one flat colour, so the figure's pixels say which grid went where.
+    colours = {("FP32", 0): (255, 0, 0), ("FP32", 1): (0, 255, 0), ("Mixed", 0): (0, 0, 255), ("Mixed", 1): (255, 255, 0)}
+    rows = []
+    for (mode, seed), colour in colours.items():
+        path = tmp_path / f"{mode}{seed}.png"
+        Image.new("RGB", (40, 40), colour).save(path)
+        rows.append(
+            {"model": "dcgan64", "data": "image_dir", "schedule": "short", "variant": None, "mode": mode, "seed": seed, "status": "ok",
+             "precision_order": 0 if mode == "FP32" else 3, "scale_order": 0, "final_sample_grid": str(path), "final_sample_grid_step": 10}
+        )
+    (figure,) = sample_grids(pd.DataFrame(rows), tmp_path / "fig")
+    with Image.open(figure) as fig:
+        pixels = np.asarray(fig.convert("RGB")).reshape(-1, 3)
+        width, height = fig.size
+    shown = {tuple(c) for c in np.unique(pixels, axis=0)}
+    assert set(colours.values()) <= shown  # all four grids, not the lowest seed of each mode
+    assert 0.7 < height / width < 1.3  # 2 seeds down, 2 modes across
 
 
 def test_the_papers_128px_network_trains_on_real_faces(tmp_path):

@@ -133,27 +133,30 @@ def throughput_bars(table: pd.DataFrame, out: Path) -> list[Path]:
 
 
 def sample_grids(runs: pd.DataFrame, out: Path) -> list[Path]:
-    """The final sample grid of each mode side by side, one figure per model (as the paper shows its
-    FP32 and mixed-precision faces). With several seeds, the lowest seed that finished stands for the mode."""
+    """The final sample grids, modes side by side (as the paper shows its FP32 and mixed-precision
+    faces) and one row per seed, one figure per model: one seed's faces can flatter a mode."""
     written = []
     if "final_sample_grid" not in runs or runs["final_sample_grid"].isna().all():
         return written
     shown = runs[runs["final_sample_grid"].notna()].fillna({"variant": ""})
     for keys, df in shown.groupby(CELL_KEYS):
         stem, title = _cell_name(keys)
-        modes = _modes_in_order(df)
+        modes, seeds = _modes_in_order(df), sorted(df["seed"].unique())
         # Constrained layout makes room for a suptitle of any number of lines above the panel titles.
-        fig, axes = plt.subplots(1, len(modes), figsize=(4 * len(modes), 4.6), squeeze=False, layout="constrained")
-        for ax, mode in zip(axes[0], modes):
-            # A finished run's grid before a failed one's, then the lowest seed.
-            run = df[df["mode"] == mode].assign(failed=lambda d: d["status"] != "ok").sort_values(["failed", "seed"]).iloc[0]
-            status = "" if run["status"] == "ok" else f", {run['status']}"
-            ax.set_title(f"{mode}\nstep {run['final_sample_grid_step']:g}{status}", fontsize=9)
-            ax.axis("off")
-            if Path(run["final_sample_grid"]).is_file():
-                ax.imshow(plt.imread(run["final_sample_grid"]))
-            else:  # records copied without their samples/ folder
-                ax.text(0.5, 0.5, f"grid missing:\n{Path(run['final_sample_grid']).name}", ha="center", va="center", fontsize=8)
+        fig, axes = plt.subplots(len(seeds), len(modes), figsize=(4 * len(modes), 0.6 + 4 * len(seeds)), squeeze=False, layout="constrained")
+        for row, seed in zip(axes, seeds):
+            for ax, mode in zip(row, modes):
+                ax.axis("off")
+                cell = df[(df["mode"] == mode) & (df["seed"] == seed)]
+                if cell.empty:
+                    continue
+                run = cell.assign(failed=lambda d: d["status"] != "ok").sort_values("failed").iloc[0]  # a finished run's grid first
+                status = "" if run["status"] == "ok" else f", {run['status']}"
+                ax.set_title(f"{mode}, seed {seed:g}\nstep {run['final_sample_grid_step']:g}{status}", fontsize=9)
+                if Path(run["final_sample_grid"]).is_file():
+                    ax.imshow(plt.imread(run["final_sample_grid"]))
+                else:  # records copied without their samples/ folder
+                    ax.text(0.5, 0.5, f"grid missing:\n{Path(run['final_sample_grid']).name}", ha="center", va="center", fontsize=8)
         fig.suptitle(f"final samples (fixed noise):\n{title}", fontsize=9)
         written.append(_save(fig, out / f"samples_{stem}.png"))
     return written
