@@ -250,8 +250,19 @@ def test_the_sample_figure_shows_every_seed_of_every_mode(tmp_path):
         path = tmp_path / f"{mode}{seed}.png"
         Image.new("RGB", (40, 40), colour).save(path)
         rows.append(
-            {"model": "dcgan64", "data": "image_dir", "schedule": "short", "variant": None, "mode": mode, "seed": seed, "status": "ok",
-             "precision_order": 0 if mode == "FP32" else 3, "scale_order": 0, "final_sample_grid": str(path), "final_sample_grid_step": 10}
+            {
+                "model": "dcgan64",
+                "data": "image_dir",
+                "schedule": "short",
+                "variant": None,
+                "mode": mode,
+                "seed": seed,
+                "status": "ok",
+                "precision_order": 0 if mode == "FP32" else 3,
+                "scale_order": 0,
+                "final_sample_grid": str(path),
+                "final_sample_grid_step": 10,
+            }
         )
     (figure,) = sample_grids(pd.DataFrame(rows), tmp_path / "fig")
     with Image.open(figure) as fig:

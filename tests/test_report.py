@@ -12,7 +12,9 @@ import pandas as pd
 import pytest
 from PIL import Image
 
-from mpt.report.records import mode_label
+from mpt.report.cli import build_report
+from mpt.report.records import cell_variant, mode_label
+from mpt.report.tables import accuracy, render_accuracy
 
 from .conftest import ROOT, mpt_run
 
@@ -197,3 +199,35 @@ def test_a_preempted_run_counts_as_unfinished_and_a_cut_log_line_is_left_out(swe
     assert r.returncode == 0, r.stderr[-2000:]
     acc = pd.read_csv(tmp_path / "out" / "tables" / "accuracy.csv")
     assert (acc.ok.item(), acc.failed.item(), acc.diverged.item()) == (0, 1, 0)
+
+
+def test_a_static_scales_value_is_the_modes_not_the_variants():
+    assert cell_variant("scale.value=128,schedule.steps=50") == "schedule.steps=50"
+    assert cell_variant("schedule.log_every=5,scale.value=1024") == ""  # logging is not computation either
+
+
+def test_the_accuracy_table_holds_the_test_split_beside_validation():
+    def run(precision, scale, value, seed, bleu, test_bleu):
+        return {"model": "gnmt_small", "data": "parallel_text", "schedule": "short", "variant": "", "status": "ok", "seed": seed,
+                "mode": mode_label(precision.title(), scale, value), "precision": precision, "scale": scale, "scale_value": value,
+                "precision_order": 0 if precision == "fp32" else 3, "scale_order": 0 if scale == "none" else 2,
+                "primary_metric": "bleu", "metric.bleu": bleu, "metric.test_bleu": test_bleu, "metric.val_loss": 3.0}  # fmt: skip
+
+    runs = pd.DataFrame([run("fp32", "none", None, 0, 10.0, 6.0), run("fp32", "none", None, 1, 12.0, 8.0),
+                         run("mixed", "static", 1024.0, 0, 11.0, 7.0)])  # fmt: skip
+    acc = accuracy(runs)
+    assert set(acc.metric) == {"bleu", "test_bleu"}  # not val_loss
+    fp32_test = acc[(acc.metric == "test_bleu") & (acc.precision == "fp32")]
+    assert fp32_test["mean"].item() == 7.0 and fp32_test["std"].item() == pytest.approx(2**0.5)
+    rows = [line for line in render_accuracy(acc).splitlines() if line.startswith("| gnmt_small")]
+    assert len(rows) == 2 and "7 ± 1.414" in rows[1] and "Mixed + LS (static 1024)" in render_accuracy(acc)
+
+
+def test_a_rebuilt_report_keeps_only_the_figures_it_lists(swept, tmp_path):
+    out = tmp_path / "out"
+    build_report([swept], out, None)
+    stale = out / "figures" / "loss_a_variant_since_renamed.png"
+    stale.write_bytes(b"")
+    build_report([swept], out, None)
+    listed = {line.split("(figures/")[1].rstrip(")") for line in (out / "report.md").read_text().splitlines() if "(figures/" in line}
+    assert listed and {p.name for p in (out / "figures").iterdir()} == listed

@@ -90,6 +90,10 @@ def build_report(paths: list[Path], out: Path, published_path: Path | None) -> l
     figs += figures.sample_grids(runs, out / "figures") + figures.gradient_histograms(runs, out / "figures")
     figs += figures.gradient_histograms_over_training(runs, out / "figures") + figures.lost_update_curves(runs, out / "figures")
     written += figs
+    # figures/ is the report's own: a figure an earlier report drew for a cell that no longer exists
+    # (a variant renamed, a record removed) would otherwise sit beside the new ones, unlisted.
+    for stale in set((out / "figures").glob("*.png")) - set(figs):
+        stale.unlink()
     text.append("## Figures\n\n" + "\n".join(f"![{p.stem}](figures/{p.name})" for p in figs) + "\n")
     (out / "report.md").write_text("\n".join(text))
     written.append(out / "report.md")

@@ -72,6 +72,18 @@ def find_records(paths: Iterable[Path]) -> list[Path]:
     return sorted(set(found))
 
 
+# Overrides the mode's label states (`Mixed + LS (static 128)`): left in the variant, they would put
+# runs of one setup on different rows of a table and in different figures.
+STATED_BY_MODE = {"scale.value"}
+
+
+def cell_variant(variant: str) -> str:
+    """What sets a run's setup apart from its model, data and schedule's default: the computational
+    overrides (older records held every override) less those the mode states."""
+    parts = identity.variant_parts(identity.computational_variant(variant))
+    return ",".join(p for p in parts if p.partition("=")[0] not in STATED_BY_MODE)
+
+
 def record_row(rec: RunRecord, path: Path) -> dict:
     # Sections a run fills as it goes are None in the record of a run that failed before them, and
     # fields added since are None in older records.
@@ -93,7 +105,7 @@ def record_row(rec: RunRecord, path: Path) -> dict:
         **rec.choices,
         # Older records held every override (log_every too); records before the field, none: their
         # folder's name held the overrides after "__".
-        "variant": identity.computational_variant(rec.variant if rec.variant is not None else path.parent.name.partition("__")[2]),
+        "variant": cell_variant(rec.variant if rec.variant is not None else path.parent.name.partition("__")[2]),
         "seed": rec.seed,
         "precision_label": label,
         "scale_value": scale_value,

@@ -67,10 +67,14 @@ SUMMARY_COLUMNS = [*CELL_KEYS, *MODE_KEYS, "runs", "ok", "diverged", "failed", "
 
 
 def accuracy(runs: pd.DataFrame) -> pd.DataFrame:
+    """The task's own metric on the validation split, and on the held-out test split where a run
+    scored one (data.test_split: `test_bleu`, `test_ppl`)."""
     summary = metric_summary(runs)
     if summary.empty:
         return summary
-    return summary[summary.metric == summary.primary].drop(columns="primary").reset_index(drop=True)
+    own = summary.metric == summary.primary
+    test = (summary.metric == "test_" + summary.primary) & (summary.n > 0)
+    return summary[own | test].drop(columns="primary").reset_index(drop=True)
 
 
 def _fmt_metric(metric: str, value: float) -> str:
