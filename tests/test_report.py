@@ -13,8 +13,10 @@ import pytest
 from PIL import Image
 
 from mpt.report.cli import build_report
+from mpt.report.figures import _cell_name
 from mpt.report.records import cell_variant, mode_label
 from mpt.report.tables import accuracy, render_accuracy
+from mpt.runner import identity
 
 from .conftest import ROOT, mpt_run
 
@@ -231,3 +233,25 @@ def test_a_rebuilt_report_keeps_only_the_figures_it_lists(swept, tmp_path):
     build_report([swept], out, None)
     listed = {line.split("(figures/")[1].rstrip(")") for line in (out / "report.md").read_text().splitlines() if "(figures/" in line}
     assert listed and {p.name for p in (out / "figures").iterdir()} == listed
+
+
+def test_no_machine_path_reaches_a_table_and_titles_leave_the_variant_to_report_md(tmp_path):
+    from .conftest import TINY
+    from .test_imagefolder import make_folder
+
+    data = make_folder(tmp_path / "on-this-machine", per_class=4, size=32)
+    runs = tmp_path / "runs"
+    r = mpt_run(
+        "-m", TINY, "data=imagefolder", f"data.root={data}", "data.num_workers=0", "schedule=smoke", "checkpoint=false", f"hydra.sweep.dir={runs}", cwd=ROOT
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = tmp_path / "report"
+    build_report([runs], out, None)
+    for written in [out / "report.md", out / "runs.csv", *(out / "tables").iterdir()]:
+        assert str(tmp_path) not in written.read_text(), written.name
+    variant = pd.read_csv(out / "runs.csv")["variant"].item()
+    assert "data.root=…/on-this-machine#" in variant
+    lines = (out / "report.md").read_text().splitlines()
+    figure = next(i for i, line in enumerate(lines) if line.startswith("![loss_"))
+    assert lines[figure + 2] == f"variant {identity.tag(variant)}: `{variant}`"
+    assert _cell_name(("resnet50", "imagefolder", "smoke", variant))[1] == f"resnet50, imagefolder, smoke (variant {identity.tag(variant)})"

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
 import pandas as pd
 
+from ..runner import identity
 from ..runner.record import RecordError
 from . import figures, tables
-from .records import load_curves, load_runs
+from .records import load_curves, load_runs, shown_path
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,13 +34,21 @@ def write_table(df: pd.DataFrame, markdown: str, out: Path, name: str, written: 
     return markdown
 
 
+def _figure_entry(path: Path, runs: pd.DataFrame) -> str:
+    """A figure in report.md, and under it the variant its title names only by tag."""
+    variants = {identity.tag(v): v for v in runs["variant"].dropna().unique() if v}
+    tag = re.search(r"_([0-9a-f]{8})$", path.stem)
+    entry = f"![{path.stem}](figures/{path.name})"
+    return entry + (f"\n\nvariant {tag[1]}: `{variants[tag[1]]}`" if tag and tag[1] in variants else "")
+
+
 def build_report(paths: list[Path], out: Path, published_path: Path | None) -> list[Path]:
     runs = load_runs(paths)
     if runs.empty:
         raise SystemExit(f"mpt-report: error: no result.json under {', '.join(map(str, paths))}")
     out.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
-    runs.drop(columns=["precision_order", "scale_order"]).to_csv(out / "runs.csv", index=False)
+    runs.drop(columns=["precision_order", "scale_order"]).map(shown_path).to_csv(out / "runs.csv", index=False)
     written.append(out / "runs.csv")
 
     acc = tables.accuracy(runs)
@@ -79,7 +89,11 @@ def build_report(paths: list[Path], out: Path, published_path: Path | None) -> l
     ]
     if published_path is not None and published_path.exists():
         paper = tables.paper_comparison(runs, pd.read_csv(published_path))
-        shown = published_path.resolve().relative_to(Path.cwd()) if published_path.resolve().is_relative_to(Path.cwd()) else published_path
+        shown = (
+            published_path.resolve().relative_to(Path.cwd())
+            if published_path.resolve().is_relative_to(Path.cwd())
+            else shown_path(str(published_path.resolve()))
+        )
         sections.append((f"Against the published values ({shown})", "paper_comparison", paper, tables.render_paper(paper)))
     text = [f"# Report\n\n{len(runs)} runs: " + ", ".join(f"{n} {s}" for s, n in runs.status.value_counts().items()) + ".\n"]
     for title, name, df, md in sections:
@@ -94,7 +108,7 @@ def build_report(paths: list[Path], out: Path, published_path: Path | None) -> l
     # (a variant renamed, a record removed) would otherwise sit beside the new ones, unlisted.
     for stale in set((out / "figures").glob("*.png")) - set(figs):
         stale.unlink()
-    text.append("## Figures\n\n" + "\n".join(f"![{p.stem}](figures/{p.name})" for p in figs) + "\n")
+    text.append("## Figures\n\n" + "\n\n".join(_figure_entry(p, runs) for p in figs) + "\n")
     (out / "report.md").write_text("\n".join(text))
     written.append(out / "report.md")
     return written

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import re
-import textwrap
 from pathlib import Path
 
 import matplotlib
@@ -29,10 +28,12 @@ CELL_KEYS = ["model", "data", "schedule", "variant"]
 def _cell_name(keys: tuple) -> tuple[str, str]:
     """A file stem and a title for one cell (model, data, schedule, variant)."""
     model, data, schedule, variant = keys
-    # Wrapped: a long variant would otherwise stretch the figure to its width and shrink the plot.
-    title = textwrap.fill(f"{model}, {data}, {schedule}" + (f", {variant}" if variant else ""), width=70)
-    stem = identity.named(f"{model}_{data}_{schedule}", variant)
-    return stem, title
+    return identity.named(f"{model}_{data}_{schedule}", variant), f"{model}, {data}, {schedule}" + _variant_tag(variant)
+
+
+def _variant_tag(variant: str) -> str:
+    # A variant can run to hundreds of characters: the title names it by tag, report.md spells it out.
+    return f" (variant {identity.tag(variant)})" if variant else ""
 
 
 def _slug(text: str) -> str:
@@ -123,7 +124,7 @@ def throughput_bars(table: pd.DataFrame, out: Path) -> list[Path]:
                     ax.annotate(f"{speedup:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=7)
         unit = df["throughput_unit"].dropna().iloc[0] if df["throughput_unit"].notna().any() else "samples/s"
         ax.set_xticks(range(len(models)), models)
-        where = f"{data}, {schedule}, batch {batch:g}" + ("" if pd.isna(size) else f", {size:g} px") + (f", {variant}" if variant else "")
+        where = f"{data}, {schedule}, batch {batch:g}" + ("" if pd.isna(size) else f", {size:g} px") + _variant_tag(variant)
         ax.set(ylabel=unit, title=f"throughput on {device}\n{where} (label: speedup over fp32)")
         ax.legend(fontsize=8)
         ax.grid(axis="y", alpha=0.3)

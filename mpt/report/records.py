@@ -6,6 +6,8 @@ Numbers stay numbers here: every formatting decision belongs to the renderers (t
 from __future__ import annotations
 
 import json
+import re
+import zlib
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -77,11 +79,30 @@ def find_records(paths: Iterable[Path]) -> list[Path]:
 STATED_BY_MODE = {"scale.value"}
 
 
+ABSOLUTE_PATH = re.compile(r"^(/|~|[A-Za-z]:[\\/])")
+
+
+def shown_path(value: Any) -> Any:
+    """An absolute path as a report shows it: its last part and a hash of the whole, which keeps two
+    folders of one name apart without printing one machine's layout into tables and figures that
+    are committed and read elsewhere. Any other value unchanged."""
+    if not isinstance(value, str) or not ABSOLUTE_PATH.match(value):
+        return value
+    name = re.split(r"[\\/]", value.rstrip("/\\"))[-1]
+    return f"…/{name}#{zlib.crc32(value.encode()):08x}"
+
+
 def cell_variant(variant: str) -> str:
     """What sets a run's setup apart from its model, data and schedule's default: the computational
-    overrides (older records held every override) less those the mode states."""
+    overrides (older records held every override) less those the mode states, paths as shown."""
     parts = identity.variant_parts(identity.computational_variant(variant))
-    return ",".join(p for p in parts if p.partition("=")[0] not in STATED_BY_MODE)
+    shown = []
+    for part in parts:
+        key, _, value = part.partition("=")
+        if key not in STATED_BY_MODE:
+            path = value.strip("'\"")
+            shown.append(f"{key}={shown_path(path)}" if ABSOLUTE_PATH.match(path) else part)
+    return ",".join(shown)
 
 
 def record_row(rec: RunRecord, path: Path) -> dict:
