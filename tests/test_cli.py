@@ -135,3 +135,13 @@ def test_the_slurm_launcher_config_composes_with_its_defaults():
     launcher = cfg.hydra.launcher
     assert launcher._target_.endswith("SlurmLauncher")
     assert (launcher.partition, launcher.gpus_per_node, launcher.tasks_per_node, launcher.timeout_min) == ("gpu", 8, 1, 4320)
+
+
+def test_help_shows_the_commands_and_every_user_facing_option_not_hydras_stock_page():
+    r = mpt_run("--help", cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "mpt-run model=resnet50 precision=mixed scale=dynamic" in r.stdout and "mpt-run -m " in r.stdout
+    assert "powered by Hydra" not in r.stdout and "schema" not in r.stdout
+    for group in ("model", "precision", "scale", "data", "schedule", "experiment"):
+        line = next(line for line in r.stdout.splitlines() if line.startswith(group + " "))
+        assert line.split(": ", 1)[1].split(", ") == sorted(p.stem for p in (ROOT / "configs" / group).glob("*.yaml")), group

@@ -6,6 +6,7 @@ import logging
 import os
 import re
 import sys
+from importlib import resources
 from pathlib import Path
 
 import hydra
@@ -53,7 +54,13 @@ def run_name(seed: int, device: str) -> str:
     return identity.folder_name((choices[g] for g in GROUPS), device_type(device), world, seed, identity.variant(overrides()))
 
 
+def group_options(group: str) -> str:
+    """A config group's options as installed, for `--help`."""
+    return ", ".join(sorted(p.name.removesuffix(".yaml") for p in resources.files("mpt.configs").joinpath(group).iterdir() if p.name.endswith(".yaml")))
+
+
 OmegaConf.register_new_resolver("mpt_run_name", run_name, use_cache=False)
+OmegaConf.register_new_resolver("mpt_options", group_options)
 register_configs()
 
 
