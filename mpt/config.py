@@ -359,6 +359,7 @@ class Config:
     force: bool = False  # run even if the run folder already holds a record with status ok
     resume: bool = True  # continue from the run folder's checkpoint when there is one
     checkpoint: bool = True  # write checkpoints (every schedule.checkpoint_every steps and at the end)
+    logger: Optional[str] = "tensorboard"  # event files in the run's folder beside metrics.jsonl (runner/tensorboard_log.py) | none
 
 
 def register_configs() -> None:
@@ -397,6 +398,9 @@ def positive(cfg: DictConfig, key: str, allow_none: bool = False) -> None:
         raise ConfigError(f"{key}={value}: must be a positive number")
 
 
+LOGGERS = ("tensorboard", "none")
+
+
 def validate(cfg: DictConfig) -> None:
     """Range and combination checks of the settings every run has, run before anything is built.
     Raises ConfigError naming the key. Each task and data source checks its own settings beside its
@@ -418,6 +422,8 @@ def validate(cfg: DictConfig) -> None:
     for key in ["optim.momentum", "optim.weight_decay", "optim.initial_accumulator", "schedule.throughput_warmup", "schedule.lr_warmup_steps"]:
         if OmegaConf.select(cfg, key) < 0:
             raise ConfigError(f"{key}={OmegaConf.select(cfg, key)}: must be zero or positive")
+    if cfg.logger not in (*LOGGERS, None):
+        raise ConfigError(f"logger={cfg.logger}: expected one of {', '.join(LOGGERS)}")
     if (cfg.schedule.steps is None) == (cfg.schedule.epochs is None):
         raise ConfigError(f"schedule: set exactly one of schedule.steps and schedule.epochs (got steps={cfg.schedule.steps}, epochs={cfg.schedule.epochs})")
     if cfg.optim.implementation not in OPTIM_IMPLEMENTATIONS:

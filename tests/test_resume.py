@@ -17,6 +17,7 @@ import torch
 from mpt.runner import checkpoint
 
 from .conftest import ROOT, TINY, build_run, mpt_run, read_record
+from .test_tensorboard import events
 
 DETERMINISTIC_FIELDS = ["status", "steps", "samples", "epochs", "metrics", "final_train_loss", "last_finite_train_loss", "loss_scale", "choices", "config"]
 
@@ -122,6 +123,12 @@ def assert_resumed_as_uninterrupted(reference: Path, resumed: Path) -> None:
             assert res["grad_stats"][key] == ref["grad_stats"][key], key
     assert log_rows(resumed) == log_rows(reference)  # every step's loss, lr, scale and overflow, every evaluation
     assert res.get("sample_grids") == ref.get("sample_grids")  # a generative task's pictures, by step
+    # TensorBoard's view: what the killed run logged past its checkpoint is purged, each step shows once.
+    ref_board, res_board = events(reference), events(resumed)
+    tags = [t for t in ref_board.Tags()["scalars"] if not t.startswith("throughput/")]
+    assert "train/loss" in tags or "train/loss/generator" in tags
+    for tag in tags:
+        assert [(e.step, e.value) for e in res_board.Scalars(tag)] == [(e.step, e.value) for e in ref_board.Scalars(tag)], tag
     for grid in ref.get("sample_grids") or []:
         assert (resumed / grid["path"]).read_bytes() == (reference / grid["path"]).read_bytes()
     assert [r["step"] for r in log_rows(reference) if r["kind"] == "eval"] == [3, 6, 8]

@@ -18,6 +18,7 @@ NOT_COMPUTATIONAL = (
     "force",
     "resume",
     "checkpoint",
+    "logger",
     "device",  # its type (cpu, cuda) names the folder; which GPU of a machine does not change a number
     "schedule.checkpoint_every",
     "schedule.log_every",

@@ -38,6 +38,7 @@ from ..precision.scaler import Diverged, build_scaler
 from . import checkpoint, identity
 from .flops import counting_flops, flops_record, mfu
 from .grad_collector import GradStatsCollector
+from .tensorboard_log import NullBoard, open_board
 from .record import MetricsLog, NullLog, RunRecord, environment, git_commit, now_iso
 from .throughput import ThroughputMeter, peak_memory, reset_peak_memory
 
@@ -150,6 +151,7 @@ class Run:
         self.metrics = MetricsLog(run_dir / "metrics.jsonl", keep_before_step=saved["step"] if saved else None) if self.dist.is_main else NullLog()
         if saved is not None:
             self._restore(saved)
+        self.board = open_board(cfg.logger, run_dir, saved["step"] if saved else None, self.meter, self.grad_stats) if self.dist.is_main else NullBoard()
 
     def _state(self) -> dict:
         return {
@@ -397,6 +399,7 @@ class Run:
             try:
                 self.metrics.close()
             finally:
+                self.board.close()
                 self.data.close()
         self.save_record()
         return rec
@@ -498,6 +501,8 @@ class Run:
             for (r, k), value in zip(slots, means):
                 r[k] = value
         self.metrics.write(rows)
+        self.board.write(rows)
+        self.board.sync(self.step, self.meter, self.grad_stats)
         for r in rows:
             self.last_loss = r["loss"]
             if math.isfinite(r["loss"]):
@@ -526,6 +531,7 @@ class Run:
             metrics.update({f"test_{k.removeprefix('val_')}": v for k, v in self.task.evaluate(test, self.forward_context).items()})
         self.record.metrics = {**metrics, "step": step}
         self.metrics.write([{"kind": "eval", "step": step, **metrics}])
+        self.board.write([{"kind": "eval", "step": step, **metrics}])
         if self.record.sample_grids is not None and self.dist.is_main:
             path = self.task.save_samples(self.run_dir / "samples" / f"step_{step:06d}.png", self.forward_context)
             self.record.sample_grids = [

@@ -1,0 +1,97 @@
+"""TensorBoard event files in the run's folder (`logger=tensorboard`, the default), so that
+`tensorboard --logdir results/runs` sets runs side by side. metrics.jsonl stays the record of every
+step; this is a view of the same rows, plus what the record keeps only in summary: the throughput
+windows, and on sampled steps the gradient histograms and the share of updates lost in FP16."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..config import ConfigError
+
+
+class NullBoard:
+    def write(self, rows: list[dict]) -> None:
+        pass
+
+    def sync(self, step: int, meter, grad_stats) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class TensorBoardLog:
+    """One SummaryWriter per run. Tags: `train/<key>` (a network's name appended when the task
+    trains several), `eval/<metric>`, `throughput/<unit>`; on sampled steps `grad_log2/<network>/<kind>` (a
+    histogram of log2|g|, zeros left out), `grad_zero_share/...`, `grad_lost_in_fp16_share/...`
+    and `lost_updates/<network>`."""
+
+    def __init__(self, run_dir: Path, resumed_at: int | None, meter, grad_stats):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:  # torch's writer needs the tensorboard package
+            raise ConfigError(f"logger=tensorboard: {e}; install it (pip install tensorboard) or set logger=none") from e
+        # A resumed run hides what a killed one logged past its checkpoint, as metrics.jsonl drops it.
+        self.writer = SummaryWriter(str(run_dir), purge_step=resumed_at, flush_secs=10)
+        # What a resumed run restored was logged before the kill.
+        self.windows = len(meter.pipeline)
+        self.grad_steps = {(net, kind): len(steps) for net, kinds in grad_stats.step_hists.items() for kind, steps in kinds.items()}
+        self.lost_steps = {net: len(steps) for net, steps in grad_stats.lost_steps.items()}
+
+    def write(self, rows: list[dict]) -> None:
+        for row in rows:
+            step = row["step"]
+            if row["kind"] == "eval":
+                for key, value in row.items():
+                    if key not in ("kind", "step") and isinstance(value, (int, float)):
+                        self.writer.add_scalar(f"eval/{key}", float(value), step)
+                continue
+            suffix = "" if row["group"] == "model" else f"/{row['group']}"  # a GAN's two networks
+            for key, value in row.items():
+                if key in ("kind", "step", "group") or value is None:
+                    continue
+                self.writer.add_scalar(f"train/{'loss_scale' if key == 'scale' else key}{suffix}", float(value), step)
+
+    def sync(self, step: int, meter, grad_stats) -> None:
+        """What the meter and the collector completed since the last call, logged at `step`."""
+        unit = meter.summary()["unit"].replace("/", " per ")
+        for value in meter.pipeline[self.windows :]:
+            self.writer.add_scalar(f"throughput/{unit}", value, step)
+        self.windows = len(meter.pipeline)
+        for net, kinds in grad_stats.step_hists.items():
+            for kind, steps in kinds.items():
+                for sampled, hist in steps[self.grad_steps.get((net, kind), 0) :]:
+                    self._histogram(f"{net}/{kind}", sampled, hist.summary(grad_stats.keep))
+                self.grad_steps[(net, kind)] = len(steps)
+        for net, steps in grad_stats.lost_steps.items():
+            for row in steps[self.lost_steps.get(net, 0) :]:
+                if row.get("share_lost_fp16") is not None:
+                    self.writer.add_scalar(f"lost_updates/{net}", row["share_lost_fp16"], row["step"])
+            self.lost_steps[net] = len(steps)
+
+    def _histogram(self, tag: str, step: int, summary: dict) -> None:
+        self.writer.add_scalar(f"grad_zero_share/{tag}", summary["share_zero"], step)
+        self.writer.add_scalar(f"grad_lost_in_fp16_share/{tag}", summary["share_lost_fp16"], step)  # of the non-zero values
+        bins = sorted((int(e), c) for e, c in summary["log2_bins"].items())
+        if not bins:
+            return
+        # Bucket e holds the values with floor(log2|g|) = e: its right edge is e + 1.
+        self.writer.add_histogram_raw(
+            f"grad_log2/{tag}",
+            min=bins[0][0],
+            max=bins[-1][0] + 1,
+            num=sum(c for _, c in bins),
+            sum=sum(e * c for e, c in bins),
+            sum_squares=sum(e * e * c for e, c in bins),
+            bucket_limits=[e + 1 for e, _ in bins],
+            bucket_counts=[c for _, c in bins],
+            global_step=step,
+        )
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def open_board(logger: str | None, run_dir: Path, resumed_at: int | None, meter, grad_stats) -> TensorBoardLog | NullBoard:
+    return TensorBoardLog(run_dir, resumed_at, meter, grad_stats) if logger == "tensorboard" else NullBoard()

@@ -1,0 +1,64 @@
+"""TensorBoard event files, read back with tensorboard's own reader: the same numbers as the record."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from .conftest import ROOT, TINY, mpt_run, read_record
+
+EventAccumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator").EventAccumulator
+
+
+def events(run_dir):
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "histograms": 0})
+    acc.Reload()
+    return acc
+
+
+def test_a_runs_event_files_hold_its_losses_scales_evaluations_and_gradient_histograms(tmp_path):
+    r = mpt_run(
+        TINY, "schedule=smoke", "schedule.steps=6", "schedule.log_every=2", "schedule.eval_every=3", "precision=mixed", "scale=dynamic",
+        "stats.grad_hist=true", "stats.lost_updates=true", "stats.every=2", "checkpoint=false", f"hydra.run.dir={tmp_path}", cwd=ROOT,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    rec = read_record(tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train = [row for row in rows if row["kind"] == "train"]
+    acc = events(tmp_path)
+
+    def scalars(tag):
+        return [(e.step, e.value) for e in acc.Scalars(tag)]
+
+    assert scalars("train/loss") == [(row["step"], pytest.approx(row["loss"], rel=1e-6)) for row in train]
+    assert scalars("train/loss_scale") == [(row["step"], row["scale"]) for row in train]
+    assert scalars("train/lr") == [(row["step"], pytest.approx(row["lr"], rel=1e-6)) for row in train]
+    assert [v for _, v in scalars("train/overflow")] == [float(row["overflow"]) for row in train]
+    evals = [row for row in rows if row["kind"] == "eval"]
+    assert scalars("eval/top1") == [(row["step"], pytest.approx(row["top1"], rel=1e-6)) for row in evals]
+    assert acc.Scalars("eval/top1")[-1].value == pytest.approx(rec["metrics"]["top1"], rel=1e-6)
+    unit = rec["throughput"]["unit"].replace("/", " per ")
+    assert len(acc.Scalars(f"throughput/{unit}")) == rec["throughput"]["windows"]
+
+    # Each sampled step's histogram of log2|g|: the record's counts of that step, zeros left out.
+    for kind in ("activation", "weight"):
+        steps = rec["grad_stats"]["networks"]["model"][kind]["steps"]
+        hists = acc.Histograms(f"grad_log2/model/{kind}")
+        assert [h.step for h in hists] == [s["step"] for s in steps] == rec["grad_stats"]["sampled_steps"]
+        for h, s in zip(hists, steps):
+            bins = {int(e): c for e, c in s["log2_bins"].items()}
+            assert h.histogram_value.num == s["nonzero"] == sum(bins.values())
+            assert list(h.histogram_value.bucket_limit) == [e + 1 for e in sorted(bins)]
+            assert list(h.histogram_value.bucket) == [bins[e] for e in sorted(bins)]
+        assert [e.value for e in acc.Scalars(f"grad_zero_share/model/{kind}")] == [pytest.approx(s["share_zero"]) for s in steps]
+    lost = rec["grad_stats"]["lost_updates"]["networks"]["model"]["steps"]
+    assert scalars("lost_updates/model") == [(s["step"], pytest.approx(s["share_lost_fp16"], rel=1e-6)) for s in lost]
+
+
+def test_logger_none_writes_no_event_file_and_a_bad_logger_is_named(tmp_path):
+    r = mpt_run(TINY, "schedule=smoke", "logger=none", "checkpoint=false", f"hydra.run.dir={tmp_path / 'run'}", cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (tmp_path / "run" / "result.json").exists() and not list((tmp_path / "run").glob("events.out.tfevents.*"))
+    r = mpt_run(TINY, "schedule=smoke", "logger=wandb", f"hydra.run.dir={tmp_path / 'bad'}", cwd=ROOT)
+    assert r.returncode != 0 and "logger=wandb: expected one of tensorboard, none" in r.stderr
