@@ -38,8 +38,8 @@ from ..precision.scaler import Diverged, build_scaler
 from . import checkpoint, identity
 from .flops import counting_flops, flops_record, mfu
 from .grad_collector import GradStatsCollector
-from .tensorboard_log import NullBoard, open_board
 from .record import MetricsLog, NullLog, RunRecord, environment, git_commit, now_iso
+from .tensorboard_log import NullBoard, open_board
 from .throughput import ThroughputMeter, peak_memory, reset_peak_memory
 
 log = logging.getLogger("mpt")
