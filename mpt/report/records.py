@@ -83,13 +83,13 @@ ABSOLUTE_PATH = re.compile(r"^(/|~|[A-Za-z]:[\\/])")
 
 
 def shown_path(value: Any) -> Any:
-    """An absolute path as a report shows it: its last part and a hash of the whole, which keeps two
-    folders of one name apart without printing one machine's layout into tables and figures that
-    are committed and read elsewhere. Any other value unchanged."""
+    """An absolute path as a report shows it: a hash of the whole, then its last part
+    (`…5f255303/raccoon`), which keeps two folders of one name apart without printing one machine's
+    layout into tables and figures that are committed and read elsewhere. Other values unchanged."""
     if not isinstance(value, str) or not ABSOLUTE_PATH.match(value):
         return value
     name = re.split(r"[\\/]", value.rstrip("/\\"))[-1]
-    return f"…/{name}#{zlib.crc32(value.encode()):08x}"
+    return f"…{zlib.crc32(value.encode()):08x}/{name}"  # the hash stands for what is left out
 
 
 def cell_variant(variant: str) -> str:

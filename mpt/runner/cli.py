@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import sys
@@ -162,12 +163,14 @@ def _run_locked(cfg: DictConfig, run_dir: Path, multirun: bool) -> tuple[str, bo
     final = previous is not None and previous.status in ("ok", "diverged")  # results; a failed, preempted or unfinished run is redone
     if final and not cfg.force:
         if identity.same_computation(previous.config or {}, as_plain(cfg)):
-            print(f"mpt-run: {run_dir} already has a record with status {previous.status}; skipped (force=true runs it again)", flush=True)
+            print(f"mpt-run: {run_label()}: {run_dir} already has a record with status {previous.status}; skipped (force=true runs it again)", flush=True)
             return "skipped", False
         print(f"mpt-run: {run_dir} has a {previous.status} record of a different config (the config files changed); running again", flush=True)
     try:
         validate(cfg)
-        job = Run(cfg, run_dir, variant=identity.variant(overrides()))
+        job = Run(cfg, run_dir, variant=identity.variant(overrides()), label=run_label())
+        if multirun and job.dist.is_main:
+            print(f"mpt-run: {run_label()}: {run_dir.name}", flush=True)
     except ConfigError as e:  # before any training: one line, no record
         print(f"mpt-run: error: {e}", file=sys.stderr)
         if multirun:
@@ -273,11 +276,45 @@ def preflight(args: list[str]) -> str | None:
     return None
 
 
+def sweep_size(args: list[str]) -> int | None:
+    """How many runs `mpt-run -m` makes of these arguments: the product of the sweep's value counts,
+    a preset's sweep (hydra.sweeper.params) narrowed by the command line, as Hydra's sweeper does."""
+    from hydra import compose, initialize_config_module
+
+    words = [a for a in args if not a.startswith("-")]
+    parser = OverridesParser.create()
+    parsed = parser.parse_overrides(words)
+    counts = {}
+    plain = [w for w, o in zip(words, parsed) if not o.is_sweep_override() and not o.key_or_group.startswith("hydra")]
+    with initialize_config_module(config_module="mpt.configs", version_base="1.3"):
+        preset = compose(config_name="config", overrides=plain, return_hydra_config=True).hydra.sweeper.get("params") or {}
+    # Later overrides of a key replace earlier ones, the preset's first: a plain model=alexnet narrows it.
+    for o in [*parser.parse_overrides([f"{k}={v}" for k, v in preset.items()]), *parsed]:
+        counts[o.get_key_element()] = len(list(o.sweep_string_iterator())) if o.is_sweep_override() else 1
+    return math.prod(counts.values())
+
+
+SWEEP_SIZE: int | None = None  # set by main() for `mpt-run -m`: run i/N
+
+
+def run_label() -> str:
+    hc = HydraConfig.get()
+    if hc.mode != RunMode.MULTIRUN:
+        return "mpt-run"
+    return f"run {hc.job.num + 1}" + (f"/{SWEEP_SIZE}" if SWEEP_SIZE else "")
+
+
 def main() -> None:
+    global SWEEP_SIZE
     problem = preflight(sys.argv[1:])
     if problem:
         print(f"mpt-run: error: {problem}", file=sys.stderr)
         sys.exit(2)
+    if {"-m", "--multirun"} & set(sys.argv[1:]) and not any(a.split("=")[0] in _PASS_THROUGH for a in sys.argv[1:]):
+        try:
+            SWEEP_SIZE = sweep_size(sys.argv[1:])
+        except Exception:  # a sweep this count does not understand still runs, labelled run i
+            SWEEP_SIZE = None
     if not from_env().enabled:
         launch()
         return

@@ -38,6 +38,7 @@ from ..precision.scaler import Diverged, build_scaler
 from . import checkpoint, identity
 from .flops import counting_flops, flops_record, mfu
 from .grad_collector import GradStatsCollector
+from .progress import Progress
 from .record import MetricsLog, NullLog, RunRecord, environment, git_commit, now_iso
 from .tensorboard_log import NullBoard, open_board
 from .throughput import ThroughputMeter, peak_memory, reset_peak_memory
@@ -85,10 +86,12 @@ def seed_everything(seed: int) -> None:
 class Run:
     """One training run: built from a validated config, writing into `run_dir`."""
 
-    def __init__(self, cfg: DictConfig, run_dir: Path, variant: str = ""):
+    def __init__(self, cfg: DictConfig, run_dir: Path, variant: str = "", label: str | None = None):
         self.cfg = cfg
         self.variant = variant
         self.run_dir = run_dir
+        self.label = label or run_dir.name  # what its progress line calls it
+        self.progress: Progress | None = None  # shown while train() runs, not while a benchmark drives steps()
         self.dist = from_env()
         self.device = resolve_device(cfg.device, self.dist)
         check_device_support(cfg.precision, self.device)
@@ -354,6 +357,9 @@ class Run:
         # Under torchrun the ranks end together (finishing, or diverging on a shared decision) and
         # meet in the collectives below; a rank leaving on an exception is alone and skips them.
         together = False
+        if self.dist.is_main:
+            skipped = {name: e.scaler.summary()["skipped_steps"] for name, e in self.engines.items()}
+            self.progress = Progress(self.label, self.total_steps, self.step, skipped, self.meter.unit)
         try:
             with preemption.catching(), held_for_the_run(self.cfg.precision, self.device, self.cfg.emulate_tensor_cores):
                 for _ in self.steps():
@@ -401,6 +407,8 @@ class Run:
             finally:
                 self.board.close()
                 self.data.close()
+                if self.progress is not None:
+                    self.progress.close()
         self.save_record()
         return rec
 
@@ -503,6 +511,8 @@ class Run:
         self.metrics.write(rows)
         self.board.write(rows)
         self.board.sync(self.step, self.meter, self.grad_stats)
+        if self.progress is not None:
+            self.progress.update(self.step, rows, self.meter.pipeline[-1] if self.meter.pipeline else None)
         for r in rows:
             self.last_loss = r["loss"]
             if math.isfinite(r["loss"]):
