@@ -7,6 +7,7 @@ express (ranges, combinations) live in `validate`, which runs before anything is
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass, field
 from enum import Enum
@@ -424,6 +425,8 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"{key}={OmegaConf.select(cfg, key)}: must be zero or positive")
     if cfg.logger not in (*LOGGERS, None):
         raise ConfigError(f"logger={cfg.logger}: expected one of {', '.join(LOGGERS)}")
+    if cfg.logger == "tensorboard" and importlib.util.find_spec("tensorboard") is None:  # torch's SummaryWriter needs it
+        raise ConfigError("logger=tensorboard: the tensorboard package is not installed; pip install tensorboard, or set logger=none")
     if (cfg.schedule.steps is None) == (cfg.schedule.epochs is None):
         raise ConfigError(f"schedule: set exactly one of schedule.steps and schedule.epochs (got steps={cfg.schedule.steps}, epochs={cfg.schedule.epochs})")
     if cfg.optim.implementation not in OPTIM_IMPLEMENTATIONS:

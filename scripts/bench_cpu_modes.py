@@ -54,7 +54,7 @@ def compose(model: str, mode: str, steps: int, extra: tuple[str, ...] = ()):
 
     register_configs()
     overrides = [*MODELS[model], f"precision={mode}", f"scale={MODES[mode]}", "schedule=smoke", f"schedule.steps={steps}",
-                 "schedule.log_every=1000", "checkpoint=false", "device=cpu", *extra]  # fmt: skip
+                 "schedule.log_every=1000", "checkpoint=false", "logger=none", "device=cpu", *extra]  # fmt: skip
     with initialize_config_module(config_module="mpt.configs", version_base="1.3"):
         cfg = hydra_compose(config_name="config", overrides=overrides)
     validate(cfg)

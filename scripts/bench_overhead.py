@@ -61,6 +61,7 @@ def compose(args) -> DictConfig:
         f"data.train_samples={2 * args.batch_size}",
         f"data.val_samples={args.batch_size}",
         f"device={args.device}",
+        "logger=none",  # the runner's own work, not an event file's
     ]
     with initialize_config_module(config_module="mpt.configs", version_base="1.3"):
         cfg = hydra_compose(config_name="config", overrides=overrides)

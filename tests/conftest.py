@@ -88,3 +88,11 @@ class Vector(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w * x
+
+
+def events(run_dir: Path):
+    """A run folder's TensorBoard events, read by tensorboard's own reader (skips the test without tensorboard)."""
+    reader = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    acc = reader.EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "histograms": 0})
+    acc.Reload()
+    return acc

@@ -7,7 +7,6 @@ import sys
 
 import pytest
 
-from mpt.runner import progress as progress_module
 from mpt.runner.cli import sweep_size
 from mpt.runner.progress import Progress
 
@@ -16,10 +15,9 @@ def rows(step, loss, scale, overflow, group="model"):
     return [{"kind": "train", "step": step, "group": group, "lr": 0.1, "scale": scale, "overflow": overflow, "loss": loss}]
 
 
-def test_without_a_terminal_it_prints_plain_lines_with_eta_loss_scale_skips_and_rate(capsys, monkeypatch):
-    clock = iter([0.0, 10.0, 20.0, 40.0])  # construction, then one reading per update
-    monkeypatch.setattr(progress_module.time, "monotonic", lambda: next(clock))
-    p = Progress("run 2/6", total=100, start=0, skipped={"model": 1}, unit="images", interactive=False, every_s=15)
+def test_without_a_terminal_it_prints_plain_lines_with_eta_loss_scale_skips_and_rate(capsys):
+    readings = iter([0.0, 10.0, 20.0, 40.0])  # construction, then one reading per update
+    p = Progress("run 2/6", total=100, start=0, skipped={"model": 1}, unit="images/s", interactive=False, every_s=15, clock=lambda: next(readings))
     p.update(10, rows(9, 2.5, 1024.0, True), rate=None)  # at 10 s: too soon after the start
     p.update(20, rows(19, 2.25, 512.0, False), rate=123.4)  # at 20 s: printed
     p.update(100, rows(99, float("nan"), 512.0, False), rate=130.0)  # the end is always printed
@@ -33,7 +31,7 @@ def test_without_a_terminal_it_prints_plain_lines_with_eta_loss_scale_skips_and_
 def test_on_a_terminal_one_tqdm_line_per_run_and_each_network_of_a_gan(monkeypatch):
     err = io.StringIO()
     monkeypatch.setattr(sys, "stderr", err)
-    p = Progress("mpt-run", total=10, start=4, skipped={}, unit="images", interactive=True)
+    p = Progress("mpt-run", total=10, start=4, skipped={}, unit="images/s", interactive=True)
     p.update(7, rows(6, 1.5, 8.0, None, "discriminator") + rows(6, 0.7, 8.0, True, "generator"), rate=50.0)
     p.close()
     text = err.getvalue()

@@ -16,8 +16,7 @@ import torch
 
 from mpt.runner import checkpoint
 
-from .conftest import ROOT, TINY, build_run, mpt_run, read_record
-from .test_tensorboard import events
+from .conftest import ROOT, TINY, build_run, events, mpt_run, read_record
 
 DETERMINISTIC_FIELDS = ["status", "steps", "samples", "epochs", "metrics", "final_train_loss", "last_finite_train_loss", "loss_scale", "choices", "config"]
 

@@ -6,15 +6,8 @@ import json
 
 import pytest
 
-from .conftest import ROOT, TINY, mpt_run, read_record
-
-EventAccumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator").EventAccumulator
-
-
-def events(run_dir):
-    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "histograms": 0})
-    acc.Reload()
-    return acc
+from .conftest import ROOT, TINY, build_run, events, mpt_run, read_record
+from .test_resume import Killed, stop_at
 
 
 def test_a_runs_event_files_hold_its_losses_scales_evaluations_and_gradient_histograms(tmp_path):
@@ -62,3 +55,38 @@ def test_logger_none_writes_no_event_file_and_a_bad_logger_is_named(tmp_path):
     assert (tmp_path / "run" / "result.json").exists() and not list((tmp_path / "run").glob("events.out.tfevents.*"))
     r = mpt_run(TINY, "schedule=smoke", "logger=wandb", f"hydra.run.dir={tmp_path / 'bad'}", cwd=ROOT)
     assert r.returncode != 0 and "logger=wandb: expected one of tensorboard, none" in r.stderr
+
+
+def test_a_run_resumed_at_an_evaluation_shows_it_once_and_a_run_started_over_drops_the_old_events(tmp_path):
+    args = [TINY, "data.train_samples=12", "schedule=smoke", "schedule.steps=6", "schedule.checkpoint_every=3", "schedule.eval_every=3",
+            "schedule.log_every=1", "schedule.throughput_warmup=1", "schedule.throughput_window=1", "device=cpu"]  # fmt: skip
+    job = build_run(tmp_path, *args)
+    stop_at(job, 4)  # after the checkpoint and the evaluation at step 3, and one step more
+    with pytest.raises(Killed):
+        job.execute()
+    job = build_run(tmp_path, *args)
+    assert job.step == 3 and job.execute().status == "ok"
+    acc = events(tmp_path)
+    assert [e.step for e in acc.Scalars("eval/top1")] == [3, 6]
+    assert [e.step for e in acc.Scalars("train/loss")] == list(range(6))
+    rec = read_record(tmp_path)
+    windows = acc.Scalars(f"throughput/{rec['throughput']['unit'].replace('/', ' per ')}")
+    assert len(windows) == rec["throughput"]["windows"] and len({e.step for e in windows}) == len(windows)
+
+    job = build_run(tmp_path, *args, "force=true", "resume=false")
+    assert job.execute().status == "ok"
+    assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 1
+    assert [e.step for e in events(tmp_path).Scalars("train/loss")] == list(range(6))
+
+
+def test_a_failing_event_writer_warns_once_and_the_run_goes_on(tmp_path, capsys, monkeypatch):
+    from torch.utils.tensorboard import SummaryWriter
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(SummaryWriter, "add_scalar", full_disk)
+    job = build_run(tmp_path, TINY, "schedule=smoke", "schedule.log_every=1", "checkpoint=false", "device=cpu")
+    assert job.execute().status == "ok"
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "TensorBoard event files" in line]
+    assert len(warnings) == 1 and "No space left on device" in warnings[0]

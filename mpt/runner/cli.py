@@ -165,7 +165,7 @@ def _run_locked(cfg: DictConfig, run_dir: Path, multirun: bool) -> tuple[str, bo
         if identity.same_computation(previous.config or {}, as_plain(cfg)):
             print(f"mpt-run: {run_label()}: {run_dir} already has a record with status {previous.status}; skipped (force=true runs it again)", flush=True)
             return "skipped", False
-        print(f"mpt-run: {run_dir} has a {previous.status} record of a different config (the config files changed); running again", flush=True)
+        print(f"mpt-run: {run_label()}: {run_dir} has a {previous.status} record of a different config (the config files changed); running again", flush=True)
     try:
         validate(cfg)
         job = Run(cfg, run_dir, variant=identity.variant(overrides()), label=run_label())

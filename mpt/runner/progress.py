@@ -15,12 +15,25 @@ def _duration(seconds: float) -> str:
 
 
 class Progress:
-    def __init__(self, label: str, total: int, start: int, skipped: dict[str, int], unit: str, interactive: bool | None = None, every_s: float = 30.0):
-        self.label, self.total, self.unit, self.every_s = label, total, unit, every_s
-        self.skipped = dict(skipped)  # per network, the steps its scaler skipped (a resumed run's too)
+    def __init__(
+        self,
+        label: str,
+        total: int,
+        start: int,
+        skipped: dict[str, int],
+        unit: str,
+        interactive: bool | None = None,
+        every_s: float = 30.0,
+        clock=time.monotonic,
+    ):
+        """`unit`: what the rate counts, as shown (`images/s`)."""
+        self.label, self.total, self.unit, self.every_s, self.clock = label, total, unit, every_s, clock
+        # Per network, the steps its scaler skipped (a resumed run's too), counted on from the rows,
+        # whose overflow flags the flush has already brought to the host.
+        self.skipped = dict(skipped)
         self.losses: dict[str, float] = {}
         self.scales: dict[str, float] = {}
-        self.start_step, self.t0 = start, time.monotonic()
+        self.start_step, self.t0 = start, clock()
         self.printed_at = self.t0
         self.interactive = sys.stderr.isatty() if interactive is None else interactive
         self.bar = None
@@ -42,7 +55,7 @@ class Progress:
             self.bar.set_postfix_str(status, refresh=False)
             self.bar.update(step - self.bar.n)
             return
-        now = time.monotonic()
+        now = self.clock()
         if now - self.printed_at >= self.every_s or step == self.total:
             self.printed_at = now
             done = step - self.start_step
@@ -57,7 +70,7 @@ class Progress:
             loss_text = f"{loss:.4g}" if math.isfinite(loss) else str(loss)
             parts.append(f"{name}loss {loss_text}, scale {self.scales[group]:g}, skipped {self.skipped.get(group, 0)}")
         if rate is not None:
-            parts.append(f"{rate:.4g} {self.unit}/s")
+            parts.append(f"{rate:.4g} {self.unit}")
         return "; ".join(parts)
 
     def close(self) -> None:

@@ -5,9 +5,8 @@ windows, and on sampled steps the gradient histograms and the share of updates l
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
-
-from ..config import ConfigError
 
 
 class NullBoard:
@@ -17,29 +16,61 @@ class NullBoard:
     def sync(self, step: int, meter, grad_stats) -> None:
         pass
 
+    def flush(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
 
 class TensorBoardLog:
     """One SummaryWriter per run. Tags: `train/<key>` (a network's name appended when the task
-    trains several), `eval/<metric>`, `throughput/<unit>`; on sampled steps `grad_log2/<network>/<kind>` (a
-    histogram of log2|g|, zeros left out), `grad_zero_share/...`, `grad_lost_in_fp16_share/...`
-    and `lost_updates/<network>`."""
+    trains several), `eval/<metric>`, `throughput/<unit>`; on sampled steps `grad_log2/<network>/<kind>`
+    (a histogram of log2|g|, zeros left out), `grad_zero_share/...`, `grad_lost_in_fp16_share/...`
+    and `lost_updates/<network>`. Steps are metrics.jsonl's: a train row's is the 0-based step, an
+    evaluation's the count of steps done. A failing writer (a full disk) warns once and goes quiet:
+    the run and its record matter more than this view of them."""
 
-    def __init__(self, run_dir: Path, resumed_at: int | None, meter, grad_stats):
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as e:  # torch's writer needs the tensorboard package
-            raise ConfigError(f"logger=tensorboard: {e}; install it (pip install tensorboard) or set logger=none") from e
-        # A resumed run hides what a killed one logged past its checkpoint, as metrics.jsonl drops it.
+    def __init__(self, run_dir: Path, resumed_at: int | None, meter, grad_stats, per_process: bool = False):
+        from torch.utils.tensorboard import SummaryWriter
+
+        if resumed_at is None:  # starting over, as metrics.jsonl does: an earlier attempt's events go
+            for old in run_dir.glob("events.out.tfevents.*"):
+                old.unlink()
+        # A resumed run hides what a killed one logged at or past its checkpoint's step; the
+        # evaluation at that step is logged again by the caller.
         self.writer = SummaryWriter(str(run_dir), purge_step=resumed_at, flush_secs=10)
+        self.unit = f"{meter.unit} per s" + (" per process" if per_process else "")
+        self.failed = False
         # What a resumed run restored was logged before the kill.
         self.windows = len(meter.pipeline)
         self.grad_steps = {(net, kind): len(steps) for net, kinds in grad_stats.step_hists.items() for kind, steps in kinds.items()}
         self.lost_steps = {net: len(steps) for net, steps in grad_stats.lost_steps.items()}
 
     def write(self, rows: list[dict]) -> None:
+        self._guarded(self._write, rows)
+
+    def sync(self, step: int, meter, grad_stats) -> None:
+        """What the meter and the collector completed since the last call; `step` steps are done."""
+        self._guarded(self._sync, step, meter, grad_stats)
+
+    def flush(self) -> None:
+        """Before a checkpoint: what a kill would lose from the writer's queue cannot be logged again."""
+        self._guarded(self.writer.flush)
+
+    def close(self) -> None:
+        self._guarded(self.writer.close)
+
+    def _guarded(self, fn, *args) -> None:
+        if self.failed:
+            return
+        try:
+            fn(*args)
+        except Exception as e:  # the writer's thread re-raises a failed write on the next call
+            self.failed = True
+            print(f"mpt-run: warning: TensorBoard event files: {e}; no more events for this run (metrics.jsonl goes on)", file=sys.stderr, flush=True)
+
+    def _write(self, rows: list[dict]) -> None:
         for row in rows:
             step = row["step"]
             if row["kind"] == "eval":
@@ -53,11 +84,11 @@ class TensorBoardLog:
                     continue
                 self.writer.add_scalar(f"train/{'loss_scale' if key == 'scale' else key}{suffix}", float(value), step)
 
-    def sync(self, step: int, meter, grad_stats) -> None:
-        """What the meter and the collector completed since the last call, logged at `step`."""
-        unit = meter.summary()["unit"].replace("/", " per ")
+    def _sync(self, step: int, meter, grad_stats) -> None:
+        # At the last step done, on the train rows' 0-based axis: a resumed run's purge at its
+        # checkpoint's step then keeps the windows timed before it.
         for value in meter.pipeline[self.windows :]:
-            self.writer.add_scalar(f"throughput/{unit}", value, step)
+            self.writer.add_scalar(f"throughput/{self.unit}", value, step - 1)
         self.windows = len(meter.pipeline)
         for net, kinds in grad_stats.step_hists.items():
             for kind, steps in kinds.items():
@@ -89,9 +120,6 @@ class TensorBoardLog:
             global_step=step,
         )
 
-    def close(self) -> None:
-        self.writer.close()
 
-
-def open_board(logger: str | None, run_dir: Path, resumed_at: int | None, meter, grad_stats) -> TensorBoardLog | NullBoard:
-    return TensorBoardLog(run_dir, resumed_at, meter, grad_stats) if logger == "tensorboard" else NullBoard()
+def open_board(logger: str | None, run_dir: Path, resumed_at: int | None, meter, grad_stats, per_process: bool = False) -> TensorBoardLog | NullBoard:
+    return TensorBoardLog(run_dir, resumed_at, meter, grad_stats, per_process) if logger == "tensorboard" else NullBoard()

@@ -154,7 +154,11 @@ class Run:
         self.metrics = MetricsLog(run_dir / "metrics.jsonl", keep_before_step=saved["step"] if saved else None) if self.dist.is_main else NullLog()
         if saved is not None:
             self._restore(saved)
-        self.board = open_board(cfg.logger, run_dir, saved["step"] if saved else None, self.meter, self.grad_stats) if self.dist.is_main else NullBoard()
+        self.board = NullBoard()
+        if self.dist.is_main:
+            self.board = open_board(cfg.logger, run_dir, saved["step"] if saved else None, self.meter, self.grad_stats, per_process=self.dist.enabled)
+            if saved is not None and (self.record.metrics or {}).get("step") == saved["step"]:  # purged with the steps past the checkpoint
+                self.board.write([{"kind": "eval", **self.record.metrics}])
 
     def _state(self) -> dict:
         return {
@@ -269,6 +273,7 @@ class Run:
 
     def save_checkpoint(self) -> None:
         self._flush()  # the log on disk covers every step the checkpoint does
+        self.board.flush()
         state = self._state()  # on every rank: it gathers what each holds alone
         if self.dist.is_main:
             checkpoint.save(self.run_dir, state)
@@ -357,10 +362,11 @@ class Run:
         # Under torchrun the ranks end together (finishing, or diverging on a shared decision) and
         # meet in the collectives below; a rank leaving on an exception is alone and skips them.
         together = False
-        if self.dist.is_main:
-            skipped = {name: e.scaler.summary()["skipped_steps"] for name, e in self.engines.items()}
-            self.progress = Progress(self.label, self.total_steps, self.step, skipped, self.meter.unit)
         try:
+            if self.dist.is_main:
+                skipped = {name: e.scaler.summary()["skipped_steps"] for name, e in self.engines.items()}
+                unit = self.meter.unit + ("/s per process" if self.dist.enabled else "/s")
+                self.progress = Progress(self.label, self.total_steps, self.step, skipped, unit)
             with preemption.catching(), held_for_the_run(self.cfg.precision, self.device, self.cfg.emulate_tensor_cores):
                 for _ in self.steps():
                     pass
@@ -405,10 +411,10 @@ class Run:
             try:
                 self.metrics.close()
             finally:
-                self.board.close()
-                self.data.close()
+                self.board.close()  # never raises: a failing writer only warns
                 if self.progress is not None:
                     self.progress.close()
+                self.data.close()
         self.save_record()
         return rec
 
