@@ -125,9 +125,13 @@ def render_mfu(table: pd.DataFrame) -> str:
         return "_no runs with an MFU (schedule=bench on a GPU in the peak table)_"
     keys = [k for k in SAME_SETUP if k in table.columns]
     order = _mode_order(table)
-    table = table.assign(
-        cell=[f"{r.mfu * 100:.1f}% ({r.mfu_math})" for r in table.itertuples()], gflop_per_sample=[f"{v / 1e9:.4g}" for v in table.flops_per_sample]
-    ).fillna({k: "" for k in keys})
+    table = (
+        table.assign(
+            cell=[f"{r.mfu * 100:.1f}% ({r.mfu_math})" for r in table.itertuples()], gflop_per_sample=[f"{v / 1e9:.4g}" for v in table.flops_per_sample]
+        )
+        .astype({k: object for k in keys})
+        .fillna({k: "" for k in keys})
+    )  # object first: a blank in a float column (image size of a language model)
     # FLOPs per sample are the model's, the same in every mode, up to what autograd skips.
     pivot = table.pivot_table(index=[*keys, "throughput_unit"], columns="mode", values="cell", aggfunc="first")
     flops = table.groupby([*keys, "throughput_unit"], dropna=False)["gflop_per_sample"].first()
@@ -299,7 +303,11 @@ def render_relative(table: pd.DataFrame, value: str, ratio: str, fmt_value, unit
     keys = [k for k in SAME_SETUP if k in table.columns]
     order = _mode_order(table)
     table = table.assign(cell=[f"{fmt_value(r[value])}" + ("" if math.isnan(r[ratio]) else f" ({r[ratio]:.2f}x)") for _, r in table.iterrows()])
-    pivot = table.fillna({k: "" for k in keys}).pivot_table(index=[*keys, unit_col], columns="mode", values="cell", aggfunc="first")
+    pivot = (
+        table.astype({k: object for k in keys})
+        .fillna({k: "" for k in keys})
+        .pivot_table(index=[*keys, unit_col], columns="mode", values="cell", aggfunc="first")
+    )
     pivot = pivot[[m for m in order if m in pivot.columns]].reset_index().fillna("")
     pivot.columns = [str(c).removeprefix("config.schedule.") for c in pivot.columns]
     return _md(pivot)
