@@ -546,8 +546,9 @@ class Run:
         if test is not None:  # a held-out split the source was given, scored once, at the end, in full
             metrics.update({f"test_{k.removeprefix('val_')}": v for k, v in self.task.evaluate(test, self.forward_context).items()})
         self.record.metrics = {**metrics, "step": step}
-        self.metrics.write([{"kind": "eval", "step": step, **metrics}])
-        self.board.write([{"kind": "eval", "step": step, **metrics}])
+        row = [{"kind": "eval", "step": step, **metrics}]
+        self.metrics.write(row)
+        self.board.write(row)
         if self.record.sample_grids is not None and self.dist.is_main:
             path = self.task.save_samples(self.run_dir / "samples" / f"step_{step:06d}.png", self.forward_context)
             self.record.sample_grids = [
