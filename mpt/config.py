@@ -76,6 +76,17 @@ class PaperRecipe:
 
 
 @dataclass
+class ShortRun:
+    """The size of this model's schedule=short: minutes on 2 CPU cores. Models differ 100x in cost
+    per sample, so each says how much of it fits."""
+
+    batch_size: int = 8
+    steps: int = 24
+    lr_milestones: list[float] = field(default_factory=list)  # in steps
+    eval_every: int = 12
+
+
+@dataclass
 class ModelConfig:
     name: str = MISSING
     task: Task = Task.classification
@@ -89,6 +100,7 @@ class ModelConfig:
     backbone_weights: Optional[str] = None  # detection: a local torchvision vgg16 state dict to start from (null: random init)
     input_convention: str = "unit_variance"  # detection: unit_variance ([0,1], ImageNet mean/std) | caffe (0-255 minus the mean pixel)
     recipe: PaperRecipe = field(default_factory=PaperRecipe)
+    short: ShortRun = field(default_factory=ShortRun)
 
 
 @dataclass

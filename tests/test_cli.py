@@ -145,3 +145,25 @@ def test_help_shows_the_commands_and_every_user_facing_option_not_hydras_stock_p
     for group in ("model", "precision", "scale", "data", "schedule", "experiment"):
         line = next(line for line in r.stdout.splitlines() if line.startswith(group + " "))
         assert line.split(": ", 1)[1].split(", ") == sorted(p.stem for p in (ROOT / "configs" / group).glob("*.yaml")), group
+
+
+def test_the_summary_tells_the_scale_search_from_later_overflows():
+    from mpt.precision.scaler import DynamicScaler, StaticScaler
+    from mpt.runner.cli import explain_skips
+
+    dynamic = DynamicScaler(init=2.0**16, interval=2000, growth=2.0, backoff=0.5, min=1.0, max=2.0**24)
+    for overflow in [True, True, True, False, False, True, False]:
+        dynamic.update(overflow)
+    s = dynamic.summary()
+    assert (s["initial"], s["final"], s["skipped_steps"], s["initial_skips"], s["steps"]) == (65536, 4096, 4, 3, 7)
+    assert explain_skips(s) == ": the first 3, the scale falling from 65536 until the gradients fit FP16; 1 later, each an overflow at the scale of its step"
+
+    static = StaticScaler(1000.0)
+    for overflow in [True, False, True, True]:
+        static.update(overflow)
+    assert explain_skips(static.summary()) == ": the first 1, until the gradients fit FP16 at this scale; 2 later, each an overflow at the scale of its step"
+    clean = StaticScaler(1000.0)
+    clean.update(False)
+    assert clean.summary()["initial_skips"] == 0 and explain_skips(clean.summary()) == ""
+    older = {k: v for k, v in s.items() if k not in ("initial", "initial_skips")}  # a record from before they were counted
+    assert explain_skips(older) == ""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import fields
+from pathlib import Path
 
 import pytest
 import torch
@@ -116,14 +117,17 @@ def test_a_mode_the_device_cannot_run_is_one_clear_error(monkeypatch):
     "name,overrides", [("resnet50_fp32_none", ["precision=fp32", "scale=none"]), ("resnet50_mixed_dynamic", ["precision=mixed", "scale=dynamic"])]
 )
 def test_records_of_an_older_version_match_the_config_that_computes_the_same(name, overrides):
-    # The committed records predate keys added since (data.class_names, emulate_tensor_cores, ...).
-    # A key they lack takes the value that reproduces how they ran: for FP16 products on a CPU,
+    # Real records of the main job made by an older version, before keys added since (data.class_names,
+    # emulate_tensor_cores, model.short, ...), when schedule=short was 24 steps of batch 8 for every
+    # model. A key they lack takes the value that reproduces how they ran: for FP16 products on a CPU,
     # torch's native kernels, so today's default (emulated) is a different computation for mixed only.
-    saved = json.loads((ROOT / "results" / "cpu-short" / name / "result.json").read_text())["config"]
-    assert "emulate_tensor_cores" not in saved and "emulate_cpu_fp16_conv" not in saved
-    assert same_computation(saved, as_plain(compose_cfg(*overrides, "emulate_tensor_cores=false")))
-    assert same_computation(saved, as_plain(compose_cfg(*overrides))) == (name == "resnet50_fp32_none")
-    assert not same_computation(saved, as_plain(compose_cfg(*overrides, "emulate_tensor_cores=false", "optim.lr=0.2")))
+    saved = json.loads((Path(__file__).parent / "data" / "older_records" / f"{name}.json").read_text())["config"]
+    assert "emulate_tensor_cores" not in saved and "emulate_cpu_fp16_conv" not in saved and "short" not in saved["model"]
+    then = [*overrides, "schedule.batch_size=8", "schedule.steps=24", "schedule.lr_milestones=[]", "schedule.eval_every=12"]
+    assert same_computation(saved, as_plain(compose_cfg(*then, "emulate_tensor_cores=false")))
+    assert same_computation(saved, as_plain(compose_cfg(*then))) == (name == "resnet50_fp32_none")
+    assert not same_computation(saved, as_plain(compose_cfg(*then, "emulate_tensor_cores=false", "optim.lr=0.2")))
+    assert not same_computation(saved, as_plain(compose_cfg(*overrides, "emulate_tensor_cores=false")))  # today's short run is longer
 
 
 @pytest.mark.parametrize("old,same_as_false", [(False, True), (True, False)])

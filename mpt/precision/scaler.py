@@ -29,11 +29,16 @@ class ScaleHistory:
     overflows: list[bool] = field(default_factory=list)
 
     def summary(self, final: float) -> dict:
+        # The overflows before the first clean step are the search for a scale that fits (a dynamic
+        # scaler backing off from its start); the summary tells them from later ones.
+        initial = next((i for i, o in enumerate(self.overflows) if not o), len(self.overflows))
         return {
+            "initial": self.scales[0] if self.scales else final,
             "final": final,
             "min": min([*self.scales, final]),  # final: the scale the next step would use
             "max": max([*self.scales, final]),
             "skipped_steps": sum(self.overflows),
+            "initial_skips": initial,
             "steps": len(self.scales),
         }
 

@@ -81,6 +81,18 @@ def _fmt_bytes(n: float | None) -> str:
     return "n/a" if n is None else f"{n / 2**20:.0f} MiB"
 
 
+def explain_skips(s: dict) -> str:
+    initial = s.get("initial_skips")  # absent from records made before it was counted, as is "initial"
+    if not s["skipped_steps"] or initial is None:
+        return ""
+    later = s["skipped_steps"] - initial
+    falls = s["min"] < s["initial"]
+    how = f"the scale falling from {s['initial']:g} until the gradients fit FP16" if falls else "until the gradients fit FP16 at this scale"
+    parts = [f"the first {initial}, {how}"] if initial else []
+    parts += [f"{later} later, each an overflow at the scale of its step"] if later else []
+    return ": " + "; ".join(parts)
+
+
 def summary_lines(rec: RunRecord) -> list[str]:
     c = rec.choices
     lines = [f"mpt-run {c['model']} precision={c['precision']} scale={c['scale']} data={c['data']} schedule={c['schedule']}: {rec.status}"]
@@ -102,7 +114,7 @@ def summary_lines(rec: RunRecord) -> list[str]:
     mem = rec.memory or {}
     lines.append(f"  memory:     {_fmt_bytes(mem.get('peak_bytes'))} peak ({mem.get('kind')}) on {rec.environment['device_name']}")
     for name, s in (rec.loss_scale or {}).items():
-        lines.append(f"  loss scale: [{name}] final {s['final']:g}, min {s['min']:g}, skipped {s['skipped_steps']}/{s['steps']} steps")
+        lines.append(f"  loss scale: [{name}] final {s['final']:g}, min {s['min']:g}, skipped {s['skipped_steps']}/{s['steps']} steps{explain_skips(s)}")
     lines.append(f"  record:     {Path(rec.run_dir) / 'result.json'}")
     return lines
 
