@@ -48,6 +48,17 @@ def test_defaults_compose_to_the_main_job():
     )
 
 
+def test_the_short_schedule_is_sized_by_the_model_and_an_override_wins():
+    def shape(*overrides):
+        s = compose_cfg(*overrides).schedule
+        return s.batch_size, s.steps, list(s.lr_milestones), s.eval_every
+
+    assert shape() == (32, 90, [50, 70], 30)  # the main job's: long enough to learn the synthetic task
+    assert shape("model=ssd") == shape("model=gnmt_small") == (8, 24, [], 12)
+    assert shape("schedule.batch_size=16", "model.short.steps=40") == (16, 40, [50, 70], 30)
+    assert shape("schedule=smoke")[:2] == (4, 3)
+
+
 @pytest.mark.parametrize("group,option", [(g, o) for g, opts in GROUPS.items() for o in opts])
 def test_every_option_composes_and_validates(group, option):
     extra = {
