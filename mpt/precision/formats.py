@@ -1,0 +1,254 @@
+"""Number formats as data, and exact quantization to them on any device.
+
+Scalar floats (FP16, BF16, OCP FP8 E4M3/E5M2, OCP FP6 E3M2/E2M3 and FP4 E2M1) and the OCP
+Microscaling block formats built on them (32 elements sharing one E8M0 power-of-two scale).
+`quantize` returns the value each element takes in the format (a quantize-dequantize round trip,
+in FP32); it is computed with integer operations on the FP32 bit pattern, never with
+`.to(dtype)`, because casts differ between libraries and devices at the edges (torch saturates
+E4M3 on a CPU, +inf included; ml_dtypes gives NaN): docs/formats.md lists every difference found.
+
+Rounding is to nearest, ties to even, or stochastic (rounding up with probability equal to the
+distance from the value below, in units of the quantum). What an overflow becomes is the format's
+policy: `inf` (IEEE), `saturate` (to the largest finite value, +-inf included: CUDA's SATFINITE)
+or `nan`. A NaN stays NaN in every format, even one with no NaN encoding (FP6, FP4: MX marks a
+block NaN through its scale).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from ..config import ConfigError
+
+_MANTISSA_MASK = (1 << 23) - 1
+_SIGN = -(1 << 31)  # 0x80000000 as an int32
+# Past this many dropped bits (of a 24-bit significand) everything rounds to zero; capping the
+# shift keeps it defined for int32.
+_MAX_SHIFT = 30
+
+
+@dataclass(frozen=True)
+class FloatFormat:
+    """A scalar binary floating-point format: sign, `exp_bits` of exponent (bias `bias`) and
+    `man_bits` of fraction, with subnormals. `specials` says what the top exponent holds: `ieee`
+    (infinities and NaNs, as FP16), `fn` (finite-only with a single NaN mantissa pattern, all ones,
+    as OCP E4M3) or `none` (no infinities, no NaN: FP6 and FP4)."""
+
+    name: str
+    exp_bits: int
+    man_bits: int
+    bias: int
+    specials: str
+    overflow: str  # the default policy
+    overflows: tuple[str, ...]  # the policies the format can express
+
+    @property
+    def bits(self) -> int:
+        return 1 + self.exp_bits + self.man_bits
+
+    @property
+    def emin(self) -> int:
+        """Exponent of the smallest normal."""
+        return 1 - self.bias
+
+    @property
+    def emax(self) -> int:
+        """Exponent of the largest finite value."""
+        top = (1 << self.exp_bits) - 1
+        return top - 1 - self.bias if self.specials == "ieee" else top - self.bias
+
+    @property
+    def max(self) -> float:
+        # E4M3's all-ones mantissa at the top exponent is its NaN, so its largest fraction is one
+        # step lower.
+        steps = (1 << self.man_bits) - (2 if self.specials == "fn" else 1)
+        return (1 + steps / (1 << self.man_bits)) * 2.0**self.emax
+
+    @property
+    def min_normal(self) -> float:
+        return 2.0**self.emin
+
+    @property
+    def min_subnormal(self) -> float:
+        return 2.0 ** (self.emin - self.man_bits)
+
+    @property
+    def has_inf(self) -> bool:
+        return self.specials == "ieee"
+
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        """The FP32 value of each integer code (sign in the top bit of `bits`); for tests and tables."""
+        codes = codes.to(torch.int64)
+        sign = torch.where((codes >> (self.bits - 1)) & 1 == 1, -1.0, 1.0).double()
+        e = (codes >> self.man_bits) & ((1 << self.exp_bits) - 1)
+        f = (codes & ((1 << self.man_bits) - 1)).double()
+        top = (1 << self.exp_bits) - 1
+        normal = (1 + f / (1 << self.man_bits)) * torch.pow(2.0, (e - self.bias).double())
+        value = torch.where(e == 0, f / (1 << self.man_bits) * 2.0**self.emin, normal)
+        if self.specials == "ieee":
+            value = torch.where(e == top, torch.where(f == 0, math.inf, math.nan), value)
+        elif self.specials == "fn":
+            value = torch.where((e == top) & (f == (1 << self.man_bits) - 1), math.nan, value)
+        return (sign * value).float()
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """An OCP Microscaling format: blocks of `block` consecutive elements along one axis share a
+    power-of-two scale X (E8M0: 2^-127 .. 2^127, and NaN). X = 2^(floor(log2 amax) - emax of the
+    element), clamped to E8M0's range; each element is the element format's value of v / X,
+    saturating (OCP MX v1.0, section 6.3). A block holding a NaN or an infinity gets X = NaN: E8M0
+    has no other way to say it, and FP6/FP4 elements have no infinity."""
+
+    name: str
+    element: FloatFormat
+    block: int = 32
+    scale_exp_min: int = -127
+    scale_exp_max: int = 127
+    overflow: str = field(default="saturate", init=False)
+
+    @property
+    def bits(self) -> int:
+        return self.element.bits
+
+
+Format = FloatFormat | BlockFormat
+
+FP16 = FloatFormat("fp16", 5, 10, 15, "ieee", "inf", ("inf", "saturate"))
+BF16 = FloatFormat("bf16", 8, 7, 127, "ieee", "inf", ("inf", "saturate"))
+# FP8 casts on NVIDIA hardware (and Transformer Engine's) saturate; E5M2 also has the IEEE policy.
+E4M3 = FloatFormat("e4m3", 4, 3, 7, "fn", "saturate", ("saturate", "nan"))
+E5M2 = FloatFormat("e5m2", 5, 2, 15, "ieee", "saturate", ("saturate", "inf"))
+E3M2 = FloatFormat("e3m2", 3, 2, 3, "none", "saturate", ("saturate",))
+E2M3 = FloatFormat("e2m3", 2, 3, 1, "none", "saturate", ("saturate",))
+E2M1 = FloatFormat("e2m1", 2, 1, 1, "none", "saturate", ("saturate",))
+
+FORMATS: dict[str, Format] = {
+    f.name: f
+    for f in [
+        FP16,
+        BF16,
+        E4M3,
+        E5M2,
+        E3M2,
+        E2M3,
+        E2M1,
+        BlockFormat("mxfp8_e4m3", E4M3),
+        BlockFormat("mxfp8_e5m2", E5M2),
+        BlockFormat("mxfp6_e3m2", E3M2),
+        BlockFormat("mxfp6_e2m3", E2M3),
+        BlockFormat("mxfp4", E2M1),
+    ]
+}
+
+
+def get_format(name: str) -> Format:
+    if name not in FORMATS:
+        raise ConfigError(f"format {name!r}: no such format; choose one of {', '.join(FORMATS)}")
+    return FORMATS[name]
+
+
+def _exp2(q: torch.Tensor) -> torch.Tensor:
+    """2^q in FP32 for integer q in [-149, 127], built from its bits (normal or subnormal)."""
+    normal = (q + 127).clamp(min=1) << 23
+    subnormal = torch.ones_like(q) << (q + 149).clamp(0, 22)
+    return torch.where(q >= -126, normal, subnormal).to(torch.int32).view(torch.float32)
+
+
+def _round(
+    x: torch.Tensor,
+    man_bits: int,
+    emin: torch.Tensor | int,
+    generator: Optional[torch.Generator],
+) -> torch.Tensor:
+    """|x| rounded to `man_bits` fraction bits with exponents clamped below at `emin` (subnormals
+    below it), unbounded above; NaN and infinity are left to the caller."""
+    bits = x.contiguous().view(torch.int32)
+    a = bits & ~_SIGN
+    biased = a >> 23
+    e = torch.where(biased == 0, -126, biased - 127)  # an FP32 subnormal's quantum is that of 2^-126
+    s = torch.where(biased == 0, a & _MANTISSA_MASK, (a & _MANTISSA_MASK) | (1 << 23))
+    q = torch.maximum(e, torch.as_tensor(emin, dtype=e.dtype, device=e.device)) - man_bits  # the quantum's exponent
+    d = (q - e + 23).clamp(0, _MAX_SHIFT)  # bits of s below the quantum
+    kept = s >> d
+    rem = s & ((1 << d) - 1)
+    if generator is None:
+        half = (1 << d) >> 1
+        up = (rem > half) | ((rem == half) & (half > 0) & (kept & 1 == 1))
+    else:
+        draw = torch.randint(0, 1 << _MAX_SHIFT, s.shape, generator=generator, device=s.device, dtype=torch.int32)
+        up = (draw & ((1 << d) - 1)) < rem
+    kept = kept + up.to(kept.dtype)
+    # kept * 2^q is exact: kept < 2^25 and every value these formats reach is an FP32 number.
+    value = kept.float() * _exp2(q.clamp(min=-149))
+    return (value.view(torch.int32) | (bits & _SIGN)).view(torch.float32)
+
+
+def quantize(
+    x: torch.Tensor,
+    fmt: Format | str,
+    overflow: Optional[str] = None,
+    stochastic: bool = False,
+    generator: Optional[torch.Generator] = None,
+    axis: int = -1,
+) -> torch.Tensor:
+    """The value of each element of `x` in `fmt`, as FP32 (a quantize-dequantize round trip).
+    `x` is cast to FP32 first (exactly, from FP16 or BF16). Block formats group `axis` into blocks
+    (zero-padded at the end). Stochastic rounding draws from `generator` (a fresh one seeded 0 if
+    none is given, so a call is reproducible)."""
+    fmt = get_format(fmt) if isinstance(fmt, str) else fmt
+    x = x.float()
+    if stochastic and generator is None:
+        generator = torch.Generator(device=x.device).manual_seed(0)
+    gen = generator if stochastic else None
+    if isinstance(fmt, BlockFormat):
+        if overflow not in (None, "saturate"):
+            raise ConfigError(f"overflow={overflow!r}: {fmt.name} elements saturate; choose saturate")
+        return _quantize_blocks(x, fmt, gen, axis)
+    policy = overflow or fmt.overflow
+    if policy not in fmt.overflows:
+        raise ConfigError(f"overflow={policy!r}: {fmt.name} can express {', '.join(fmt.overflows)}")
+    return _finish(x, _round(x, fmt.man_bits, fmt.emin, gen), fmt.max, policy)
+
+
+def _finish(x: torch.Tensor, rounded: torch.Tensor, max_value: torch.Tensor | float, policy: str) -> torch.Tensor:
+    """Applies the overflow policy to the rounded values and restores NaN."""
+    over = rounded.abs() > max_value  # includes x = +-inf, which _round leaves huge or infinite
+    if policy == "saturate":
+        out = torch.where(over, torch.copysign(torch.as_tensor(max_value, device=x.device).expand_as(x), x), rounded)
+    elif policy == "inf":
+        out = torch.where(over, torch.copysign(torch.full_like(x, math.inf), x), rounded)
+    else:
+        out = torch.where(over, torch.full_like(x, math.nan), rounded)
+    return torch.where(torch.isnan(x), x, out)
+
+
+def block_scale_exponents(x: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+    """The E8M0 exponent of each block of the last axis of `x` (already padded to whole blocks):
+    floor(log2 amax) - emax of the element, clamped to [-127, 127]; NaN blocks are marked by the
+    caller. floor(log2) is read off the exponent bits, so it is exact."""
+    amax = x.unflatten(-1, (-1, fmt.block)).abs().amax(-1)
+    biased = (amax.view(torch.int32) >> 23) & 0xFF
+    floor_log2 = biased - 127  # an FP32-subnormal or zero amax gives -127, which the clamp takes anyway
+    return (floor_log2 - fmt.element.emax).clamp(fmt.scale_exp_min, fmt.scale_exp_max)
+
+
+def _quantize_blocks(x: torch.Tensor, fmt: BlockFormat, generator: Optional[torch.Generator], axis: int) -> torch.Tensor:
+    moved = x.movedim(axis, -1)
+    n = moved.shape[-1]
+    padded = torch.nn.functional.pad(moved, (0, (-n) % fmt.block)).contiguous()
+    exps = block_scale_exponents(padded, fmt)
+    finite = torch.isfinite(padded.unflatten(-1, (-1, fmt.block))).all(-1)
+    # Quantizing v directly at the element's exponent range shifted by the block's exponent gives
+    # X * element(v / X) with no intermediate rounding of v / X.
+    per_element = exps.repeat_interleave(fmt.block, dim=-1)
+    el = fmt.element
+    rounded = _round(padded, el.man_bits, el.emin + per_element, generator)
+    max_value = el.max * _exp2(per_element)
+    out = _finish(padded, rounded, max_value, "saturate")
+    out = torch.where(finite.repeat_interleave(fmt.block, dim=-1), out, math.nan)
+    return out[..., :n].movedim(-1, axis)
