@@ -188,6 +188,22 @@ def _round(
     return (value.view(torch.int32) | (bits & _SIGN)).view(torch.float32)
 
 
+@dataclass
+class Quantized:
+    """A quantize-dequantize round trip with what happened to each element: `values` (FP32),
+    `overflow` (finite or infinite inputs that rounded beyond the largest value: became inf,
+    saturated or NaN by the policy) and `min_normal` (the smallest normal magnitude each element
+    could take: a scalar, or per element under block scales)."""
+
+    values: torch.Tensor
+    overflow: torch.Tensor
+    min_normal: torch.Tensor | float
+
+    @property
+    def subnormal(self) -> torch.Tensor:
+        return (self.values != 0) & (self.values.abs() < self.min_normal)
+
+
 def quantize(
     x: torch.Tensor,
     fmt: Format | str,
@@ -200,6 +216,18 @@ def quantize(
     `x` is cast to FP32 first (exactly, from FP16 or BF16). Block formats group `axis` into blocks
     (zero-padded at the end). Stochastic rounding draws from `generator` (a fresh one seeded 0 if
     none is given, so a call is reproducible)."""
+    return quantize_detail(x, fmt, overflow, stochastic, generator, axis).values
+
+
+def quantize_detail(
+    x: torch.Tensor,
+    fmt: Format | str,
+    overflow: Optional[str] = None,
+    stochastic: bool = False,
+    generator: Optional[torch.Generator] = None,
+    axis: int = -1,
+) -> Quantized:
+    """`quantize`, with which elements overflowed and where subnormals begin."""
     fmt = get_format(fmt) if isinstance(fmt, str) else fmt
     x = x.float()
     if stochastic and generator is None:
@@ -212,19 +240,21 @@ def quantize(
     policy = overflow or fmt.overflow
     if policy not in fmt.overflows:
         raise ConfigError(f"overflow={policy!r}: {fmt.name} can express {', '.join(fmt.overflows)}")
-    return _finish(x, _round(x, fmt.man_bits, fmt.emin, gen), fmt.max, policy)
+    values, over = _finish(x, _round(x, fmt.man_bits, fmt.emin, gen), fmt.max, policy)
+    return Quantized(values, over, fmt.min_normal)
 
 
-def _finish(x: torch.Tensor, rounded: torch.Tensor, max_value: torch.Tensor | float, policy: str) -> torch.Tensor:
-    """Applies the overflow policy to the rounded values and restores NaN."""
-    over = rounded.abs() > max_value  # includes x = +-inf, which _round leaves huge or infinite
+def _finish(x: torch.Tensor, rounded: torch.Tensor, max_value: torch.Tensor | float, policy: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Applies the overflow policy to the rounded values and restores NaN; also returns which
+    elements overflowed."""
+    over = (rounded.abs() > max_value) & ~torch.isnan(x)  # includes x = +-inf, which _round leaves huge or infinite
     if policy == "saturate":
         out = torch.where(over, torch.copysign(torch.as_tensor(max_value, device=x.device).expand_as(x), x), rounded)
     elif policy == "inf":
         out = torch.where(over, torch.copysign(torch.full_like(x, math.inf), x), rounded)
     else:
         out = torch.where(over, torch.full_like(x, math.nan), rounded)
-    return torch.where(torch.isnan(x), x, out)
+    return torch.where(torch.isnan(x), x, out), over
 
 
 def block_scale_exponents(x: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
@@ -237,7 +267,7 @@ def block_scale_exponents(x: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     return (floor_log2 - fmt.element.emax).clamp(fmt.scale_exp_min, fmt.scale_exp_max)
 
 
-def _quantize_blocks(x: torch.Tensor, fmt: BlockFormat, generator: Optional[torch.Generator], axis: int) -> torch.Tensor:
+def _quantize_blocks(x: torch.Tensor, fmt: BlockFormat, generator: Optional[torch.Generator], axis: int) -> Quantized:
     moved = x.movedim(axis, -1)
     n = moved.shape[-1]
     padded = torch.nn.functional.pad(moved, (0, (-n) % fmt.block)).contiguous()
@@ -248,7 +278,11 @@ def _quantize_blocks(x: torch.Tensor, fmt: BlockFormat, generator: Optional[torc
     per_element = exps.repeat_interleave(fmt.block, dim=-1)
     el = fmt.element
     rounded = _round(padded, el.man_bits, el.emin + per_element, generator)
-    max_value = el.max * _exp2(per_element)
-    out = _finish(padded, rounded, max_value, "saturate")
+    scale = _exp2(per_element)
+    out, over = _finish(padded, rounded, el.max * scale, "saturate")
     out = torch.where(finite.repeat_interleave(fmt.block, dim=-1), out, math.nan)
-    return out[..., :n].movedim(-1, axis)
+
+    def back(t: torch.Tensor) -> torch.Tensor:
+        return t[..., :n].movedim(-1, axis)
+
+    return Quantized(back(out), back(over), back(el.min_normal * scale))
