@@ -325,13 +325,16 @@ class OptimConfig:
 @dataclass
 class StatsConfig:
     """Gradient statistics (runner/grad_collector.py): histograms of log2|g| of activation gradients
-    (each parameterized layer's output) and weight gradients, per layer and in total; and the
-    weight updates FP16 weights lose."""
+    (each parameterized layer's output) and weight gradients, per layer and in total; the weight
+    updates FP16 weights lose; and the numerics atlas of the formats listed."""
 
     grad_hist: bool = False  # on: sample every `every`-th step; off: no hook is ever installed
     lost_updates: bool = False  # on: on the same sampled steps, count the updates FP16 weights lose or would lose (precision/lost_updates.py)
     every: int = 100  # the every-th, 2*every-th, ... step is sampled (1: every step)
     keep: float = 0.999  # the share of non-zero gradients the recommended scale keeps from FP16's zero
+    # The numerics atlas: on the same sampled steps, every matrix product's inputs, weights,
+    # activation gradients and weight gradients against each of these formats (precision/formats.py)
+    formats: list[str] = field(default_factory=list)
 
 
 @dataclass

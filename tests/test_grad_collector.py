@@ -251,3 +251,84 @@ def test_lost_updates_are_counted_per_layer_on_sampled_steps_only():
         assert {layer: (v["updated"], v["lost_fp16"]) for layer, v in lost["layers"].items()} == oracle[name]
         assert lost["steps"] == [{"step": 1, "lr": 0.1, **lost["total"]}]
         assert 0 < lost["total"]["lost_fp16"] < lost["total"]["updated"]
+
+
+def atlas_of(fmts, *pieces) -> dict:
+    from mpt.precision.atlas import FormatAtlas
+
+    a = FormatAtlas(fmts)
+    for t, axis in pieces:
+        a.add(t, 1.0, axis)
+    return a.summary()
+
+
+def test_the_atlas_counts_each_products_input_weights_and_unscaled_gradients():
+    from mpt.precision.formats import get_format
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 5))
+    x, G = torch.randn(2, 3, 8, 8), torch.randn(2, 5)
+    h0 = model[0](x)
+    flat = model[3](model[2](model[1](h0)))
+    y = model[4](flat)
+    g_h0, g_y, g_w0, g_w4 = torch.autograd.grad((y * G).sum(), [h0, y, model[0].weight, model[4].weight])
+    model.zero_grad()
+
+    S = 256.0
+    names = ["fp16", "e4m3", "mxfp8_e4m3"]
+    cfg = OmegaConf.create({"grad_hist": False, "every": 1, "keep": 0.999, "formats": names})
+    c = GradStatsCollector(cfg, {"model": model}, CPU)
+    with c.step(0):
+        with c.backward("model", S):
+            ((model(x) * G).sum() * S).backward()
+    atlas = c.summary()["atlas"]
+    assert atlas["formats"] == names and c.summary()["networks"] == {}  # the histograms stay off
+    layers = atlas["networks"]["model"]["layers"]
+    assert list(layers) == ["0", "4"]  # the products only: not batch-norm
+    fmts = [get_format(n) for n in names]
+    # Convolutions block along channels (axis 1, the weight's input channels), linear layers along features.
+    assert layers["0"]["input"] == atlas_of(fmts, (x, 1))
+    assert layers["0"]["weight"] == atlas_of(fmts, (model[0].weight.detach(), 1))
+    assert layers["0"]["activation_grad"] == atlas_of(fmts, (g_h0, 1))
+    assert layers["0"]["weight_grad"] == atlas_of(fmts, (g_w0, 1))
+    assert layers["4"]["input"] == atlas_of(fmts, (flat, -1))
+    assert layers["4"]["activation_grad"] == atlas_of(fmts, (g_y, -1))
+    assert layers["4"]["weight_grad"] == atlas_of(fmts, (g_w4, -1))
+    total = atlas["networks"]["model"]["total"]["input"]
+    assert total["values"] == x.numel() + flat.numel()
+    assert not [h for h in model.modules() if h._forward_hooks]  # none outlives the step
+
+
+def test_an_atlas_run_writes_it_into_the_record(tmp_path):
+    r = mpt_run(
+        "model=mobilenet_v3_small",
+        "schedule=smoke",
+        "precision=mixed",
+        "scale=dynamic",
+        "stats.every=1",
+        "stats.formats=[bf16,e5m2,mxfp4]",
+        f"hydra.run.dir={tmp_path}",
+        cwd=ROOT,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    atlas = read_record(tmp_path)["grad_stats"]["atlas"]
+    total = atlas["networks"]["model"]["total"]
+    assert set(total) == {"input", "weight", "activation_grad", "weight_grad"}
+    for role in total.values():
+        assert set(role["formats"]) == {"bf16", "e5m2", "mxfp4"}
+        assert 0 <= role["formats"]["mxfp4"]["share_lost"] <= 1 and role["formats"]["mxfp4"]["scaling"] == "block"
+    assert total["weight"]["formats"]["bf16"]["share_lost"] == 0  # a network's weights fit BF16's range
+
+    written = build_report([tmp_path], tmp_path / "report", None)
+    table = (tmp_path / "report" / "tables" / "atlas.md").read_text()
+    assert "| model | input | mxfp4 |" in table and "(block)" in table and "(per-tensor)" in table
+    heatmaps = sorted(p.name for p in written if p.name.startswith("atlas_"))
+    assert len(heatmaps) == 3 and all(f"atlas_{f}_" in " ".join(heatmaps) for f in ("bf16", "e5m2", "mxfp4"))
+
+
+def test_a_bad_atlas_format_is_named_before_the_run():
+    from mpt.config import ConfigError
+    from mpt.runner.validation import validate
+
+    with pytest.raises(ConfigError, match=r"^stats.formats: 'fp8' is no format; choose from fp16, bf16, e4m3, e5m2, "):
+        validate(compose_cfg("stats.formats=[fp16,fp8]"))

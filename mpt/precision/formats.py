@@ -148,7 +148,7 @@ FORMATS: dict[str, Format] = {
 
 def get_format(name: str) -> Format:
     if name not in FORMATS:
-        raise ConfigError(f"format {name!r}: no such format; choose one of {', '.join(FORMATS)}")
+        raise ConfigError(f"format {name!r}: no such format; choose from {', '.join(FORMATS)}")
     return FORMATS[name]
 
 

@@ -12,7 +12,7 @@ import pandas as pd
 from ..runner import identity
 from ..runner.record import RecordError
 from . import figures, tables
-from .records import load_curves, load_runs, shown_path
+from .records import load_atlas, load_curves, load_runs, shown_path
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 
@@ -58,6 +58,8 @@ def build_report(paths: list[Path], out: Path, published_path: Path | None) -> l
     util = tables.mfu(runs)
     gs = tables.gradient_stats(runs)
     lu = tables.lost_updates(runs)
+    atlas_rows = load_atlas(runs)
+    at = tables.atlas(atlas_rows)
     sections = [
         ("Accuracy", "accuracy", acc, tables.render_accuracy(acc)),
         (
@@ -86,6 +88,12 @@ def build_report(paths: list[Path], out: Path, published_path: Path | None) -> l
             lu,
             tables.render_lost_updates(lu),
         ),
+        (
+            "Numerics atlas (network totals over the sampled steps: % of non-zero values each format loses or holds as subnormals as they are; SQNR as they are and scaled; power-of-two scales)",
+            "atlas",
+            at,
+            tables.render_atlas(at),
+        ),
     ]
     if published_path is not None and published_path.exists():
         paper = tables.paper_comparison(runs, pd.read_csv(published_path))
@@ -103,6 +111,7 @@ def build_report(paths: list[Path], out: Path, published_path: Path | None) -> l
     figs = figures.loss_curves(curves, out / "figures") + figures.loss_scale_curves(curves, out / "figures") + figures.throughput_bars(tp, out / "figures")
     figs += figures.sample_grids(runs, out / "figures") + figures.gradient_histograms(runs, out / "figures")
     figs += figures.gradient_histograms_over_training(runs, out / "figures") + figures.lost_update_curves(runs, out / "figures")
+    figs += figures.atlas_heatmaps(atlas_rows, out / "figures")
     written += figs
     # figures/ is the report's own: a figure an earlier report drew for a cell that no longer exists
     # (a variant renamed, a record removed) would otherwise sit beside the new ones, unlisted.

@@ -336,3 +336,37 @@ def gradient_histograms_over_training(runs: pd.DataFrame, out: Path) -> list[Pat
                 )
                 written.append(_save(fig, out / f"{identity.named(f'grads_over_training_{kind}_{cell}_{net}', run['variant'])}.png"))
     return written
+
+
+ATLAS_ROLES = ["input", "weight", "activation_grad", "weight_grad"]
+
+
+def atlas_heatmaps(rows: pd.DataFrame, out: Path, worst: int = 3) -> list[Path]:
+    """For each mode's lowest seed with an atlas, each network and format: layers down, roles
+    across, each cell the share of its non-zero values the format loses as they are (underflow to
+    zero or overflow), on one 0-100% scale for every format; the `worst` cells are named."""
+    written = []
+    if rows.empty:
+        return written
+    layers = rows[rows.layer != "(total)"].fillna({"variant": ""})
+    first = layers.sort_values("seed").drop_duplicates([*CELL_KEYS, "mode"])[[*CELL_KEYS, "mode", "seed"]]
+    for _, run in first.iterrows():
+        mine = layers.merge(run.to_frame().T, on=[*CELL_KEYS, "mode", "seed"])
+        stem, title = _cell_name(tuple(run[k] for k in CELL_KEYS))
+        for (net, fmt), df in mine.groupby(["network", "format"], sort=False):
+            grid = df.pivot_table(index="layer", columns="role", values="share_lost", aggfunc="first", sort=False)
+            grid = grid.reindex(columns=[r for r in ATLAS_ROLES if r in grid.columns]) * 100
+            fig, ax = plt.subplots(figsize=(6.5, 1.2 + 0.2 * len(grid)), constrained_layout=True)
+            im = ax.imshow(grid.to_numpy(dtype=float), aspect="auto", cmap="magma_r", vmin=0, vmax=100, interpolation="nearest")
+            ax.set_xticks(range(len(grid.columns)), [c.replace("_", " ") for c in grid.columns], fontsize=8)
+            ax.set_yticks(range(len(grid)), grid.index, fontsize=6 if len(grid) > 30 else 8)
+            fig.colorbar(im, ax=ax, label="% of non-zero values lost (underflow or overflow)")
+            ranked = grid.stack().sort_values(ascending=False)
+            named = [(layer, role, v) for (layer, role), v in ranked.head(worst).items() if v > 0]
+            for layer, role, v in named:
+                ax.text(list(grid.columns).index(role), list(grid.index).index(layer), f"{v:.3g}%", ha="center", va="center", fontsize=7, color="tab:cyan")
+            worst_text = "; ".join(f"{layer} {role.replace('_', ' ')} {v:.3g}%" for layer, role, v in named) or "nothing lost"
+            where = f"{net}, " if df["network"].nunique() and mine["network"].nunique() > 1 else ""
+            ax.set_title(f"{fmt}: {where}{run['mode']}, seed {run['seed']}\n{title}\nworst: {worst_text}", fontsize=8)
+            written.append(_save(fig, out / f"atlas_{fmt}_{stem}_{_slug(str(run['mode']))}_seed{run['seed']}_{net}.png"))
+    return written

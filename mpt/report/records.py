@@ -199,6 +199,33 @@ def load_runs(paths: Iterable[Path]) -> pd.DataFrame:
     )
 
 
+ATLAS_KEYS = ["model", "data", "schedule", "variant", "mode", "precision", "scale", "scale_value", "precision_order", "scale_order", "seed", "run_dir"]
+
+
+def load_atlas(runs: pd.DataFrame) -> pd.DataFrame:
+    """The numerics atlas of every run that has one (stats.formats): one row per run, network,
+    layer ("(total)" for the network's), role and format."""
+    rows = []
+    for _, run in runs[runs.get("grad_sampled_steps", pd.Series(index=runs.index, dtype=float)).notna()].iterrows():
+        atlas = (RunRecord.load(Path(run["run_dir"]) / "result.json").grad_stats or {}).get("atlas")
+        for net, parts in ((atlas or {}).get("networks") or {}).items():
+            for layer, roles in [("(total)", parts["total"]), *parts["layers"].items()]:
+                for role, summary in roles.items():
+                    for fmt, entry in summary["formats"].items():
+                        rows.append(
+                            {
+                                **{k: run[k] for k in ATLAS_KEYS},
+                                "network": net,
+                                "layer": layer,
+                                "role": role,
+                                "format": fmt,
+                                **{k: summary[k] for k in ("values", "nonzero", "share_zero", "max_abs")},
+                                **entry,
+                            }
+                        )
+    return pd.DataFrame(rows)
+
+
 def _log_rows(path: Path) -> list[dict]:
     """A run's metrics.jsonl; a line cut short (a kill or a full disk mid-write) is left out."""
     rows = []

@@ -280,6 +280,55 @@ def paper_comparison(runs: pd.DataFrame, published: pd.DataFrame) -> pd.DataFram
 # ---------------------------------------------------------------- Markdown
 
 
+def atlas(rows: pd.DataFrame) -> pd.DataFrame:
+    """Per run, network, role and format: the atlas's network totals (per-layer rows stay in the
+    heatmaps and the record)."""
+    if rows.empty:
+        return rows
+    keep = [
+        *CELL_KEYS,
+        *MODE_KEYS,
+        "seed",
+        "network",
+        "role",
+        "format",
+        "values",
+        "nonzero",
+        "share_zero",
+        "share_underflow",
+        "share_subnormal",
+        "share_overflow",
+        "share_lost",
+    ]
+    keep += ["sqnr_db", "sqnr_db_scaled", "scaling", "recommended_scale", "max_safe_scale"]
+    return rows[rows.layer == "(total)"].reindex(columns=keep).reset_index(drop=True)
+
+
+def render_atlas(table: pd.DataFrame) -> str:
+    if table.empty:
+        return "_no runs with stats.formats_"
+    pct = lambda v: "" if pd.isna(v) else f"{v * 100:.3g}"  # noqa: E731
+    db = lambda v, nonzero: ("" if not nonzero else "exact") if pd.isna(v) else f"{v:.1f}"  # noqa: E731
+    scale = lambda v: "none" if pd.isna(v) else f"2^{round(math.log2(v))}"  # noqa: E731
+    parts = []
+    for model, rows in table.groupby("model", sort=False):
+        out = pd.DataFrame(
+            {
+                **{k: rows[k] for k in [*CELL_KEYS[1:], "mode", "seed", "network", "role", "format"]},
+                "% zero": rows.share_zero.map(pct),
+                "% underflow": rows.share_underflow.map(pct),
+                "% subnormal": rows.share_subnormal.map(pct),
+                "% overflow": rows.share_overflow.map(pct),
+                "SQNR dB": [db(v, n) for v, n in zip(rows.sqnr_db, rows.nonzero)],
+                "SQNR dB scaled": [f"{db(v, n)} ({how})" for v, n, how in zip(rows.sqnr_db_scaled, rows.nonzero, rows.scaling)],
+                "recommended scale": [scale(v) if how == "per-tensor" else "" for v, how in zip(rows.recommended_scale, rows.scaling)],
+                "largest safe": [scale(v) if how == "per-tensor" else "" for v, how in zip(rows.max_safe_scale, rows.scaling)],
+            }
+        )
+        parts.append(f"### {model}\n\n" + _md(out))
+    return "\n\n".join(parts)
+
+
 def _md(df: pd.DataFrame) -> str:
     header = "| " + " | ".join(map(str, df.columns)) + " |"
     rule = "|" + "---|" * len(df.columns)

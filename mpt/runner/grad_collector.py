@@ -9,6 +9,11 @@ backward ran with, so runs in any precision and with any scale are comparable wi
 other steps no hook is installed at all, so they cost nothing; a sampled step's cost is timed
 against the step before it, and sampled steps are left out of throughput.
 
+With stats.formats, the numerics atlas: on the same sampled steps, each matrix product's module
+(convolutions, transposed convolutions, linear layers, LSTMs) has its input, weights, activation
+gradients and weight gradients counted against every format listed (precision/atlas.py), per
+layer and in total; block formats are blocked along the axis the product reduces over.
+
 With stats.lost_updates, a sampled step's update is counted by the precision engine
 (`counting_lost`): per weight, the updates an FP16 weight would lose, asked of the FP32 values it
 writes, or for FP16 weights updated in place (fp16, fp16_modmom) the updates they did lose (the
@@ -28,12 +33,37 @@ from omegaconf import DictConfig
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from ..precision.atlas import FormatAtlas
 from ..precision.engine import PrecisionEngine
+from ..precision.formats import get_format
 from ..precision.grad_histogram import CHUNK, GradHistogram
 from ..precision.lost_updates import LostUpdates
 from .throughput import synchronize
 
 KINDS = ("activation", "weight")
+ROLES = {
+    "input": "the input of the layer's matrix product (an LSTM's input sequence; its recurrent state is not seen)",
+    "weight": "the layer's weights (an LSTM's input, recurrent and projection weights), after the backward, before the update",
+    "activation_grad": "the gradient of the loss with respect to the layer's output, unscaled",
+    "weight_grad": "the gradient of the loss with respect to the layer's weights, unscaled",
+}
+_CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_CONV_T = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+MATMULS = (nn.Linear, *_CONV, *_CONV_T, nn.RNNBase, nn.RNNCellBase)
+
+
+def matmul_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules whose work is a matrix product, by qualified name."""
+    return [(name or "(root)", m) for name, m in model.named_modules() if isinstance(m, MATMULS)]
+
+
+def block_axes(module: nn.Module) -> dict[str, int]:
+    """Per role, the axis the module's product reduces over, along which MX blocks run: channels
+    for convolutions (a transposed convolution's weight holds its input channels first), features
+    for linear layers and LSTMs."""
+    conv = isinstance(module, _CONV + _CONV_T)
+    weight = (0 if isinstance(module, _CONV_T) else 1) if conv else -1
+    return {"input": 1 if conv else -1, "weight": weight, "activation_grad": 1 if conv else -1, "weight_grad": weight}
 
 
 def parameterized_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -49,11 +79,15 @@ class GradStatsCollector:
 
     def __init__(self, stats: DictConfig, networks: dict[str, nn.Module], device: torch.device, warmup: int = 0):
         self.hist_on, self.updates_on = bool(stats.grad_hist), bool(stats.get("lost_updates", False))
-        self.enabled, self.every, self.keep = self.hist_on or self.updates_on, int(stats.every), float(stats.keep)
+        self.formats = [get_format(name) for name in stats.get("formats", [])]
+        self.atlas_on = bool(self.formats)
+        self.enabled, self.every, self.keep = self.hist_on or self.updates_on or self.atlas_on, int(stats.every), float(stats.keep)
         self.device = device
         self.warmup = warmup  # steps of this process not timed: the first ones are slow for reasons of their own
         self._steps_seen = 0  # in this process: a resumed run warms up again
         self.layers = {net: parameterized_layers(model) for net, model in networks.items()}
+        self.matmuls = {net: matmul_layers(model) for net, model in networks.items()}
+        self.atlas: dict[str, dict[str, dict[str, FormatAtlas]]] = {net: {} for net in networks}  # network -> layer -> role
         self.hists: dict[str, dict[str, dict[str, GradHistogram]]] = {net: {k: {} for k in KINDS} for net in networks}
         # The sampled step's own counts, per layer, merged into `hists` when it ends; and each
         # sampled step's total per network and kind, so the record shows how the gradients move.
@@ -118,10 +152,19 @@ class GradStatsCollector:
         finally:
             self._backward_of = None
         self.loss_scales[network].append(scale)
-        for name, module in self.layers[network]:
-            for p in module.parameters(recurse=False):
-                if p.grad is not None:
-                    self._hist(network, "weight", name).add(p.grad, scale)
+        if self.hist_on:
+            for name, module in self.layers[network]:
+                for p in module.parameters(recurse=False):
+                    if p.grad is not None:
+                        self._hist(network, "weight", name).add(p.grad, scale)
+        if self.atlas_on:
+            for name, module in self.matmuls[network]:
+                axes = block_axes(module)
+                for pname, p in module.named_parameters(recurse=False):
+                    if pname.startswith("weight"):
+                        self._atlas(network, name, "weight").add(p, 1.0, axes["weight"])
+                        if p.grad is not None:
+                            self._atlas(network, name, "weight_grad").add(p.grad, scale, axes["weight_grad"])
 
     @contextlib.contextmanager
     def update(self, network: str, engine: PrecisionEngine) -> Iterator[None]:
@@ -140,12 +183,15 @@ class GradStatsCollector:
         self.lost_steps[network].append({"step": self._sampled_step, "lr": float(engine.lr), **step.summary()})
 
     def _install(self) -> None:
-        if not self.hist_on:
-            return
-        for net, layers in self.layers.items():
-            for name, module in layers:
-                # First among the hooks: a network's boundary hook casts FP16 outputs to FP32 (precision.py).
-                self._handles.append(module.register_forward_hook(functools.partial(self._on_forward, net, name), prepend=True))
+        # First among the hooks: a network's boundary hook casts FP16 outputs to FP32 (precision.py).
+        if self.hist_on:
+            for net, layers in self.layers.items():
+                for name, module in layers:
+                    self._handles.append(module.register_forward_hook(functools.partial(self._on_forward, net, name), prepend=True))
+        if self.atlas_on:
+            for net, layers in self.matmuls.items():
+                for name, module in layers:
+                    self._handles.append(module.register_forward_hook(functools.partial(self._on_atlas_forward, net, name, block_axes(module)), prepend=True))
 
     def _remove(self) -> None:
         for h in self._handles:
@@ -162,6 +208,24 @@ class GradStatsCollector:
         # loss flows through the frozen discriminator): each network counts its own loss only.
         if self._backward_of is not None and self._backward_of[0] == net:
             self._hist(net, "activation", name).add(grad, self._backward_of[1])
+
+    def _on_atlas_forward(self, net: str, name: str, axes: dict[str, int], _module: nn.Module, args, output) -> None:
+        inputs = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        if inputs:  # an LSTM given a PackedSequence: its data is the first floating-point leaf
+            self._atlas(net, name, "input").add(inputs[0], 1.0, axes["input"] if inputs[0].dim() > 1 else -1)
+        for t in tree_leaves(output):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(functools.partial(self._on_atlas_grad, net, name, axes["activation_grad"] if t.dim() > 1 else -1))
+
+    def _on_atlas_grad(self, net: str, name: str, axis: int, grad: torch.Tensor) -> None:
+        if self._backward_of is not None and self._backward_of[0] == net:
+            self._atlas(net, name, "activation_grad").add(grad, self._backward_of[1], axis)
+
+    def _atlas(self, net: str, layer: str, role: str) -> FormatAtlas:
+        roles = self.atlas[net].setdefault(layer, {})
+        if role not in roles:
+            roles[role] = FormatAtlas(self.formats, self.device)
+        return roles[role]
 
     def _close_step(self, step: int) -> None:
         for net, kinds in self._this_step.items():
@@ -222,12 +286,31 @@ class GradStatsCollector:
             "keep": self.keep,
             "grad_hist": self.hist_on,
             "lost_updates": updates,
+            "atlas": self._atlas_summary() if self.atlas_on else None,
             "sampled_steps": list(self.sampled_steps),
             "loss_scales": {net: list(v) for net, v in self.loss_scales.items()},
             "values": "unscaled: divided by the loss scale of their step's backward; values a scaled FP16 backward had already flushed count as zeros",
             "activation": "gradient of the loss with respect to the output of each module that owns parameters",
             "cost": self._cost(),
             "networks": networks if self.hist_on else {},
+        }
+
+    def _atlas_summary(self) -> dict:
+        networks = {}
+        for net, layers in self.atlas.items():
+            totals: dict[str, FormatAtlas] = {}
+            for roles in layers.values():
+                for role, a in roles.items():
+                    totals.setdefault(role, FormatAtlas(self.formats, self.device)).merge(a)
+            networks[net] = {
+                "total": {role: totals[role].summary(self.keep) for role in ROLES if role in totals},
+                "layers": {layer: {role: roles[role].summary(self.keep) for role in ROLES if role in roles} for layer, roles in layers.items()},
+            }
+        return {
+            "formats": [f.name for f in self.formats],
+            "roles": dict(ROLES),
+            "what": "per format, of the non-zero finite values: the shares that underflow to zero, are subnormal and overflow (become inf or NaN, or saturate) as they are; share_lost = underflow + overflow; SQNR of the round trip as they are and scaled per tensor by the largest safe power of two (block formats: by their block scales); the largest safe and the recommended power-of-two scales (precision/atlas.py)",
+            "networks": networks,
         }
 
     def _cost(self) -> dict:
@@ -252,6 +335,9 @@ class GradStatsCollector:
             "lost": {net: {name: c.counts.cpu() for name, c in layers.items()} for net, layers in self.lost.items()},
             "lost_steps": {net: list(v) for net, v in self.lost_steps.items()},
             "lost_counted": dict(self.lost_counted),
+            "atlas": {
+                net: {layer: {role: a.state_dict() for role, a in roles.items()} for layer, roles in layers.items()} for net, layers in self.atlas.items()
+            },
             "step_hists": {
                 net: {kind: [(step, h.state_dict()) for step, h in steps] for kind, steps in kinds.items()} for net, kinds in self.step_hists.items()
             },
@@ -275,3 +361,7 @@ class GradStatsCollector:
                 self.lost[net].setdefault(name, LostUpdates(self.device)).counts = counts.to(self.device)
         self.lost_steps.update({net: list(v) for net, v in state.get("lost_steps", {}).items()})
         self.lost_counted.update(state.get("lost_counted", {}))
+        for net, layers in state.get("atlas", {}).items():  # checkpoints before the atlas have none
+            for layer, roles in layers.items():
+                for role, saved in roles.items():
+                    self._atlas(net, layer, role).load_state_dict(saved)

@@ -6,11 +6,16 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from .. import config, datasets, models
+from ..config import ConfigError
+from ..precision.formats import FORMATS
 
 
 def validate(cfg: DictConfig) -> None:
     """Raises ConfigError naming the first bad value."""
     config.validate(cfg)
+    for name in cfg.stats.formats:
+        if name not in FORMATS:
+            raise ConfigError(f"stats.formats: {name!r} is no format; choose from {', '.join(FORMATS)}")
     datasets.source(cfg)  # the data fits the task before either reads its settings
     models.validate(cfg)
     datasets.validate(cfg)
