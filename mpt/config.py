@@ -335,6 +335,9 @@ class StatsConfig:
     # The numerics atlas: on the same sampled steps, every matrix product's inputs, weights,
     # activation gradients and weight gradients against each of these formats (precision/formats.py)
     formats: list[str] = field(default_factory=list)
+    # On a skipped step, run it again with hooks to name the first module whose tensor became
+    # non-finite (runner/overflow_trace.py); steps that do not overflow pay nothing for it
+    trace_overflow: bool = True
 
 
 @dataclass

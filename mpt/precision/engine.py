@@ -283,12 +283,16 @@ class PrecisionEngine:
     def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, scale: float | None = None) -> None:
+        """The backward of `loss` times the loss scale (`scale`: another, for a step run again)."""
         # Start from clean gradients: another network's backward (a GAN's generator loss flows
         # through the discriminator) may have written into this one's since its last step.
         self._zero_grad()
         with self.arithmetic():  # the backward's products are the GPU's too
-            (loss * self.scaler.scale).backward()
+            (loss * (self.scaler.scale if scale is None else scale)).backward()
+
+    def zero_grad(self) -> None:
+        self._zero_grad()
 
     @torch.no_grad()
     def step(self) -> bool:

@@ -12,7 +12,7 @@ import pandas as pd
 from ..runner import identity
 from ..runner.record import RecordError
 from . import figures, tables
-from .records import load_atlas, load_curves, load_runs, shown_path
+from .records import load_atlas, load_curves, load_overflow_origins, load_runs, shown_path
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 
@@ -60,6 +60,7 @@ def build_report(paths: list[Path], out: Path, published_path: Path | None) -> l
     lu = tables.lost_updates(runs)
     atlas_rows = load_atlas(runs)
     at = tables.atlas(atlas_rows)
+    origins = load_overflow_origins(runs)
     sections = [
         ("Accuracy", "accuracy", acc, tables.render_accuracy(acc)),
         (
@@ -76,6 +77,12 @@ def build_report(paths: list[Path], out: Path, published_path: Path | None) -> l
         ),
         ("Model FLOPs utilization (model FLOPs per sample x samples/s over the GPU's dense peak for the mode's math)", "mfu", util, tables.render_mfu(util)),
         ("Loss scaling", "loss_scaling", ls, tables.render_loss_scaling(ls)),
+        (
+            "Where skipped steps overflowed first (per run: the module and tensor whose values became non-finite first, and how many skips each caused)",
+            "overflow_origins",
+            origins,
+            tables.render_overflow_origins(origins),
+        ),
         (
             "Gradients against FP16's range (shares of non-zero values; % zero of all; unscaled; sampled steps' cost against a plain step)",
             "gradient_stats",

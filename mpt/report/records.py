@@ -226,6 +226,17 @@ def load_atlas(runs: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def load_overflow_origins(runs: pd.DataFrame) -> pd.DataFrame:
+    """Per run, network, module and role: how many skipped steps overflowed there first."""
+    rows = []
+    for _, run in runs[runs.get("skipped_steps", pd.Series(0, index=runs.index)).fillna(0) > 0].iterrows():
+        origins = RunRecord.load(Path(run["run_dir"]) / "result.json").overflow_origins or {}
+        for net, found in (origins.get("networks") or {}).items():
+            for entry in found["by_module"]:
+                rows.append({**{k: run[k] for k in ATLAS_KEYS}, "network": net, **entry, "skipped_steps": run["skipped_steps"]})
+    return pd.DataFrame(rows)
+
+
 def _log_rows(path: Path) -> list[dict]:
     """A run's metrics.jsonl; a line cut short (a kill or a full disk mid-write) is left out."""
     rows = []

@@ -329,6 +329,13 @@ def render_atlas(table: pd.DataFrame) -> str:
     return "\n\n".join(parts)
 
 
+def render_overflow_origins(table: pd.DataFrame) -> str:
+    if table.empty:
+        return "_no skipped step traced (stats.trace_overflow)_"
+    cols = [*CELL_KEYS, "mode", "seed", "network", "module", "role", "skips"]
+    return _md(table[cols].fillna({"variant": ""}))
+
+
 def _md(df: pd.DataFrame) -> str:
     header = "| " + " | ".join(map(str, df.columns)) + " |"
     rule = "|" + "---|" * len(df.columns)

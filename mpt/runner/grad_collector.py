@@ -103,6 +103,16 @@ class GradStatsCollector:
         self.step_seconds: dict[str, list[float]] = {"sampled": [], "plain": []}
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._backward_of: tuple[str, float] | None = None  # the network whose loss is in backward, and its scale
+        self._paused = False
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Hooks of a sampled step ignore what runs inside (a step run again to trace an overflow)."""
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
 
     def sampling(self, step: int) -> bool:
         return self.enabled and (step + 1) % self.every == 0
@@ -199,6 +209,8 @@ class GradStatsCollector:
         self._handles = []
 
     def _on_forward(self, net: str, name: str, _module: nn.Module, _args, output) -> None:
+        if self._paused:
+            return
         for t in tree_leaves(output):
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 t.register_hook(functools.partial(self._on_activation_grad, net, name))
@@ -210,6 +222,8 @@ class GradStatsCollector:
             self._hist(net, "activation", name).add(grad, self._backward_of[1])
 
     def _on_atlas_forward(self, net: str, name: str, axes: dict[str, int], _module: nn.Module, args, output) -> None:
+        if self._paused:
+            return
         inputs = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor) and t.is_floating_point()]
         if inputs:  # an LSTM given a PackedSequence: its data is the first floating-point leaf
             self._atlas(net, name, "input").add(inputs[0], 1.0, axes["input"] if inputs[0].dim() > 1 else -1)

@@ -90,6 +90,7 @@ class RunRecord:
     flops: Optional[dict] = None  # schedule.count_flops: model FLOPs of one step (flops.py)
     mfu: Optional[dict] = None
     grad_stats: Optional[dict] = None  # stats.grad_hist: gradient histograms against FP16's range
+    overflow_origins: Optional[dict] = None  # stats.trace_overflow: which module overflowed first on each skipped step
     environment: Optional[dict] = None
     git: Optional[dict] = None
     started_at: Optional[str] = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 import random
@@ -38,6 +39,7 @@ from ..precision.scaler import Diverged, build_scaler
 from . import checkpoint, identity
 from .flops import counting_flops, flops_record, mfu
 from .grad_collector import GradStatsCollector
+from .overflow_trace import OverflowTracer, rng_state, set_rng_state
 from .progress import Progress
 from .record import MetricsLog, NullLog, RunRecord, environment, git_commit, now_iso
 from .tensorboard_log import NullBoard, open_board
@@ -134,6 +136,9 @@ class Run:
             self._compile_networks()
         self.forward_context = lambda: forward_context(cfg.precision, self.device, cfg.emulate_tensor_cores)
         self.grad_stats = GradStatsCollector(cfg.stats, {name: e.model for name, e in self.engines.items()}, self.device, s.throughput_warmup)
+        # Not under torchrun: a re-run's backward would enter data parallelism's collectives alone.
+        tracing = cfg.stats.trace_overflow and not self.dist.enabled and any(e.scaler.checks_overflow for e in self.engines.values())
+        self.tracer = OverflowTracer({name: e.model for name, e in self.engines.items()}, self.device, tracing)
         self.meter = ThroughputMeter(self.device, s.throughput_warmup, s.throughput_window, self.task.sample_unit)
         self.step, self.last_loss, self.last_finite_loss = 0, None, None
         self.samples, self.samples_before_resume = 0, 0  # this process's since it started; the whole run's before it
@@ -181,6 +186,7 @@ class Run:
             "throughput": self.meter.state_dict(),
             "peak_memory_bytes": int(self.dist.largest(max(peak_memory(self.device)["peak_bytes"], self.peak_before_resume), self.device)),
             "grad_stats": self.grad_stats.state_dict(),
+            "overflow_trace": self.tracer.state_dict(),
         }
 
     def _restore(self, saved: dict) -> None:
@@ -204,6 +210,8 @@ class Run:
         self.peak_before_resume = saved["peak_memory_bytes"]
         if saved.get("grad_stats"):  # checkpoints before gradient statistics have none
             self.grad_stats.load_state_dict(saved["grad_stats"])
+        if saved.get("overflow_trace"):  # nor before overflow tracing
+            self.tracer.load_state_dict(saved["overflow_trace"])
         checkpoint.set_rng_state(saved["rng"])  # last: building the run drew from the generators
         if saved.get("device_rng") is not None and self.device.type == "cuda":
             torch.cuda.set_rng_state(saved["device_rng"], self.device)
@@ -406,6 +414,7 @@ class Run:
                 rec.memory["note"] = self.grad_stats.MEMORY_NOTE
             rec.loss_scale = {name: e.scaler.summary() for name, e in self.engines.items()}
             rec.grad_stats = self.grad_stats.summary()
+            rec.overflow_origins = self.tracer.summary()
             rec.finished_at = now_iso()
             rec.duration_s = time.perf_counter() - t_start
             try:
@@ -446,11 +455,13 @@ class Run:
             wait = time.perf_counter() - t0
             # FLOPs once, on this process's first step: in the warm-up, which throughput leaves out.
             counting = self.cfg.schedule.count_flops and self.record.flops is None
+            traced_before = self.tracer.seconds
             with (
                 self.grad_stats.step(self.step) as stats_step,
                 counting_flops([e.model for e in self.engines.values()]) if counting else contextlib.nullcontext() as counter,
             ):
                 self.pending.extend(self._train_step(self.step, batch))
+            traced = self.tracer.seconds - traced_before
             if counting:
                 self.record.flops = flops_record(counter, self.task.count_samples(batch), self.step, self.meter.unit)
             if stats_step["sampled"] and stats_step["seconds"] is None:
@@ -458,8 +469,12 @@ class Run:
             self.step += 1
             n = self.task.count_samples(batch)
             self.samples += n
-            # A sampled step's hooks are not training's work: the step is left out of throughput.
-            self.meter.step(n, wait, excluded_s=None if stats_step["seconds"] is None else stats_step["seconds"] + wait)
+            # A sampled step's hooks are not training's work: the step is left out of throughput; so
+            # is the time spent running an overflowing step again to trace it.
+            excluded = None if stats_step["seconds"] is None else stats_step["seconds"] + wait
+            if traced:
+                excluded = (excluded or 0.0) + traced
+            self.meter.step(n, wait, excluded_s=excluded)
             if self.step % self.cfg.schedule.log_every == 0 or self.step == self.total_steps:
                 self._flush()
             if self.step % self.eval_every == 0 or self.step == self.total_steps:
@@ -482,8 +497,9 @@ class Run:
 
     def _train_step(self, step: int, batch: Any) -> list[dict]:
         rows = []
+        rng = rng_state(self.device) if self.tracer.enabled else None  # where a traced re-run starts
         losses = self.task.train_losses(batch)
-        while True:
+        for index in itertools.count():
             with self.forward_context():  # only the forward runs under autocast; backward is outside
                 term = next(losses, None)
             if term is None:
@@ -492,12 +508,40 @@ class Run:
             row = {"kind": "train", "step": step, "group": term.group, "lr": engine.lr, "scale": engine.scaler.scale}
             with self.grad_stats.backward(term.group, engine.scaler.scale):
                 engine.backward(term.loss)
-            with self.grad_stats.update(term.group, engine):
-                applied = engine.step()
+            try:
+                with self.grad_stats.update(term.group, engine):
+                    applied = engine.step()
+            except Diverged:  # an overflow at the scaler's smallest scale: trace it too
+                if rng is not None and engine.scaler.checks_overflow:
+                    self._trace_overflow(step, batch, index, term.group, row["scale"], rng)
+                raise
+            if not applied and rng is not None:
+                self._trace_overflow(step, batch, index, term.group, row["scale"], rng)
             row["overflow"] = (not applied) if engine.scaler.checks_overflow else None
             row["loss"] = term.loss.detach()
             row.update({k: v.detach() for k, v in term.parts.items()})
             rows.append(row)
+        return rows  # unreachable: the loop ends when the terms do
+
+    def _trace_overflow(self, step: int, batch: Any, index: int, group: str, scale: float, rng: dict) -> None:
+        """Runs the step's term `index` again from the step's start, as it ran, for the tracer."""
+        t0 = time.perf_counter()
+        engine = self.engines[group]
+
+        def rerun(on_loss) -> None:
+            set_rng_state(rng, self.device)
+            losses = self.task.train_losses(batch)
+            with self.forward_context():
+                for _ in range(index + 1):  # an earlier network's term (a GAN's) only as far as its forward
+                    term = next(losses)
+            on_loss(term.loss)
+            engine.backward(term.loss, scale=scale)
+
+        with self.grad_stats.paused(), self.tracer.restoring():
+            found = self.tracer.trace(step, group, scale, rerun)
+        engine.zero_grad()
+        self.tracer.seconds += time.perf_counter() - t0
+        log.info("step %d: %s overflowed at loss scale %g and was skipped; first non-finite: %s (%s)", step, group, scale, found["module"], found["role"])
 
     def _flush(self, check: bool = True) -> None:
         """Bring the logged tensors to the host in one sync, write them, and watch for divergence."""
