@@ -119,3 +119,21 @@ def test_the_state_round_trips():
     b = FormatAtlas([get_format("fp16"), get_format("mxfp8_e4m3")])
     b.load_state_dict(a.state_dict())
     assert b.summary() == a.summary()
+
+
+def test_scaled_sqnr_reaches_tensors_far_below_fp32s_normals():
+    """BF16's largest safe scale for values near 2^-140 is about 2^267: applied in FP32-sized steps."""
+    x = torch.randn(512, generator=torch.Generator().manual_seed(8)) * 2.0**-140
+    atlas = FormatAtlas([get_format("bf16")])
+    atlas.add(x)
+    got = atlas.summary()["formats"]["bf16"]
+    assert got["max_safe_scale"] > 2.0**260 and got["sqnr_db_scaled"] is not None and got["sqnr_db_scaled"] > 50 > got["sqnr_db"]
+
+
+def test_a_block_holding_an_infinity_leaves_the_noise_finite():
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(9))
+    x[0, 3] = math.inf
+    atlas = FormatAtlas([get_format("mxfp8_e4m3")])
+    atlas.add(x)
+    got = atlas.summary()["formats"]["mxfp8_e4m3"]
+    assert got["sqnr_db"] is not None and 25 < got["sqnr_db"] < 40

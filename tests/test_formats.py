@@ -240,3 +240,38 @@ def test_where_mx_differs_from_torchao():
 def test_the_registry_holds_the_issue_formats():
     assert {"fp16", "bf16", "e4m3", "e5m2", "mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e3m2", "mxfp6_e2m3", "mxfp4"} <= set(FORMATS)
     assert all(f.block == 32 for f in FORMATS.values() if isinstance(f, BlockFormat))
+
+
+def mx_oracle(x: torch.Tensor, name: str) -> torch.Tensor:
+    """The OCP MX conversion in float64 with ml_dtypes' element casts: X = 2^clamp(floor(log2
+    amax) - emax, -127, 127), each element the saturated cast of v / X, times X."""
+    fmt = mx(name)
+    el = fmt.element
+    v = x.double().numpy().reshape(-1, 32)
+    amax = np.abs(v).max(axis=1, keepdims=True)
+    k = np.clip(np.floor(np.log2(np.where(amax > 0, amax, 2.0**-200))) - el.emax, -127, 127)
+    scaled = np.clip(v / 2.0**k, -el.max, el.max).astype(np.float32)  # exact: v / X is an FP32 number here
+    return torch.from_numpy((scaled.astype(ML_DTYPE[el.name]).astype(np.float64) * 2.0**k).astype(np.float32).reshape(x.shape))
+
+
+@pytest.mark.parametrize("name", MX_NAMES)
+def test_mx_matches_a_float64_evaluation_down_to_fp32_subnormal_blocks(name):
+    g = torch.Generator().manual_seed(6)
+    # Blocks from 2^-135 (FP32 subnormals, X clamped at 2^-127) to 2^100.
+    mags = torch.exp2(torch.randint(-135, 100, (600, 1), generator=g).float())
+    x = torch.randn(600, 32, generator=g) * mags * torch.exp2(torch.randint(-10, 1, (600, 32), generator=g).float())
+    assert (x.abs() < 2.0**-126).any()
+    assert same(quantize(x, name), mx_oracle(x, name))
+    tiny = torch.zeros(32)
+    tiny[:2] = torch.tensor([2.0**-125, 1.5 * 2.0**-127])  # X = 2^-127: 1.5 is an E2M1 value
+    assert quantize(tiny, "mxfp4")[:2].tolist() == [2.0**-125, 1.5 * 2.0**-127]
+
+
+def test_stochastic_rounding_far_below_the_quantum_keeps_its_mean():
+    """2^-20 in E4M3 (whose quantum there is 2^-9) rounds up to 2^-9 with probability 2^-11."""
+    x = torch.full((1 << 20,), 2.0**-20)
+    q = quantize(x, E4M3, stochastic=True, generator=torch.Generator().manual_seed(7))
+    ups = int((q == 2.0**-9).sum())
+    assert set(q.unique().tolist()) <= {0.0, 2.0**-9}
+    expected = x.numel() / 2**11
+    assert abs(ups - expected) < 5 * math.sqrt(expected)

@@ -322,8 +322,11 @@ def test_an_atlas_run_writes_it_into_the_record(tmp_path):
     written = build_report([tmp_path], tmp_path / "report", None)
     table = (tmp_path / "report" / "tables" / "atlas.md").read_text()
     assert "| model | input | mxfp4 |" in table and "(block)" in table and "(per-tensor)" in table
-    heatmaps = sorted(p.name for p in written if p.name.startswith("atlas_"))
+    heatmaps = sorted(p.name for p in written if p.name.startswith("atlas_") and not p.name.startswith("atlas_hist_"))
     assert len(heatmaps) == 3 and all(f"atlas_{f}_" in " ".join(heatmaps) for f in ("bf16", "e5m2", "mxfp4"))
+    histograms = sorted(p.name for p in written if p.name.startswith("atlas_hist_"))  # one per role, a panel per scalar format
+    assert len(histograms) == 4 and all(f"atlas_hist_{role}_" in " ".join(histograms) for role in ("input", "weight", "activation_grad", "weight_grad"))
+    assert set(total["input"]["log2_bins"]) and total["input"]["zeros"] >= 0  # the totals keep their histogram for these
 
 
 def test_a_bad_atlas_format_is_named_before_the_run():

@@ -98,7 +98,9 @@ class FormatAtlas:
         for i, fmt in enumerate(self.formats):
             q = quantize_detail(x, fmt, axis=axis)
             saturated = quantize_detail(x, fmt, overflow="saturate", axis=axis).values if fmt.overflow != "saturate" else q.values
-            noise = torch.where(finite, saturated - clean, 0.0).double().square().sum()
+            # A block holding an infinity reads NaN throughout: its finite values count as signal
+            # but their error cannot be told, so they are left out of the noise.
+            noise = torch.where(finite & torch.isfinite(saturated), saturated - clean, 0.0).double().square().sum()
             if isinstance(fmt, BlockFormat):
                 noise_scaled = noise  # the block scales are the format's own
             else:
@@ -122,11 +124,14 @@ class FormatAtlas:
         self.hist.load_state_dict(state["hist"])
         self.counts, self.powers = state["counts"].to(self.counts.device), state["powers"].to(self.powers.device)
 
-    def summary(self, keep: float = 0.999) -> dict:
+    def summary(self, keep: float = 0.999, with_bins: bool = False) -> dict:
+        """With `with_bins`, also the histogram of floor(log2|v|) (exponent -> count) and the zeros."""
         h = self.hist.summary(keep)
         bins, nonzero, max_abs = self.hist.bins.cpu(), h["nonzero"], h["max_abs"]
         share = (lambda n: n / nonzero) if nonzero else (lambda n: 0.0)
         out = {"values": h["values"], "nonzero": nonzero, "nonfinite": h["nonfinite"], "share_zero": h["share_zero"], "max_abs": max_abs, "formats": {}}
+        if with_bins:
+            out |= {"zeros": h["zeros"], "log2_bins": h["log2_bins"]}
         for i, fmt in enumerate(self.formats):
             underflow, subnormal, overflow = (int(c) for c in self.counts[i].cpu())
             signal, noise, noise_scaled = (float(p) for p in self.powers[i].cpu())
@@ -147,9 +152,12 @@ class FormatAtlas:
 
 
 def _times_pow2(x: torch.Tensor, k: int) -> torch.Tensor:
-    """x * 2^k in two exact steps, since 2^k itself may be beyond FP32 (BF16's scales reach 2^250)."""
-    half = k // 2
-    return x * 2.0**half * 2.0 ** (k - half)
+    """x * 2^k in exact steps of powers of two FP32 holds (BF16's scales reach 2^277)."""
+    while k:
+        step = max(-126, min(127, k))
+        x = x * 2.0**step
+        k -= step
+    return x
 
 
 def _sqnr(signal: float, noise: float) -> float | None:

@@ -170,18 +170,26 @@ def _round(
     bits = x.contiguous().view(torch.int32)
     a = bits & ~_SIGN
     biased = a >> 23
-    e = torch.where(biased == 0, -126, biased - 127)  # an FP32 subnormal's quantum is that of 2^-126
-    s = torch.where(biased == 0, a & _MANTISSA_MASK, (a & _MANTISSA_MASK) | (1 << 23))
+    subnormal = biased == 0
+    s = torch.where(subnormal, a & _MANTISSA_MASK, (a & _MANTISSA_MASK) | (1 << 23))
+    unit = torch.where(subnormal, -149, biased - 150)  # s counts units of 2^unit
+    # The value's own exponent, floor(log2|x|); an FP32 subnormal's is read off its significand,
+    # exactly (s < 2^23 converts to FP32 exactly).
+    e = torch.where(subnormal, (s.float().view(torch.int32) >> 23) - 127 - 149, biased - 127)
     q = torch.maximum(e, torch.as_tensor(emin, dtype=e.dtype, device=e.device)) - man_bits  # the quantum's exponent
-    d = (q - e + 23).clamp(0, _MAX_SHIFT)  # bits of s below the quantum
+    shift = q - unit  # bits of s below the quantum (negative never: every format here is coarser than FP32)
+    d = shift.clamp(0, _MAX_SHIFT)
     kept = s >> d
-    rem = s & ((1 << d) - 1)
+    rem = s & ((1 << d) - 1)  # with d at the cap, all of s: the quantum is then above the value
     if generator is None:
         half = (1 << d) >> 1
         up = (rem > half) | ((rem == half) & (half > 0) & (kept & 1 == 1))
     else:
-        draw = torch.randint(0, 1 << _MAX_SHIFT, s.shape, generator=generator, device=s.device, dtype=torch.int32)
-        up = (draw & ((1 << d) - 1)) < rem
+        # Up with probability rem / 2^shift, from 62 random bits (rem < 2^24, so beyond 62 the
+        # probability is below 2^-38 and is taken as rem >> (shift - 62) / 2^62).
+        draw = torch.randint(0, 1 << 62, s.shape, generator=generator, device=s.device, dtype=torch.int64)
+        used = shift.clamp(0, 62).long()
+        up = (draw >> (62 - used)) < (rem.long() >> (shift.long() - 62).clamp(min=0))
     kept = kept + up.to(kept.dtype)
     # kept * 2^q is exact: kept < 2^25 and every value these formats reach is an FP32 number.
     value = kept.float() * _exp2(q.clamp(min=-149))

@@ -14,6 +14,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from ..precision.atlas import overflow_threshold  # noqa: E402
+from ..precision.formats import BlockFormat, get_format  # noqa: E402
 from ..runner import identity  # noqa: E402
 from ..runner.record import RunRecord  # noqa: E402
 
@@ -169,8 +171,21 @@ FP16_LOST_EXP, FP16_NORMAL_EXP, FP16_MAX_LOG2 = -25, -14, math.log2(65520)
 FIGURE_OF_KIND = {"activation": "the paper's Figure 3", "weight": "the paper's Figure 2b"}
 
 
-def _histogram_panel(ax, bins: dict[int, int], zeros: int, shift: int, span: tuple[int, int]) -> None:
-    """One histogram of floor(log2|g|) against FP16's range, every value multiplied by 2^shift."""
+FP16_RANGES = ("FP16", FP16_LOST_EXP, FP16_NORMAL_EXP, FP16_MAX_LOG2, "65520")
+
+
+def format_ranges(name: str) -> tuple[str, int, int, float, str]:
+    """A scalar format's ranges on the log2 axis: below `lost` a value becomes 0, from `normal` it
+    is normal, from 2^overflow it overflows (precision/atlas.py's thresholds)."""
+    fmt = get_format(name)
+    threshold, _ = overflow_threshold(fmt)
+    return name, fmt.emin - fmt.man_bits - 1, fmt.emin, math.log2(threshold), f"{threshold:g}"
+
+
+def _histogram_panel(ax, bins: dict[int, int], zeros: int, shift: int, span: tuple[int, int], ranges=FP16_RANGES, what: str = "gradient") -> None:
+    """One histogram of floor(log2|v|) against a format's ranges (FP16's by default), every value
+    multiplied by 2^shift."""
+    name, lost, normal, over, over_text = ranges
     total = sum(bins.values()) + zeros
     lo, hi = span
     exps = sorted(bins)
@@ -193,16 +208,16 @@ def _histogram_panel(ax, bins: dict[int, int], zeros: int, shift: int, span: tup
         color="k" if zero_share <= top else "w",
         rotation=90,
     )
-    ax.axvspan(lo - 1, FP16_LOST_EXP, color="tab:red", alpha=0.1, label="becomes 0 in FP16 (below $2^{-25}$)")
-    ax.axvspan(FP16_LOST_EXP, FP16_NORMAL_EXP, color="tab:orange", alpha=0.15, label="FP16 subnormal")
-    ax.axvspan(FP16_NORMAL_EXP, FP16_MAX_LOG2, color="tab:green", alpha=0.08, label="FP16 normal")
-    ax.axvspan(FP16_MAX_LOG2, hi + 1, color="tab:purple", alpha=0.12, label="overflows FP16 (from 65520)")
+    ax.axvspan(lo - 1, lost, color="tab:red", alpha=0.1, label=f"becomes 0 in {name} (below $2^{{{lost}}}$)")
+    ax.axvspan(lost, normal, color="tab:orange", alpha=0.15, label=f"{name} subnormal")
+    ax.axvspan(normal, over, color="tab:green", alpha=0.08, label=f"{name} normal")
+    ax.axvspan(over, hi + 1, color="tab:purple", alpha=0.12, label=f"overflows {name} (from {over_text})")
     ax.axvline(lo - 1, color="k", lw=0.6)
     step = 8 if hi - lo > 40 else 4
     ticks = [t for t in range(lo - lo % step, hi + 2) if t % step == 0 and t >= lo]
     ax.set_xticks([zero_x + 0.5, *ticks], ["0", *(f"$2^{{{t}}}$" for t in ticks)])
     ax.set_xlim(zero_x - 1, hi + 1)
-    ax.set(xlabel="|gradient| (log scale; zero apart)", ylabel="% of values")
+    ax.set(xlabel=f"|{what}| (log scale; zero apart)", ylabel="% of values")
     ax.grid(axis="y", alpha=0.3)
 
 
@@ -369,4 +384,44 @@ def atlas_heatmaps(rows: pd.DataFrame, out: Path, worst: int = 3) -> list[Path]:
             where = f"{net}, " if df["network"].nunique() and mine["network"].nunique() > 1 else ""
             ax.set_title(f"{fmt}: {where}{run['mode']}, seed {run['seed']}\n{title}\nworst: {worst_text}", fontsize=8)
             written.append(_save(fig, out / f"atlas_{fmt}_{stem}_{_slug(str(run['mode']))}_seed{run['seed']}_{net}.png"))
+    return written
+
+
+def atlas_histograms(runs: pd.DataFrame, out: Path) -> list[Path]:
+    """For each mode's lowest seed with an atlas, each network and role: the histogram of log2|v|
+    over the sampled steps, one panel per scalar format with that format's ranges shaded (block
+    formats have no fixed range: their scale moves with each block)."""
+    written = []
+    if "grad_sampled_steps" not in runs:
+        return written
+    sampled = runs[runs["grad_sampled_steps"].notna()].fillna({"variant": ""})
+    for _, run in sampled.sort_values("seed").drop_duplicates([*CELL_KEYS, "mode"]).iterrows():
+        stats, title, cell = _grad_stats_of(run)
+        atlas = stats.get("atlas") or {}
+        scalar = [f for f in atlas.get("formats", []) if not isinstance(get_format(f), BlockFormat)]
+        for net, parts in (atlas.get("networks") or {}).items():
+            for role, t in parts["total"].items():
+                bins = {int(e): c for e, c in (t.get("log2_bins") or {}).items()}
+                if not scalar or not bins:
+                    continue
+                fig, axes = plt.subplots(1, len(scalar), figsize=(5.5 * len(scalar), 4.2), sharey=True, squeeze=False, constrained_layout=True)
+                for ax, fmt in zip(axes[0], scalar):
+                    r = format_ranges(fmt)
+                    # The data and the format's edges, but no more than 12 binades beyond the data
+                    # (BF16's range would flatten it to a line).
+                    lo, hi = min(bins), max(bins)
+                    span = (max(min(lo, r[1] - 3), lo - 12), min(max(hi, math.ceil(r[3]) + 2), hi + 12))
+                    _histogram_panel(ax, bins, t["zeros"], 0, span, r, what=role.replace("_", " "))
+                    f = t["formats"][fmt]
+                    ax.set_title(
+                        f"{fmt}: {f['share_underflow'] * 100:.3g}% become 0, {f['share_subnormal'] * 100:.3g}% subnormal, {f['share_overflow'] * 100:.3g}% overflow",
+                        fontsize=8,
+                    )
+                    ax.legend(fontsize=6, loc="upper right")
+                where = f"{net}, " if len(atlas["networks"]) > 1 else ""
+                fig.suptitle(
+                    f"{role.replace('_', ' ')}, all layers, {where}{run['mode']}, seed {run['seed']}, {len(stats['sampled_steps'])} sampled steps\n{title}",
+                    fontsize=9,
+                )
+                written.append(_save(fig, out / f"{identity.named(f'atlas_hist_{role}_{cell}_{net}', run['variant'])}.png"))
     return written

@@ -308,7 +308,7 @@ def render_atlas(table: pd.DataFrame) -> str:
     if table.empty:
         return "_no runs with stats.formats_"
     pct = lambda v: "" if pd.isna(v) else f"{v * 100:.3g}"  # noqa: E731
-    db = lambda v, nonzero: ("" if not nonzero else "exact") if pd.isna(v) else f"{v:.1f}"  # noqa: E731
+    db = lambda v, nonzero, lost: ("" if not nonzero else "n/a" if lost else "exact") if pd.isna(v) else f"{v:.1f}"  # noqa: E731
     scale = lambda v: "none" if pd.isna(v) else f"2^{round(math.log2(v))}"  # noqa: E731
     parts = []
     for model, rows in table.groupby("model", sort=False):
@@ -319,8 +319,8 @@ def render_atlas(table: pd.DataFrame) -> str:
                 "% underflow": rows.share_underflow.map(pct),
                 "% subnormal": rows.share_subnormal.map(pct),
                 "% overflow": rows.share_overflow.map(pct),
-                "SQNR dB": [db(v, n) for v, n in zip(rows.sqnr_db, rows.nonzero)],
-                "SQNR dB scaled": [f"{db(v, n)} ({how})" for v, n, how in zip(rows.sqnr_db_scaled, rows.nonzero, rows.scaling)],
+                "SQNR dB": [db(v, n, lost) for v, n, lost in zip(rows.sqnr_db, rows.nonzero, rows.share_lost)],
+                "SQNR dB scaled": [f"{db(v, n, lost)} ({how})" for v, n, lost, how in zip(rows.sqnr_db_scaled, rows.nonzero, rows.share_lost, rows.scaling)],
                 "recommended scale": [scale(v) if how == "per-tensor" else "" for v, how in zip(rows.recommended_scale, rows.scaling)],
                 "largest safe": [scale(v) if how == "per-tensor" else "" for v, how in zip(rows.max_safe_scale, rows.scaling)],
             }

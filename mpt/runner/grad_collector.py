@@ -317,7 +317,7 @@ class GradStatsCollector:
                 for role, a in roles.items():
                     totals.setdefault(role, FormatAtlas(self.formats, self.device)).merge(a)
             networks[net] = {
-                "total": {role: totals[role].summary(self.keep) for role in ROLES if role in totals},
+                "total": {role: totals[role].summary(self.keep, with_bins=True) for role in ROLES if role in totals},
                 "layers": {layer: {role: roles[role].summary(self.keep) for role in ROLES if role in roles} for layer, roles in layers.items()},
             }
         return {

@@ -1,6 +1,6 @@
 """Which module's tensor became non-finite first, when a step overflows and is skipped.
 
-Steps that do not overflow pay nothing but a copy of the random-number generators' state. When a
+Steps that do not overflow pay nothing but a copy of the random-number generators' states. When a
 network's gradients overflow, the runner runs that network's part of the step again from the same
 state (the same batch, weights, loss scale and random numbers) with hooks on every leaf module:
 in the forward, the first module whose output holds a non-finite value (of any network: a GAN's
@@ -20,20 +20,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from .checkpoint import rng_state, set_rng_state
+
 KEPT = 20  # the first overflows kept in full in the record; the counts cover all of them
-
-
-def rng_state(device: torch.device) -> dict:
-    state = {"cpu": torch.get_rng_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def set_rng_state(state: dict, device: torch.device) -> None:
-    torch.set_rng_state(state["cpu"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 def _nonfinite(t) -> bool:
@@ -83,8 +72,8 @@ class OverflowTracer:
     which must recompute the loss from the saved state, pass it to `loss_hook`, and run the
     backward at the step's scale."""
 
-    def __init__(self, networks: dict[str, nn.Module], device: torch.device, enabled: bool):
-        self.networks, self.device, self.enabled = networks, device, enabled
+    def __init__(self, networks: dict[str, nn.Module], enabled: bool):
+        self.networks, self.enabled = networks, enabled
         self.counts: dict[str, dict[str, int]] = {net: {} for net in networks}  # "module role" -> skips
         self.first: dict[str, list[dict]] = {net: [] for net in networks}
         self.seconds = 0.0  # spent re-running, left out of throughput
@@ -94,7 +83,7 @@ class OverflowTracer:
         """Keeps what a re-run would change besides the gradients: the generators, and every buffer.
         The re-run gets copies of the buffers, so the originals are neither changed nor marked as
         changed (a GAN's next term backpropagates through a graph that saved them)."""
-        rng = rng_state(self.device)
+        rng = rng_state()
         originals = [(m, name, b) for net in self.networks.values() for m in net.modules() for name, b in m._buffers.items() if b is not None]
         for m, name, b in originals:
             m._buffers[name] = b.clone()
@@ -103,7 +92,7 @@ class OverflowTracer:
         finally:
             for m, name, b in originals:
                 m._buffers[name] = b
-            set_rng_state(rng, self.device)
+            set_rng_state(rng)
 
     def trace(self, step: int, network: str, scale: float, rerun: Callable[[Callable[[torch.Tensor], None]], None]) -> dict:
         watch = _Watch(self.networks)

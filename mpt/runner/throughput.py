@@ -45,10 +45,11 @@ class ThroughputMeter:
         self._steps = 0
         self._open = True
 
-    def step(self, samples: int, wait_s: float, excluded_s: float | None = None) -> None:
+    def step(self, samples: int, wait_s: float, excluded_s: float | None = None, untimed_s: float = 0.0) -> None:
         """Call after each training step with its sample count and the time spent waiting for its
         batch; `excluded_s`: the step's own synchronized wall time, batch wait included, when it is
-        to be left out of throughput."""
+        to be left out of throughput; `untimed_s`: time within a step that counts that is not
+        training's (an overflowing step run again to trace it)."""
         self.steps_seen += 1
         if self.steps_seen < self.warmup:
             return
@@ -58,6 +59,7 @@ class ThroughputMeter:
         if excluded_s is not None:
             self._excluded += excluded_s
             return
+        self._excluded += untimed_s
         self._samples += samples
         self._wait += wait_s
         self._steps += 1

@@ -39,7 +39,7 @@ from ..precision.scaler import Diverged, build_scaler
 from . import checkpoint, identity
 from .flops import counting_flops, flops_record, mfu
 from .grad_collector import GradStatsCollector
-from .overflow_trace import OverflowTracer, rng_state, set_rng_state
+from .overflow_trace import OverflowTracer
 from .progress import Progress
 from .record import MetricsLog, NullLog, RunRecord, environment, git_commit, now_iso
 from .tensorboard_log import NullBoard, open_board
@@ -138,7 +138,7 @@ class Run:
         self.grad_stats = GradStatsCollector(cfg.stats, {name: e.model for name, e in self.engines.items()}, self.device, s.throughput_warmup)
         # Not under torchrun: a re-run's backward would enter data parallelism's collectives alone.
         tracing = cfg.stats.trace_overflow and not self.dist.enabled and any(e.scaler.checks_overflow for e in self.engines.values())
-        self.tracer = OverflowTracer({name: e.model for name, e in self.engines.items()}, self.device, tracing)
+        self.tracer = OverflowTracer({name: e.model for name, e in self.engines.items()}, tracing)
         self.meter = ThroughputMeter(self.device, s.throughput_warmup, s.throughput_window, self.task.sample_unit)
         self.step, self.last_loss, self.last_finite_loss = 0, None, None
         self.samples, self.samples_before_resume = 0, 0  # this process's since it started; the whole run's before it
@@ -462,19 +462,18 @@ class Run:
             ):
                 self.pending.extend(self._train_step(self.step, batch))
             traced = self.tracer.seconds - traced_before
-            if counting:
+            if counting and not traced:  # a traced step ran twice: the next one is counted instead
                 self.record.flops = flops_record(counter, self.task.count_samples(batch), self.step, self.meter.unit)
             if stats_step["sampled"] and stats_step["seconds"] is None:
                 self.meter.interrupt()  # a sampled step that was not timed: its window cannot be corrected
             self.step += 1
             n = self.task.count_samples(batch)
             self.samples += n
-            # A sampled step's hooks are not training's work: the step is left out of throughput; so
-            # is the time spent running an overflowing step again to trace it.
+            # A sampled step's hooks are not training's work: the step is left out of throughput (its
+            # timed seconds include any trace). Elsewhere only the time spent running an overflowing
+            # step again to trace it is.
             excluded = None if stats_step["seconds"] is None else stats_step["seconds"] + wait
-            if traced:
-                excluded = (excluded or 0.0) + traced
-            self.meter.step(n, wait, excluded_s=excluded)
+            self.meter.step(n, wait, excluded_s=excluded, untimed_s=traced)
             if self.step % self.cfg.schedule.log_every == 0 or self.step == self.total_steps:
                 self._flush()
             if self.step % self.eval_every == 0 or self.step == self.total_steps:
@@ -497,7 +496,7 @@ class Run:
 
     def _train_step(self, step: int, batch: Any) -> list[dict]:
         rows = []
-        rng = rng_state(self.device) if self.tracer.enabled else None  # where a traced re-run starts
+        rng = checkpoint.rng_state() if self.tracer.enabled else None  # where a traced re-run starts
         losses = self.task.train_losses(batch)
         for index in itertools.count():
             with self.forward_context():  # only the forward runs under autocast; backward is outside
@@ -529,7 +528,7 @@ class Run:
         engine = self.engines[group]
 
         def rerun(on_loss) -> None:
-            set_rng_state(rng, self.device)
+            checkpoint.set_rng_state(rng)
             losses = self.task.train_losses(batch)
             with self.forward_context():
                 for _ in range(index + 1):  # an earlier network's term (a GAN's) only as far as its forward
