@@ -136,8 +136,10 @@ class Run:
             self._compile_networks()
         self.forward_context = lambda: forward_context(cfg.precision, self.device, cfg.emulate_tensor_cores)
         self.grad_stats = GradStatsCollector(cfg.stats, {name: e.model for name, e in self.engines.items()}, self.device, s.throughput_warmup)
-        # Not under torchrun: a re-run's backward would enter data parallelism's collectives alone.
-        tracing = cfg.stats.trace_overflow and not self.dist.enabled and any(e.scaler.checks_overflow for e in self.engines.values())
+        # Not under torchrun: a re-run's backward would enter data parallelism's collectives alone;
+        # nor for compiled networks, whose leaves run inside their graphs, out of the hooks' reach.
+        tracing = cfg.stats.trace_overflow and not self.dist.enabled and cfg.compile.backend is None
+        tracing = tracing and any(e.scaler.checks_overflow for e in self.engines.values())
         self.tracer = OverflowTracer({name: e.model for name, e in self.engines.items()}, tracing)
         self.meter = ThroughputMeter(self.device, s.throughput_warmup, s.throughput_window, self.task.sample_unit)
         self.step, self.last_loss, self.last_finite_loss = 0, None, None
