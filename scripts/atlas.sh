@@ -50,7 +50,7 @@ for model in "${models[@]}"; do
       schedule.batch_size=64 schedule.eval_batches=2 schedule.log_every=50
     ;;
   biglstm)
-    atlas biglstm 500 model=biglstm_tiny data=text_corpus data.root=$data/ptb 'data.train_split=ptb.train.txt*' 'data.val_split=ptb.valid.txt*' \
+    atlas biglstm 500 model=biglstm_tiny data=text_corpus data.root=$data/ptb 'data.train_split=ptb.train.txt*' 'data.val_split=ptb.valid.txt*' 'data.test_split=ptb.test.txt*' \
       data.min_count=1 schedule.batch_size=32 schedule.eval_batches=8 schedule.log_every=50
     ;;
   dcgan)
