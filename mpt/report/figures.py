@@ -316,16 +316,21 @@ def lost_update_curves(runs: pd.DataFrame, out: Path) -> list[Path]:
     return written
 
 
+def _lowest_seed_with_stats(runs: pd.DataFrame) -> pd.DataFrame:
+    """Each cell's and mode's lowest seed among the runs with sampled statistics."""
+    if "grad_sampled_steps" not in runs:
+        return runs.iloc[:0]
+    sampled = runs[runs["grad_sampled_steps"].notna()].fillna({"variant": ""})
+    return sampled.sort_values("seed").drop_duplicates([*CELL_KEYS, "mode"])
+
+
 def gradient_histograms_over_training(runs: pd.DataFrame, out: Path) -> list[Path]:
     """For each mode's lowest seed with gradient statistics, each network and kind: the histogram
     of one sampled step's gradients at the start, middle and end of training, side by side on one
     axis (the paper's Figure 3 is one moment; where the values move as training goes on shows
     whether one loss scale serves a whole run)."""
     written = []
-    if "grad_sampled_steps" not in runs:
-        return written
-    sampled = runs[runs["grad_sampled_steps"].notna()].fillna({"variant": ""})
-    for _, run in sampled.sort_values("seed").drop_duplicates([*CELL_KEYS, "mode"]).iterrows():
+    for _, run in _lowest_seed_with_stats(runs).iterrows():
         stats, title, cell = _grad_stats_of(run)
         for net, kinds in (stats.get("networks") or {}).items():
             for kind, hist in kinds.items():
@@ -392,10 +397,7 @@ def atlas_histograms(runs: pd.DataFrame, out: Path) -> list[Path]:
     over the sampled steps, one panel per scalar format with that format's ranges shaded (block
     formats have no fixed range: their scale moves with each block)."""
     written = []
-    if "grad_sampled_steps" not in runs:
-        return written
-    sampled = runs[runs["grad_sampled_steps"].notna()].fillna({"variant": ""})
-    for _, run in sampled.sort_values("seed").drop_duplicates([*CELL_KEYS, "mode"]).iterrows():
+    for _, run in _lowest_seed_with_stats(runs).iterrows():
         stats, title, cell = _grad_stats_of(run)
         atlas = stats.get("atlas") or {}
         scalar = [f for f in atlas.get("formats", []) if not isinstance(get_format(f), BlockFormat)]
