@@ -19,7 +19,7 @@ FAMILIES = {
     "language_model": (["model=biglstm_tiny", "model.hidden_size=32", "model.proj_size=8", "model.num_sampled=64", "model.bptt=5"], "model", "lstm"),
     "gan": (["model=dcgan64", "model.ngf=4", "model.ndf=4", "model.sample_grid=4", "data.train_samples=16", "data.val_samples=8"], "discriminator", "net.2"),
 }
-SLOW_FAMILIES = {"detection": (["model=ssd", "schedule.batch_size=2"], "model", "extras.0")}
+SLOW_FAMILIES = {"detection": (["model=ssd", "schedule.batch_size=2"], "model", "backbone.extra.1.0")}  # conv8_1
 
 
 def inject(module: torch.nn.Module, where: str) -> None:
