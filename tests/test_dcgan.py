@@ -273,6 +273,7 @@ def test_the_sample_figure_shows_every_seed_of_every_mode(tmp_path):
     assert 0.7 < height / width < 1.3  # 2 seeds down, 2 modes across
 
 
+@pytest.mark.slow  # the 64 px preset trains on real faces in the fast tier
 def test_the_papers_128px_network_trains_on_real_faces(tmp_path):
     """data=image_dir reads a flat folder of face JPEGs (a sample of UTKFace), center-cropped and resized."""
     faces = tmp_path / "faces"

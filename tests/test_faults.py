@@ -43,7 +43,7 @@ def signal_at(job, step: int, signum: int) -> None:
     job.task.train_losses = signalled
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR2], ids=["SIGTERM", "SIGUSR2"])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, pytest.param(signal.SIGUSR2, marks=pytest.mark.slow)], ids=["SIGTERM", "SIGUSR2"])  # the same path
 def test_a_preempted_run_checkpoints_its_step_and_resumes_as_if_uninterrupted(tmp_path, in_process, signals, signum):
     args = resume_args("mobilenet_v3_small", "mixed", "dynamic", ["data.train_samples=12"])
     reference, preempted = tmp_path / "reference", tmp_path / "preempted"
@@ -129,6 +129,7 @@ def test_submitits_signal_is_handed_over_even_after_a_sigterm(signals):
             signal.signal(sig, handler)
 
 
+@pytest.mark.slow  # a real process signalled mid-run; the in-process preemption test stays fast
 def test_the_command_line_exits_with_the_signals_status_after_writing_the_record(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "mpt.runner.cli", TINY, "schedule=smoke", "schedule.steps=100000", "schedule.log_every=1", f"hydra.run.dir={tmp_path}"],
@@ -183,6 +184,7 @@ def hold_lock(run_dir: Path) -> subprocess.Popen:
     return proc
 
 
+@pytest.mark.slow  # three processes, one held at a barrier
 def test_a_second_launch_of_a_running_run_says_so_and_the_sweep_moves_on(tmp_path):
     sweep = tmp_path / "runs"
 

@@ -214,6 +214,7 @@ def _capture(net: nn.Module) -> tuple[dict[str, torch.Tensor], list]:
     return seen, hooks
 
 
+@pytest.mark.slow  # Inception-v3 forward at 299 px
 def test_fid_kind_extracts_fp32_pool3_features_from_resized_unnormalized_input(fid_weights: Path) -> None:
     extractor, info = load_inception(str(fid_weights), CPU)
     assert info == {

@@ -303,6 +303,7 @@ def test_an_atlas_run_writes_it_into_the_record(tmp_path):
     r = mpt_run(
         "model=mobilenet_v3_small",
         "schedule=smoke",
+        "schedule.steps=1",  # a sampled step costs tens of plain ones
         "precision=mixed",
         "scale=dynamic",
         "stats.every=1",
@@ -322,6 +323,8 @@ def test_an_atlas_run_writes_it_into_the_record(tmp_path):
     written = build_report([tmp_path], tmp_path / "report", None)
     table = (tmp_path / "report" / "tables" / "atlas.md").read_text()
     assert "| model | input | mxfp4 |" in table and "(block)" in table and "(per-tensor)" in table
+    # the glance table above it: a row per role, a column per format in the order asked for
+    assert "| mode | seed | step | network | role | bf16 | e5m2 | mxfp4 |" in table and "| model | weight | 0 | " in table
     heatmaps = sorted(p.name for p in written if p.name.startswith("atlas_") and not p.name.startswith("atlas_hist_"))
     assert len(heatmaps) == 3 and all(f"atlas_{f}_" in " ".join(heatmaps) for f in ("bf16", "e5m2", "mxfp4"))
     histograms = sorted(p.name for p in written if p.name.startswith("atlas_hist_"))  # one per role, a panel per scalar format

@@ -14,6 +14,7 @@ import pytest
 from PIL import Image
 
 from mpt.report.cli import build_report
+from mpt.report.cli import main as report_main
 from mpt.report.figures import _cell_name
 from mpt.report.records import cell_variant, mode_label
 from mpt.report.tables import accuracy, render_accuracy
@@ -157,15 +158,28 @@ def test_paper_comparison_puts_our_cells_next_to_the_published_ones(report):
     assert len(ours_diverged) == 3 and all("| diverged |" in line for line in ours_diverged)  # Table 1 top-1, GTC top-1 and top-5
 
 
-def test_a_report_of_only_diverged_runs_says_so(swept, tmp_path):
+def report_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    """mpt-report's command line in this process: its exit status, stdout and stderr."""
+    try:
+        report_main([*map(str, argv)])
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    if isinstance(code, str):  # the interpreter prints such a message to stderr and exits 1
+        return 1, out.out, out.err + code
+    return code, out.out, out.err
+
+
+def test_a_report_of_only_diverged_runs_says_so(swept, tmp_path, capsys):
     import shutil
 
     only = tmp_path / "only"
     for rec in swept.glob("*/result.json"):
         if json.loads(rec.read_text())["status"] == "diverged":
             shutil.copytree(rec.parent, only / rec.parent.name)
-    r = subprocess.run([sys.executable, "-m", "mpt.report.cli", str(only), "--out", str(tmp_path / "out")], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-2000:]
+    code, _, err = report_cli(capsys, only, "--out", tmp_path / "out")
+    assert code == 0, err[-2000:]
     rows = [line for line in (tmp_path / "out" / "tables" / "accuracy.md").read_text().splitlines() if line.startswith("| resnet50")]
     assert len(rows) == 1 and rows[0].endswith("| diverged |")
 
@@ -181,9 +195,9 @@ def test_figures_are_valid_pngs(report):
     assert all(f"figures/{n}" in (report / "report.md").read_text() for n in names)
 
 
-def test_report_without_records_is_an_error(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "mpt.report.cli", str(tmp_path), "--out", str(tmp_path / "out")], capture_output=True, text=True)
-    assert r.returncode != 0 and f"no result.json under {tmp_path}" in r.stderr
+def test_report_without_records_is_an_error(tmp_path, capsys):
+    code, _, err = report_cli(capsys, tmp_path, "--out", tmp_path / "out")
+    assert code != 0 and f"no result.json under {tmp_path}" in err
 
 
 def test_mode_labels_follow_the_paper():
@@ -192,7 +206,7 @@ def test_mode_labels_follow_the_paper():
     assert mode_label("FP16 mod. momentum", "dynamic", None) == "FP16 mod. momentum + LS (dynamic)"
 
 
-def test_a_preempted_run_counts_as_unfinished_and_a_cut_log_line_is_left_out(swept, tmp_path):
+def test_a_preempted_run_counts_as_unfinished_and_a_cut_log_line_is_left_out(swept, tmp_path, capsys):
     import shutil
 
     src = swept / "resnet50_fp16_dynamic_synthetic_smoke_cpu_seed1"
@@ -201,8 +215,8 @@ def test_a_preempted_run_counts_as_unfinished_and_a_cut_log_line_is_left_out(swe
     record.write_text(json.dumps({**json.loads(record.read_text()), "status": "preempted"}))
     with open(record.parent / "metrics.jsonl", "a") as log:
         log.write('{"kind": "train", "step": 3, "lo')  # a line cut short by the kill or a full disk
-    r = subprocess.run([sys.executable, "-m", "mpt.report.cli", str(tmp_path / "runs"), "--out", str(tmp_path / "out")], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-2000:]
+    code, _, err = report_cli(capsys, tmp_path / "runs", "--out", tmp_path / "out")
+    assert code == 0, err[-2000:]
     acc = pd.read_csv(tmp_path / "out" / "tables" / "accuracy.csv")
     assert (acc.ok.item(), acc.failed.item(), acc.diverged.item()) == (0, 1, 0)
 
@@ -239,6 +253,7 @@ def test_a_rebuilt_report_keeps_only_the_figures_it_lists(swept, tmp_path):
     assert listed and {p.name for p in (out / "figures").iterdir()} == listed
 
 
+@pytest.mark.slow  # a sweep of its own
 def test_no_machine_path_reaches_a_table_and_titles_leave_the_variant_to_report_md(tmp_path):
     from .conftest import TINY
     from .test_imagefolder import make_folder

@@ -41,6 +41,7 @@ def test_compiled_networks_train_as_the_eager_ones(eager, tmp_path):
     assert read_record(eager)["compile"] is None
 
 
+@pytest.mark.slow  # two runs; fused SGD is a speed option
 def test_fused_sgd_trains_as_torchs_default_sgd(eager, tmp_path):
     r = mpt_run(*RUN, "optim.implementation=fused", f"hydra.run.dir={tmp_path}", cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -64,6 +65,7 @@ def test_bad_speed_options_are_rejected_naming_the_value(overrides, words):
         validate(compose_cfg(*overrides))
 
 
+@pytest.mark.slow  # a sweep process; the single-run error is checked by validate in the fast tier
 def test_an_unknown_compile_backend_in_a_sweep_stops_it_before_any_run(tmp_path):
     r = mpt_run("-m", *RUN, "compile.backend=aot_eager,nope", f"hydra.sweep.dir={tmp_path}", cwd=ROOT)
     assert r.returncode == 2

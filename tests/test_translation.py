@@ -407,6 +407,7 @@ def test_every_precision_mode_translates_end_to_end(tmp_path):
         assert rec["config"]["model"]["loss_reduction"] == "sum"
 
 
+@pytest.mark.slow  # a learning curve: minutes on 2 cores
 def test_bleu_rises_on_the_synthetic_pair_with_adam_and_warmup(tmp_path):
     args = ["model=gnmt", "model.hidden_size=48", "model.encoder_layers=2", "model.decoder_layers=2", "model.dropout=0", "model.beam_size=2",
             "data.vocab_size=12", "data.max_len=8", "optim.lr=1e-2", "schedule.batch_size=32", "schedule.steps=240", "schedule.eval_every=80",

@@ -207,7 +207,9 @@ def load_atlas(runs: pd.DataFrame) -> pd.DataFrame:
     layer ("(total)" for the network's), role and format."""
     rows = []
     for _, run in runs[runs.get("grad_sampled_steps", pd.Series(index=runs.index, dtype=float)).notna()].iterrows():
-        atlas = (RunRecord.load(Path(run["run_dir"]) / "result.json").grad_stats or {}).get("atlas")
+        stats = RunRecord.load(Path(run["run_dir"]) / "result.json").grad_stats or {}
+        atlas, steps = stats.get("atlas"), stats.get("sampled_steps") or []
+        sampled = ", ".join(map(str, steps)) if len(steps) <= 3 else f"{steps[0]}-{steps[-1]} ({len(steps)})"
         for net, parts in ((atlas or {}).get("networks") or {}).items():
             for layer, roles in [("(total)", parts["total"]), *parts["layers"].items()]:
                 for role, summary in roles.items():
@@ -215,6 +217,7 @@ def load_atlas(runs: pd.DataFrame) -> pd.DataFrame:
                         rows.append(
                             {
                                 **{k: run[k] for k in ATLAS_KEYS},
+                                "sampled_steps": sampled,
                                 "network": net,
                                 "layer": layer,
                                 "role": role,

@@ -289,6 +289,7 @@ def atlas(rows: pd.DataFrame) -> pd.DataFrame:
         *CELL_KEYS,
         *MODE_KEYS,
         "seed",
+        "sampled_steps",
         "network",
         "role",
         "format",
@@ -312,9 +313,10 @@ def render_atlas(table: pd.DataFrame) -> str:
     scale = lambda v: "none" if pd.isna(v) else f"2^{round(math.log2(v))}"  # noqa: E731
     parts = []
     for model, rows in table.groupby("model", sort=False):
+        fit = _atlas_fit(rows, pct, scale)
         out = pd.DataFrame(
             {
-                **{k: rows[k] for k in [*CELL_KEYS[1:], "mode", "seed", "network", "role", "format"]},
+                **{k: rows[k] for k in [*CELL_KEYS[1:], "mode", "seed", "sampled_steps", "network", "role", "format"]},
                 "% zero": rows.share_zero.map(pct),
                 "% underflow": rows.share_underflow.map(pct),
                 "% subnormal": rows.share_subnormal.map(pct),
@@ -325,8 +327,23 @@ def render_atlas(table: pd.DataFrame) -> str:
                 "largest safe": [scale(v) if how == "per-tensor" else "" for v, how in zip(rows.max_safe_scale, rows.scaling)],
             }
         )
-        parts.append(f"### {model}\n\n" + _md(out))
+        parts.append(f"### {model}\n\n{fit}\n\n" + _md(out))
     return "\n\n".join(parts)
+
+
+def _atlas_fit(rows: pd.DataFrame, pct, scale) -> str:
+    """One model's atlas at a glance: per sampled step, network and role, the % of non-zero values
+    each format loses as it is (underflow + overflow), and for a per-tensor format the power-of-two
+    scale that would keep the most."""
+    cell = [
+        pct(lost) + (f" ({scale(rec)})" if how == "per-tensor" and (pd.isna(rec) or rec != 1) else "")
+        for lost, how, rec in zip(rows.share_lost, rows.scaling, rows.recommended_scale)
+    ]
+    index = ["mode", "seed", "sampled_steps", "network", "role"]
+    wide = rows.assign(cell=cell).pivot_table(index=index, columns="format", values="cell", aggfunc="first", sort=False)
+    wide = wide.reindex(columns=list(dict.fromkeys(rows["format"]))).reset_index()
+    note = "% lost as it is (underflow + overflow); in brackets, a per-tensor format's recommended scale where it is not 2^0"
+    return f"{note}:\n\n" + _md(wide.rename(columns={"sampled_steps": "step"}))
 
 
 def render_overflow_origins(table: pd.DataFrame) -> str:
