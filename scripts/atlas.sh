@@ -5,7 +5,8 @@
 # with one report over all of them in results/atlas/report/:
 #   scripts/atlas.sh [alexnet|resnet50|ssd|gnmt|biglstm|dcgan ...] [--report-only]
 # Run from the project root of a clean checkout. A relaunch skips runs already finished. The short
-# runs use the settings of scripts/phenomena.sh, shortened; their length is each model's `steps`.
+# runs use the settings of scripts/phenomena.sh, shortened; their length is each model's `steps`. Their
+# lr milestones are each model's `model.short` ones: ResNet-50's lr falls 10x at steps 50 and 70.
 set -euo pipefail
 report_only=false
 models=()
