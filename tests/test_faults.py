@@ -43,7 +43,9 @@ def signal_at(job, step: int, signum: int) -> None:
     job.task.train_losses = signalled
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, pytest.param(signal.SIGUSR2, marks=pytest.mark.slow)], ids=["SIGTERM", "SIGUSR2"])  # the same path
+@pytest.mark.parametrize(
+    "signum", [signal.SIGTERM, pytest.param(signal.SIGUSR2, marks=pytest.mark.slow)], ids=["SIGTERM", "SIGUSR2"]
+)  # SIGUSR2 takes SIGTERM's path
 def test_a_preempted_run_checkpoints_its_step_and_resumes_as_if_uninterrupted(tmp_path, in_process, signals, signum):
     args = resume_args("mobilenet_v3_small", "mixed", "dynamic", ["data.train_samples=12"])
     reference, preempted = tmp_path / "reference", tmp_path / "preempted"
