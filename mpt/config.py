@@ -150,6 +150,18 @@ class GANModelConfig(ModelConfig):
 
 
 @dataclass
+class ProductsConfig:
+    """The operands of matrix products in a narrower format (precision/quantized_products.py)."""
+
+    forward: Optional[str] = None  # format of the forward's inputs and weights (a name in formats.FORMATS); null: products as the mode computes them
+    backward: Optional[str] = None  # format of the gradients flowing back into a product
+    scaling: str = "tensor"  # tensor: each operand's own amax; delayed: an amax history (Transformer Engine); block: MX block scales
+    amax_history: int = 1024  # delayed: steps of amax kept (Transformer Engine's default)
+    margin: int = 0  # delayed: powers of two of headroom below the format's largest value
+    amax_reduction: str = "max"  # delayed: max over the history, or most_recent
+
+
+@dataclass
 class PrecisionConfig:
     """Where each number lives. The engine is built from these fields alone, never from `name`."""
 
@@ -160,6 +172,7 @@ class PrecisionConfig:
     autocast: Optional[DType] = None  # torch.autocast dtype for the forward pass
     update_rule: Update = Update.optimizer
     tf32: bool = False  # TF32 tensor-core math for FP32 matmuls and convolutions (CUDA only)
+    products: ProductsConfig = field(default_factory=ProductsConfig)
     allreduce_dtype: Optional[DType] = None  # under torchrun: the dtype gradients are all-reduced in (null: their own; FP16 for mixed)
     label: str = ""  # how tables name the mode
 

@@ -22,6 +22,7 @@ from torch import nn
 
 from ..config import ConfigError, positive
 from ..distributed import Dist
+from ..precision.quantized_products import BatchMatmul
 from . import LossTerm, OneNetwork
 
 EVAL_LOGITS = 2**26  # full-softmax logits per evaluation chunk (256 MiB in FP32)
@@ -64,6 +65,7 @@ class BigLSTM(nn.Module):
         self.drop = nn.Dropout(m.dropout)
         self.softmax_w = nn.Parameter(torch.empty(vocab, m.proj_size))
         self.softmax_b = nn.Parameter(torch.zeros(vocab))
+        self.logits = BatchMatmul()  # the softmax's product, sampled or full: FP8 and MX modes quantize it
         with torch.no_grad():
             bound = 1.0 / math.sqrt(m.proj_size)
             self.embedding.weight.uniform_(-bound, bound)
@@ -91,7 +93,7 @@ class BigLSTM(nn.Module):
         out = self.drop(out).reshape(-1, out.shape[-1])
         flat = targets.reshape(-1)
         true_logits = (out * self.softmax_w[flat]).sum(-1) + self.softmax_b[flat]
-        sampled_logits = out @ self.softmax_w[candidates].t() + self.softmax_b[candidates]
+        sampled_logits = self.logits(out, self.softmax_w[candidates].t()) + self.softmax_b[candidates]
         return true_logits, sampled_logits
 
     def _nll(self, inputs, targets, state):
@@ -100,7 +102,7 @@ class BigLSTM(nn.Module):
         total = torch.zeros((), dtype=torch.float32, device=out.device)
         chunk = max(1, EVAL_LOGITS // self.vocab)  # the full logits of a One Billion Word batch would not fit at once
         for i in range(0, len(flat), chunk):
-            logits = out[i : i + chunk] @ self.softmax_w.t() + self.softmax_b
+            logits = self.logits(out[i : i + chunk], self.softmax_w.t()) + self.softmax_b
             total = total + F.cross_entropy(logits.float(), flat[i : i + chunk], reduction="sum")
         return total, state
 

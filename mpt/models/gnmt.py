@@ -27,6 +27,7 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 from ..config import ConfigError, positive
 from ..datasets.translation import BOS, EOS, PAD, TranslationBatch, round_up
 from ..distributed import Dist
+from ..precision.quantized_products import BatchMatmul
 from . import LossTerm, OneNetwork
 from .beam_search import beam_search
 
@@ -41,6 +42,7 @@ class BahdanauAttention(nn.Module):
         self.linear_att = nn.Parameter(torch.empty(units))
         self.normalize_scalar = nn.Parameter(torch.full((1,), 1.0 / math.sqrt(units)))
         self.normalize_bias = nn.Parameter(torch.zeros(units))
+        self.weigh = BatchMatmul()  # the context's weighted sum: a product FP8 and MX modes quantize
 
     def keys(self, context: torch.Tensor) -> torch.Tensor:
         return self.linear_k(context)
@@ -53,7 +55,7 @@ class BahdanauAttention(nn.Module):
         # largest activation of the model (B x Tq x S x units), to FP32
         scores = torch.tanh(q.unsqueeze(2) + keys.unsqueeze(1) + self.normalize_bias.to(keys.dtype)).matmul(v)  # (B, Tq, S)
         scores = scores.masked_fill(pad_mask.unsqueeze(1), torch.finfo(scores.dtype).min)
-        return torch.bmm(F.softmax(scores, dim=-1).to(context.dtype), context)
+        return self.weigh(F.softmax(scores, dim=-1).to(context.dtype), context)
 
 
 class Encoder(nn.Module):

@@ -6,6 +6,9 @@ loop calls `backward(loss)` and `step()` and knows nothing else. The engine is b
 fields of the precision config (param_dtype, master_weights, norm_fp32, autocast, update, tf32),
 never from the mode's name, so a new mode is a new YAML file.
 
+The FP8 and MX modes quantize the operands of the network's matrix products
+(quantized_products.py) and are otherwise `bf16`: their weights are FP32 and are the master copy.
+
 The modes (configs/precision/*.yaml) map onto two update paths:
 - the optimizer on FP32 tensors (`fp32`, `tf32`, `amp`, `bf16`: the weights themselves; `mixed`:
   the master copy, which is then cast back to the FP16 weights). Gradients are unscaled in place,
@@ -26,6 +29,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from ..config import ConfigError, DType, Update
+from . import quantized_products
 from .cpu_tensor_cores import TensorCoreArithmetic
 from .cuda_autocast import cuda_autocast, cuda_lists
 from .lost_updates import LostUpdates
@@ -263,6 +267,8 @@ class PrecisionEngine:
             if mode.master_weights and mode.param_dtype != DType.float32 and q.requires_grad and id(q) not in kept_fp32
         }
         self.model = prepare_model(model, cfg.precision, device, channels_last)
+        # FP8 and MX modes: the network's products quantize their operands (None: they do not)
+        self.products = quantized_products.install(self.model, cfg.precision)
         self.arithmetic = lambda: arithmetic(cfg.precision, device, cfg.emulate_tensor_cores)
         # Under torchrun: the maximum over processes, so that every rank skips the same steps and
         # keeps the same scale even where the gradients it holds are not averaged yet.
@@ -294,9 +300,15 @@ class PrecisionEngine:
     def zero_grad(self) -> None:
         self._zero_grad()
 
+    def replaying(self) -> contextlib.AbstractContextManager:
+        """Around a step run again: its products' amax is not counted a second time."""
+        return self.products.not_observing() if self.products is not None else contextlib.nullcontext()
+
     @torch.no_grad()
     def step(self) -> bool:
         """Apply the update unless the gradients overflowed. Returns whether the update was applied."""
+        if self.products is not None:  # a skipped step's amax counts too, as in Transformer Engine
+            self.products.end_step()
         grads = self.update.grads()
         scale = self.scaler.scale
         unscale = 1.0 if self.update.carries_scale else 1.0 / scale
@@ -363,6 +375,7 @@ class PrecisionEngine:
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.full_state_dict(),
             "masters": [m.detach().clone() for m in self.master_weights()],
+            "products": self.products.state_dict() if self.products is not None else {},
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -372,6 +385,8 @@ class PrecisionEngine:
         with torch.no_grad():
             for m, saved in zip(self.master_weights(), state["masters"]):
                 m.copy_(saved)
+        if self.products is not None:
+            self.products.load_state_dict(state.get("products", {}))
 
 
 def build_lr_schedule(optimizer: torch.optim.Optimizer, milestones: list[int], gamma: float, warmup_steps: int):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import logging
@@ -167,6 +168,13 @@ class Run:
             if saved is not None and (self.record.metrics or {}).get("step") == saved["step"]:  # purged with the steps past the checkpoint
                 self.board.write([{"kind": "eval", **self.record.metrics}])
 
+    def _products_record(self) -> dict | None:
+        """The FP8 or MX recipe of the products, and how many layers took each arithmetic path."""
+        if self.cfg.precision.products.forward is None:
+            return None
+        paths = collections.Counter(path for e in self.engines.values() if e.products for path in e.products.paths().values())
+        return {**as_plain(self.cfg.precision.products), "paths": dict(paths)}
+
     def _state(self) -> dict:
         return {
             "config": self.record.config,
@@ -313,6 +321,7 @@ class Run:
                 # FP16/BF16 products and LSTMs on a CPU: as a GPU's (cpu_tensor_cores.py) or torch's own kernels
                 "cpu_arithmetic": ("emulated" if cfg.emulate_tensor_cores else "native") if computes_low_precision_on_cpu(cfg.precision, self.device) else None,
                 "autocast_lists": "cuda" if cfg.precision.autocast else None,  # on a CPU too (cuda_autocast.py)
+                "products": self._products_record(),
             },
             scale_config={
                 "strategy": cfg.scale.name,
@@ -538,7 +547,7 @@ class Run:
             on_loss(term.loss)
             engine.backward(term.loss, scale=scale)
 
-        with self.grad_stats.paused(), self.tracer.restoring():
+        with self.grad_stats.paused(), self.tracer.restoring(), engine.replaying():
             found = self.tracer.trace(step, group, scale, rerun)
         engine.zero_grad()
         self.tracer.seconds += time.perf_counter() - t0

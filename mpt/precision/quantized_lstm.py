@@ -1,0 +1,100 @@
+"""nn.LSTM with quantized gate products (quantized_products.py), written out step by step.
+
+Each layer and direction makes three kinds of product: the input's (all steps in one), the
+recurrent state's (one per step) and, with a projection, the cell output's (one per step). Each is
+a quantized linear product with its own site, so a delayed scale is kept per weight. The cell runs
+as cuDNN's: gates, activations and the cell update in FP32, h and c stored in the output dtype.
+Packed sequences run padded, each sequence's state held past its end (and, in the reverse
+direction, at its initial value until its last element), which is what packing computes.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
+
+from .quantized_products import Site, linear, out_dtype
+
+
+def _repack(out: torch.Tensor, like: PackedSequence) -> PackedSequence:
+    """out (B, T, F) in the original batch order, as a PackedSequence laid out as `like`."""
+    ordered = out if like.sorted_indices is None else out.index_select(0, like.sorted_indices)
+    data = torch.cat([ordered[: int(n), t] for t, n in enumerate(like.batch_sizes)])
+    return PackedSequence(data, like.batch_sizes, like.sorted_indices, like.unsorted_indices)
+
+
+class QuantizedLSTM(nn.LSTM):
+    products_sites: dict[str, Site]
+
+    def forward(self, input, hx: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
+        packed = isinstance(input, PackedSequence)
+        lengths = None
+        if packed:
+            x, lengths = pad_packed_sequence(input, batch_first=True)
+        else:
+            x = input if self.batch_first or input.dim() == 2 else input.transpose(0, 1)
+        unbatched = x.dim() == 2
+        if unbatched:
+            x = x.unsqueeze(0)
+            hx = None if hx is None else (hx[0].unsqueeze(1), hx[1].unsqueeze(1))
+        dirs = 2 if self.bidirectional else 1
+        batch, steps = x.shape[:2]
+        out_size = self.proj_size or self.hidden_size
+        dtype = out_dtype(x)
+        if hx is None:
+            h0 = x.new_zeros(self.num_layers * dirs, batch, out_size, dtype=dtype)
+            c0 = x.new_zeros(self.num_layers * dirs, batch, self.hidden_size, dtype=dtype)
+        else:
+            h0, c0 = hx
+        valid = None if lengths is None else torch.arange(steps).unsqueeze(1) < lengths.unsqueeze(0)  # (T, B)
+        if valid is not None:
+            valid = valid.to(x.device).unsqueeze(-1)
+        observe = self.training and torch.is_grad_enabled()
+        layer_input, hs, cs = x, [], []
+        for layer in range(self.num_layers):
+            outs = []
+            for d in range(dirs):
+                k = layer * dirs + d
+                out, h, c = self._direction(layer_input, h0[k], c0[k], layer, d, valid, observe, dtype)
+                outs.append(out)
+                hs.append(h)
+                cs.append(c)
+            layer_input = torch.cat(outs, -1) if dirs == 2 else outs[0]
+            if self.dropout and layer < self.num_layers - 1:
+                layer_input = F.dropout(layer_input, self.dropout, self.training)
+        out, h_n, c_n = layer_input, torch.stack(hs), torch.stack(cs)
+        if unbatched:
+            return out.squeeze(0), (h_n.squeeze(1), c_n.squeeze(1))
+        if packed:
+            return _repack(out, input), (h_n, c_n)
+        return (out if self.batch_first else out.transpose(0, 1)), (h_n, c_n)
+
+    def _direction(self, x, h, c, layer, d, valid, observe, dtype):
+        """One layer's pass in one direction over x (B, T, F): its outputs (B, T, out) and last h, c."""
+        sfx = f"_l{layer}" + ("_reverse" if d else "")
+        w = lambda name: getattr(self, f"{name}{sfx}")  # noqa: E731
+        sites = self.products_sites
+        bias = (w("bias_ih") + w("bias_hh")) if self.bias else None
+        pre = linear(x, w("weight_ih"), bias, sites[f"ih{sfx}"], observe)  # (B, T, 4H): every step's input product at once
+        h, c = h.to(dtype), c.to(dtype)
+        outs: list[torch.Tensor] = [None] * x.shape[1]  # type: ignore[list-item]
+        order = range(x.shape[1] - 1, -1, -1) if d else range(x.shape[1])
+        for t in order:
+            gates = pre[:, t].float() + linear(h, w("weight_hh"), None, sites[f"hh{sfx}"], observe).float()
+            i, f, g, o = gates.chunk(4, 1)
+            c_new = torch.sigmoid(f) * c.float() + torch.sigmoid(i) * torch.tanh(g)
+            h_new = (torch.sigmoid(o) * torch.tanh(c_new)).to(dtype)
+            if self.proj_size:
+                h_new = linear(h_new, w("weight_hr"), None, sites[f"hr{sfx}"], observe)
+            c_new = c_new.to(dtype)
+            if valid is None:
+                h, c, outs[t] = h_new, c_new, h_new
+            else:
+                keep = valid[t]
+                h, c = torch.where(keep, h_new, h), torch.where(keep, c_new, c)
+                outs[t] = torch.where(keep, h_new, torch.zeros_like(h_new))
+        return torch.stack(outs, 1), h, c

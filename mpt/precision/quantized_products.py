@@ -1,0 +1,447 @@
+"""Matrix products with FP8 or MX operands: the paper's recipe one format generation on.
+
+In a network `install` has prepared, every convolution, transposed convolution, linear layer, LSTM
+(quantized_lstm.py) and `BatchMatmul` quantizes the operands of its products and nothing else:
+each of a layer's three products (the output, the input's gradient, the weight's gradient) takes
+its two operands in the recipe's formats, the forward's inputs and weights in the forward format
+and the gradient flowing into the layer in the backward format. What a product computes from them
+is FP32 arithmetic on their exact values, rounded once to the output dtype (autocast's, else the
+input's): a GPU's scaled FP8 GEMM (FP32 accumulation) up to the order of summation, and what
+torchao's `emulate=True` computes. Biases are added, and their gradients summed, in high precision,
+as in Transformer Engine and torchao.
+
+Scaling, per operand of each call:
+- `tensor`: scale = max of the format / amax of the operand, in float64 rounded to FP32 (amax
+  floored at 1e-12), the operand is multiplied by it in FP32, rounded to the format (saturating)
+  and divided by it again: torchao's tensorwise dynamic scaling, Transformer Engine's current
+  scaling;
+- `delayed`: Transformer Engine's DelayedScaling. Each operand role of each layer keeps a history
+  of the amax its calls saw, one slot per step (the largest over the step's calls); the step's
+  products use the scale computed at the end of the last step, scale = (max / amax) / 2^margin,
+  amax being the history's maximum (or its newest entry), the old scale kept where that amax is 0
+  or not finite. The histories and scales are state, saved in checkpoints;
+- `block`: the OCP Microscaling formats (formats.py): blocks of 32 along the product's reduction
+  axis share a power-of-two scale, so each of the three products quantizes its operands along its
+  own axis (the layout of Microsoft's microxcaling emulation: a convolution's channels for the
+  output and the input gradient, the batch for the weight gradient).
+
+Evaluation forwards (a module in eval mode) use the scales but do not add to the histories, so how
+often a run evaluates does not change how it trains.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig
+from torch import nn
+
+from ..config import ConfigError
+from .formats import FORMATS, BlockFormat, FloatFormat, _exp2, block_scale_exponents, get_format, quantize
+
+EPS = 1e-12  # torchao's floor on an amax, so that an all-zero operand gets a finite scale
+SCALINGS = ("tensor", "delayed", "block")
+REDUCTIONS = ("max", "most_recent")
+FP32_MAX = torch.finfo(torch.float32).max
+
+
+class BatchMatmul(nn.Module):
+    """`a @ b` over batches, as a module so that a mode quantizing products sees it (attention)."""
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(a, b)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    forward: FloatFormat | BlockFormat
+    backward: FloatFormat | BlockFormat
+    scaling: str
+    history: int
+    margin: int
+    reduction: str
+
+    def format(self, role: str) -> FloatFormat | BlockFormat:
+        return self.backward if role == "grad_output" else self.forward
+
+
+def recipe(mode: DictConfig) -> Optional[Recipe]:
+    """The mode's recipe for its products, or None where it leaves them alone."""
+    p = mode.products
+    if p.forward is None:
+        return None
+    return Recipe(get_format(p.forward), get_format(p.backward), p.scaling, p.amax_history, p.margin, p.amax_reduction)
+
+
+def validate(mode: DictConfig) -> None:
+    """Raises ConfigError naming the first bad setting of `precision.products`."""
+    p = mode.products
+    if p.forward is None:
+        if p.backward is not None:
+            raise ConfigError(f"precision.products.backward={p.backward}: needs precision.products.forward too")
+        return
+    for key in ("forward", "backward"):
+        name = p[key]
+        if name is None or name not in FORMATS:
+            raise ConfigError(f"precision.products.{key}={name}: choose a format from {', '.join(FORMATS)}")
+    if p.scaling not in SCALINGS:
+        raise ConfigError(f"precision.products.scaling={p.scaling}: choose one of {', '.join(SCALINGS)}")
+    blocks = [isinstance(FORMATS[p[k]], BlockFormat) for k in ("forward", "backward")]
+    if (p.scaling == "block") != all(blocks) or any(blocks) != all(blocks):
+        kinds = "MX block formats" if p.scaling == "block" else "scalar formats"
+        raise ConfigError(
+            f"precision.products: scaling={p.scaling} needs {kinds} for both operands (got forward={p.forward}, backward={p.backward}); block scaling goes with mx* formats only"
+        )
+    if p.amax_history < 1:
+        raise ConfigError(f"precision.products.amax_history={p.amax_history}: must be at least 1")
+    if p.amax_reduction not in REDUCTIONS:
+        raise ConfigError(f"precision.products.amax_reduction={p.amax_reduction}: choose one of {', '.join(REDUCTIONS)}")
+    if mode.param_dtype.name != "float32":
+        raise ConfigError(f"precision {mode.name}: quantized products need FP32 weights (the master copy); got param_dtype={mode.param_dtype.name}")
+
+
+# torch's own casts to FP8: after a clamp to the largest finite value they round as formats.quantize
+# does (nearest, ties to even, subnormals included; tests/test_quantized_products.py checks every
+# FP32 exponent), ten times faster than its integer emulation. Other element formats have no torch dtype.
+TORCH_FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+def round_to(x: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+    """formats.quantize(x, fmt) with the format's saturating policy, through torch's cast where it has one."""
+    dtype = TORCH_FP8.get(fmt.name)
+    if dtype is None or fmt.overflow != "saturate":
+        return quantize(x, fmt)
+    return x.float().clamp(-fmt.max, fmt.max).to(dtype).float()
+
+
+def round_blocks(x: torch.Tensor, fmt: BlockFormat, axis: int) -> torch.Tensor:
+    """formats.quantize(x, fmt, axis=axis) for an MX format, through torch's cast for FP8 elements:
+    v / X is exact (X a power of two) wherever it matters, the quotient being an FP32 subnormal
+    only far below the element's smallest subnormal, where both round to zero."""
+    el = fmt.element
+    dtype = TORCH_FP8.get(el.name)
+    if dtype is None:
+        return quantize(x, fmt, axis=axis)
+    moved = x.float().movedim(axis, -1)
+    n = moved.shape[-1]
+    padded = F.pad(moved, (0, (-n) % fmt.block)).contiguous()
+    scale = _exp2(block_scale_exponents(padded, fmt)).unsqueeze(-1)
+    blocks = padded.unflatten(-1, (-1, fmt.block))
+    values = (blocks / scale).clamp(-el.max, el.max).to(dtype).float() * scale
+    values = torch.where(torch.isfinite(blocks).all(-1, keepdim=True), values, torch.nan)  # a NaN scale: the block is NaN
+    return values.flatten(-2)[..., :n].movedim(-1, axis)
+
+
+def tensor_scale(t: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+    """torchao's tensorwise scale: max / amax, in float64, rounded to FP32."""
+    amax = t.detach().abs().amax().double()
+    return (fmt.max / amax.clamp(min=EPS)).float()
+
+
+def scaled(t: torch.Tensor, fmt: FloatFormat, scale: torch.Tensor) -> torch.Tensor:
+    """t's value after a round trip through `fmt` under a per-tensor scale: q(t * s) / s in FP32."""
+    return round_to(t.float() * scale, fmt) / scale
+
+
+class DelayedScale:
+    """One operand role's delayed scaling: Transformer Engine's amax history and scale recurrence."""
+
+    def __init__(self, length: int, device: torch.device):
+        self.history = torch.zeros(length, device=device)  # slot 0: this step's amax
+        self.scale = torch.ones((), device=device)
+
+    def observe(self, t: torch.Tensor) -> None:
+        amax = t.detach().abs().amax().float() if t.numel() else torch.zeros((), device=t.device)
+        self.history[0] = torch.maximum(self.history[0], amax)
+
+    def update(self, fmt: FloatFormat, margin: int, reduction: str) -> None:
+        amax = self.history.max() if reduction == "max" else self.history[0].clone()
+        sf = (fmt.max / amax) / 2.0**margin
+        sf = torch.where(amax > 0.0, sf, self.scale)
+        sf = torch.where(torch.isfinite(amax), sf, self.scale)
+        self.scale = torch.where(torch.isinf(sf), torch.full_like(sf, FP32_MAX), sf)
+        if len(self.history) > 1:
+            self.history = torch.roll(self.history, -1, 0)
+        self.history[0] = 0.0
+
+    def state_dict(self) -> dict:
+        return {"history": self.history.clone(), "scale": self.scale.clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.history = state["history"].to(self.history.device).clone()
+        self.scale = state["scale"].to(self.scale.device).clone()
+
+
+class Site:
+    """The operands of one layer's products: how they are quantized, and their delayed scales."""
+
+    def __init__(self, name: str, recipe: Recipe):
+        self.name = name
+        self.recipe = recipe
+        self.delayed: dict[str, DelayedScale] = {}
+        self.observing = True  # off while a step is run again (the overflow trace)
+
+    def operand(
+        self, t: torch.Tensor, role: str, axis: int, scale: Optional[torch.Tensor] = None, observe: bool = False
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """t's FP32 values as this product's operand `role`, reduced along `axis`, and the
+        per-tensor scale they took (None for block formats). `scale`: reuse that one (the
+        backward's products take the forward's)."""
+        fmt, r = self.recipe.format(role), self.recipe
+        if isinstance(fmt, BlockFormat):
+            return round_blocks(t, fmt, axis), None
+        if t.numel() == 0:
+            return t.float(), torch.ones((), device=t.device)
+        if scale is None:
+            if r.scaling == "tensor":
+                scale = tensor_scale(t, fmt)
+            else:
+                state = self.delayed.get(role)
+                if state is None:
+                    state = self.delayed[role] = DelayedScale(r.history, t.device)
+                if observe and self.observing:
+                    state.observe(t)
+                scale = state.scale
+        return scaled(t, fmt, scale), scale
+
+    def end_step(self) -> None:
+        for role, state in self.delayed.items():
+            state.update(self.recipe.format(role), self.recipe.margin, self.recipe.reduction)
+
+
+def out_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a product's result is rounded to: autocast's where it is on, as torchao's."""
+    return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+
+
+def _through(grad: torch.Tensor, dtype: torch.dtype, operand: torch.Tensor) -> torch.Tensor:
+    """An operand's gradient as autocast gives it: computed in the product's dtype (autocast's casts
+    are differentiable, so an FP32 operand receives the gradient of its low-precision copy), then
+    in the operand's own."""
+    return grad.to(dtype).to(operand.dtype)
+
+
+def _fp32(device: torch.device) -> contextlib.AbstractContextManager:
+    return torch.autocast(device.type, enabled=False)
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, b, site: Site, observe: bool):
+        dtype = out_dtype(x)
+        qx, sx = site.operand(x, "input", -1, observe=observe)
+        qw, sw = site.operand(w, "weight", 1, observe=observe)
+        with _fp32(x.device):
+            out = F.linear(qx, qw).to(dtype)
+            if b is not None:
+                out = out + b.to(dtype)
+        ctx.save_for_backward(x, w)
+        ctx.site, ctx.scales, ctx.has_bias, ctx.dtype = site, (sx, sw), b is not None, dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        site, (sx, sw) = ctx.site, ctx.scales
+        gx = gw = gb = None
+        with _fp32(g.device):
+            qg, sg = site.operand(g, "grad_output", -1, observe=True)  # the input gradient reduces over outputs
+            if ctx.needs_input_grad[0]:
+                gx = _through(qg @ site.operand(w, "weight", 0, scale=sw)[0], ctx.dtype, x)
+            if ctx.needs_input_grad[1]:
+                g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
+                qg2 = site.operand(g2, "grad_output", 0, scale=sg)[0] if sg is None else qg.reshape(g2.shape)
+                gw = _through(qg2.t() @ site.operand(x2, "input", 0, scale=sx)[0], ctx.dtype, w)  # the weight gradient reduces over rows
+            if ctx.has_bias and ctx.needs_input_grad[2]:
+                gb = _through(g.reshape(-1, g.shape[-1]).float().sum(0), ctx.dtype, w)
+        return gx, gw, gb, None, None
+
+
+class _Convolution(torch.autograd.Function):
+    """aten.convolution (any rank, transposed or not) with quantized operands."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, site: Site, observe: bool, stride, padding, dilation, transposed, output_padding, groups):
+        dtype = out_dtype(x)
+        # A convolution reduces over input channels: axis 1 of a weight, axis 0 of a transposed one's.
+        qx, sx = site.operand(x, "input", 1, observe=observe)
+        qw, sw = site.operand(w, "weight", 0 if transposed else 1, observe=observe)
+        args = (stride, padding, dilation, transposed, output_padding, groups)
+        with _fp32(x.device):
+            out = torch.ops.aten.convolution(qx, qw, None, *args).to(dtype)
+            if b is not None:
+                out = out + b.to(dtype).reshape(1, -1, *[1] * (out.dim() - 2))
+        ctx.save_for_backward(x, w)
+        ctx.site, ctx.scales, ctx.args, ctx.has_bias, ctx.dtype = site, (sx, sw), args, b is not None, dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        site, (sx, sw), args = ctx.site, ctx.scales, ctx.args
+        transposed = args[3]
+        gx = gw = gb = None
+        with _fp32(g.device):
+            # The input gradient reduces over output channels; the weight gradient over the batch.
+            qg, sg = site.operand(g, "grad_output", 1, observe=True)
+            if ctx.needs_input_grad[0]:
+                qw = site.operand(w, "weight", 1 if transposed else 0, scale=sw)[0]
+                gx = torch.ops.aten.convolution_backward(qg, x.float(), qw, None, *args, [True, False, False])[0]
+                gx = _through(gx, ctx.dtype, x)
+            if ctx.needs_input_grad[1]:
+                qg0 = site.operand(g, "grad_output", 0, scale=sg)[0] if sg is None else qg
+                qx = site.operand(x, "input", 0, scale=sx)[0]
+                gw = torch.ops.aten.convolution_backward(qg0, qx, w.float(), None, *args, [False, True, False])[1]
+                gw = _through(gw, ctx.dtype, w)
+            if ctx.has_bias and ctx.needs_input_grad[2]:
+                gb = _through(g.float().sum([d for d in range(g.dim()) if d != 1]), ctx.dtype, w)
+        return gx, gw, gb, None, None, None, None, None, None, None, None
+
+
+class _Matmul(torch.autograd.Function):
+    """a (..., M, K) @ b (..., K, N), batch dimensions equal, with quantized operands."""
+
+    @staticmethod
+    def forward(ctx, a, b, site: Site, observe: bool):
+        dtype = out_dtype(a)
+        qa, sa = site.operand(a, "input", -1, observe=observe)
+        qb, sb = site.operand(b, "weight", -2, observe=observe)
+        with _fp32(a.device):
+            out = torch.matmul(qa, qb).to(dtype)
+        ctx.save_for_backward(a, b)
+        ctx.site, ctx.scales, ctx.dtype = site, (sa, sb), dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        site, (sa, sb) = ctx.site, ctx.scales
+        ga = gb = None
+        with _fp32(g.device):
+            qg, sg = site.operand(g, "grad_output", -1, observe=True)
+            if ctx.needs_input_grad[0]:
+                ga = _through(qg @ site.operand(b, "weight", -1, scale=sb)[0].transpose(-1, -2), ctx.dtype, a)
+            if ctx.needs_input_grad[1]:
+                qg1 = site.operand(g, "grad_output", -2, scale=sg)[0] if sg is None else qg
+                gb = _through(site.operand(a, "input", -2, scale=sa)[0].transpose(-1, -2) @ qg1, ctx.dtype, b)
+        return ga, gb, None, None
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], site: Site, observe: bool) -> torch.Tensor:
+    return _Linear.apply(x, w, b, site, observe)
+
+
+def _observing(module: nn.Module) -> bool:
+    return module.training and torch.is_grad_enabled()
+
+
+class QuantizedLinear(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Linear.apply(x, self.weight, self.bias, self.products_site, _observing(self))
+
+
+class _QuantizedConv:
+    """A convolution's or a transposed convolution's forward with quantized products (zero padding)."""
+
+    def forward(self, x: torch.Tensor, output_size: Optional[list[int]] = None) -> torch.Tensor:
+        transposed = isinstance(self, nn.modules.conv._ConvTransposeNd)
+        dims = x.dim() - 2
+        if transposed:
+            output_padding = self._output_padding(x, output_size, self.stride, self.padding, self.kernel_size, dims, self.dilation)
+        else:
+            output_padding = (0,) * dims
+        return _Convolution.apply(
+            x, self.weight, self.bias, self.products_site, _observing(self), self.stride, self.padding, self.dilation, transposed, output_padding, self.groups
+        )
+
+
+class QuantizedBatchMatmul(BatchMatmul):
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return _Matmul.apply(a, b, self.products_site, _observing(self))
+
+
+CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+
+
+@functools.cache
+def _quantized_class(cls: type) -> type:
+    """The class a module of class `cls` becomes: the same module, its products quantized."""
+    if issubclass(cls, nn.Linear):
+        return QuantizedLinear if cls is nn.Linear else type(f"Quantized{cls.__name__}", (cls,), {"forward": QuantizedLinear.forward})
+    if issubclass(cls, CONVOLUTIONS):
+        return type(f"Quantized{cls.__name__}", (_QuantizedConv, cls), {})
+    if issubclass(cls, BatchMatmul):
+        return QuantizedBatchMatmul
+    if issubclass(cls, nn.LSTM):
+        from .quantized_lstm import QuantizedLSTM
+
+        return QuantizedLSTM if cls is nn.LSTM else type(f"Quantized{cls.__name__}", (cls,), {"forward": QuantizedLSTM.forward})
+    raise TypeError(cls)
+
+
+QUANTIZED_MODULES = (nn.Linear, *CONVOLUTIONS, BatchMatmul, nn.LSTM)
+
+
+class QuantizedProducts:
+    """One network's quantized products: its sites by module name, their state and their path."""
+
+    def __init__(self, model: nn.Module, recipe: Recipe):
+        self.recipe = recipe
+        self.sites: dict[str, Site] = {}
+        for name, module in model.named_modules():
+            if not isinstance(module, QUANTIZED_MODULES):
+                continue
+            if isinstance(module, CONVOLUTIONS) and (module.padding_mode != "zeros" or isinstance(module.padding, str)):
+                raise ConfigError(
+                    f"quantized products: convolution {name or 'model'} pads with {module.padding_mode}/{module.padding}; only explicit zero padding is supported"
+                )
+            if isinstance(module, nn.LSTM):  # a site per weight: ih_l0, hh_l0, hr_l0, ih_l0_reverse, ...
+                keys = [n.removeprefix("weight_") for n in module._flat_weights_names if n.startswith("weight_")]
+                module.products_sites = {k: self._site(f"{name}.{k}") for k in keys}
+            else:
+                module.products_site = self._site(name)
+            module.__class__ = _quantized_class(type(module))
+
+    def _site(self, name: str) -> Site:
+        site = self.sites[name] = Site(name, self.recipe)
+        return site
+
+    def end_step(self) -> None:
+        """Delayed scaling: this step's amax into the histories, and the next step's scales."""
+        for site in self.sites.values():
+            site.end_step()
+
+    @contextlib.contextmanager
+    def not_observing(self) -> Iterator[None]:
+        """A step run again (the overflow trace) must not count its amax twice."""
+        for site in self.sites.values():
+            site.observing = False
+        try:
+            yield
+        finally:
+            for site in self.sites.values():
+                site.observing = True
+
+    def paths(self) -> dict[str, str]:
+        """Which arithmetic each layer's products took."""
+        return {name: "emulated" for name in self.sites}
+
+    def state_dict(self) -> dict:
+        return {name: {role: s.state_dict() for role, s in site.delayed.items()} for name, site in self.sites.items() if site.delayed}
+
+    def load_state_dict(self, state: dict) -> None:
+        for name, roles in state.items():
+            site = self.sites[name]
+            for role, saved in roles.items():
+                s = site.delayed.setdefault(role, DelayedScale(self.recipe.history, saved["scale"].device))
+                s.load_state_dict(saved)
+
+
+def install(model: nn.Module, mode: DictConfig) -> Optional[QuantizedProducts]:
+    r = recipe(mode)
+    return None if r is None else QuantizedProducts(model, r)

@@ -1,0 +1,218 @@
+"""FP8 and MX products: their operands against the formats module and torchao, the delayed-scaling
+recurrence against Transformer Engine's, the LSTM written out against nn.LSTM, and the modes in runs."""
+
+from __future__ import annotations
+
+import copy
+import math
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torchvision
+from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+from mpt.config import ConfigError
+from mpt.precision import quantized_products as qp
+from mpt.precision.formats import E4M3, E5M2, get_format, quantize
+from mpt.runner.validation import validate
+
+from .conftest import TINY, build_run, compose_cfg, read_record
+
+FP8 = qp.Recipe(E4M3, E5M2, "tensor", 1, 0, "max")
+MXFP8 = qp.Recipe(get_format("mxfp8_e4m3"), get_format("mxfp8_e5m2"), "block", 1, 0, "max")
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values, NaN where NaN, and the sign of every zero."""
+    return bool((((a == b) & (torch.signbit(a) == torch.signbit(b))) | (a.isnan() & b.isnan())).all())
+
+
+def every_fp32_exponent(n_per: int = 64) -> torch.Tensor:
+    """Random mantissas at every biased exponent (0: subnormals, 255: infinities and NaNs), both signs."""
+    g = torch.Generator().manual_seed(0)
+    exps = torch.arange(256, dtype=torch.int64).repeat_interleave(n_per)
+    mant = torch.randint(0, 1 << 23, (len(exps),), generator=g)
+    sign = torch.randint(0, 2, (len(exps),), generator=g) << 31
+    return (sign | (exps << 23) | mant).to(torch.int32).view(torch.float32)
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=lambda f: f.name)
+def test_torchs_fp8_cast_after_a_clamp_rounds_as_the_formats_module(fmt):
+    ties = torch.tensor([fmt.max * 1.03, -fmt.max * 1.1, fmt.min_subnormal / 2, fmt.min_subnormal * 1.5, fmt.min_subnormal * 2.5, 0.0, -0.0])
+    x = torch.cat([every_fp32_exponent(512), ties])
+    assert same(qp.round_to(x, fmt), quantize(x, fmt))
+
+
+@pytest.mark.parametrize("name", ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp4"])
+@pytest.mark.parametrize("axis", [0, 1])
+def test_the_block_fast_path_rounds_as_the_formats_module(name, axis):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(40, 70, generator=g) * torch.exp2(torch.randint(-150, 120, (40, 1), generator=g).float())
+    x[3, 5], x[10, 40], x[20] = math.nan, math.inf, 0.0
+    assert same(qp.round_blocks(x, get_format(name), axis), quantize(x, get_format(name), axis=axis))
+
+
+def test_an_fp8_linear_layer_computes_what_torchaos_emulated_float8linear_computes():
+    float8 = pytest.importorskip("torchao.float8")
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(64, 48))
+    ours = copy.deepcopy(ref)
+    float8.convert_to_float8_training(ref, config=float8.Float8LinearConfig(emulate=True))
+    qp.QuantizedProducts(ours, FP8)
+    x = torch.randn(16, 64) * 3
+    g = torch.randn(16, 48) * 1e-3
+    for autocast in (False, True):
+        x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y1, y2 = ref(x1), ours(x2)
+        assert y1.dtype == y2.dtype == (torch.bfloat16 if autocast else torch.float32)
+        y1.backward(g.to(y1.dtype))
+        y2.backward(g.to(y2.dtype))
+        # torchao's tensorwise scales and casts, the same FP32 products: equal, not just close
+        assert torch.equal(y1, y2) and torch.equal(x1.grad, x2.grad)
+        assert torch.equal(ref[0].weight.grad, ours[0].weight.grad) and torch.equal(ref[0].bias.grad, ours[0].bias.grad)
+        ref.zero_grad()
+        ours.zero_grad()
+
+
+def test_each_product_of_an_mx_linear_layer_takes_its_blocks_along_its_own_reduction():
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 96)
+    w = layer.weight.detach().clone()
+    qp.QuantizedProducts(layer, MXFP8)
+    x = torch.randn(2, 8, 64, requires_grad=True)
+    y = layer(x)
+    g = torch.randn_like(y)
+    y.backward(g)
+    f, b = MXFP8.forward, MXFP8.backward
+    assert torch.equal(y, F.linear(quantize(x, f, axis=-1), quantize(w, f, axis=1)) + layer.bias)
+    assert torch.allclose(x.grad, quantize(g, b, axis=-1) @ quantize(w, f, axis=0), rtol=1e-6, atol=0)
+    g2, x2 = g.reshape(-1, 96), x.detach().reshape(-1, 64)
+    assert torch.allclose(layer.weight.grad, quantize(g2, b, axis=0).t() @ quantize(x2, f, axis=0), rtol=1e-6, atol=1e-7)
+    assert torch.allclose(layer.bias.grad, g2.sum(0))
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_each_product_of_an_mx_convolution_takes_its_blocks_along_its_own_reduction(transposed):
+    """Channels for the output and the input gradient, the batch for the weight gradient."""
+    torch.manual_seed(0)
+    conv = nn.ConvTranspose2d(40, 36, 4, stride=2, padding=1) if transposed else nn.Conv2d(40, 36, 3, stride=2, padding=1)
+    w = conv.weight.detach().clone()
+    qp.QuantizedProducts(conv, MXFP8)
+    x = torch.randn(34, 40, 6, 6, requires_grad=True)
+    y = conv(x)
+    g = torch.randn_like(y)
+    y.backward(g)
+    f, b = MXFP8.forward, MXFP8.backward
+    w_in, w_out = (0, 1) if transposed else (1, 0)  # the weight's input- and output-channel axes
+    op = F.conv_transpose2d if transposed else F.conv2d
+    kw = dict(stride=2, padding=1)
+    assert torch.allclose(y, op(quantize(x, f, axis=1), quantize(w, f, axis=w_in), conv.bias, **kw), rtol=1e-6, atol=1e-6)
+    # the input gradient as autograd derives it from the quantized operands of its own product
+    xq = quantize(x, f, axis=1).requires_grad_()
+    (gx,) = torch.autograd.grad(op(xq, quantize(w, f, axis=w_out), None, **kw), xq, quantize(g, b, axis=1))
+    assert torch.allclose(x.grad, gx, rtol=1e-5, atol=1e-6)
+    wq = quantize(w, f, axis=w_in).requires_grad_()
+    (gw,) = torch.autograd.grad(op(quantize(x.detach(), f, axis=0), wq, None, **kw), wq, quantize(g, b, axis=0))
+    assert torch.allclose(conv.weight.grad, gw, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(conv.bias.grad, g.sum((0, 2, 3)), rtol=1e-6)
+
+
+def test_delayed_scaling_follows_transformer_engines_recurrence():
+    """scale = (max / amax) / 2^margin, amax the maximum of the last `length` steps' amaxes; a zero or
+    non-finite amax keeps the old scale (transformer_engine/pytorch/quantization.py, _default_sf_compute)."""
+    length, margin = 3, 1
+    state = qp.DelayedScale(length, torch.device("cpu"))
+    amaxes = [2.0, 0.5, 0.25, 0.125, 0.0, 8.0, math.inf, 0.0, 0.0, 0.0]
+    seen, expected = [], 1.0
+    for a in amaxes:
+        state.observe(torch.tensor([a, -a / 2]))
+        seen.append(a)
+        window = max(seen[-length:])
+        if 0 < window < math.inf:
+            expected = (E4M3.max / window) / 2**margin
+        state.update(E4M3, margin, "max")
+        assert state.scale.item() == pytest.approx(expected, rel=1e-7), seen
+    assert torch.equal(state.history, torch.zeros(length))  # the inf left the window: its slots were zeroed in turn
+
+
+def test_a_delayed_layer_quantizes_with_the_last_steps_scale_and_keeps_the_largest_amax_of_a_step():
+    layer = nn.Linear(8, 4, bias=False)
+    products = qp.QuantizedProducts(layer, qp.Recipe(E4M3, E5M2, "delayed", 16, 0, "max"))
+    x = torch.randn(5, 8) * 1000  # beyond E4M3's 448: unscaled at step 0, it saturates
+    w = layer.weight.detach()
+    assert torch.equal(layer(x).detach(), F.linear(qp.round_to(x, E4M3), qp.round_to(w, E4M3)))
+    layer(x / 4)  # a second call in the step: the step's amax is the larger
+    products.end_step()
+    site = products.sites[""]
+    for role, t in (("input", x), ("weight", w)):
+        assert site.delayed[role].scale.item() == pytest.approx(E4M3.max / t.abs().max().item(), rel=1e-6)
+    s = site.delayed["input"].scale
+    assert torch.equal(layer(x).detach(), F.linear(qp.round_to(x * s, E4M3) / s, qp.scaled(w, E4M3, site.delayed["weight"].scale)))
+    layer.eval()  # an evaluation adds nothing to the history
+    before = site.delayed["input"].history.clone()
+    layer(x * 10)
+    assert torch.equal(site.delayed["input"].history, before)
+
+
+def test_the_written_out_lstm_computes_what_nn_lstm_computes(monkeypatch):
+    """With the quantization taken out, every product and the cell as torch's own (packed, bidirectional, projected)."""
+    monkeypatch.setattr(qp.Site, "operand", lambda self, t, role, axis, scale=None, observe=False: (t.float(), None))
+    torch.manual_seed(0)
+    for kw in (dict(num_layers=2, batch_first=True, bidirectional=True), dict(num_layers=2, proj_size=3, batch_first=True), dict(num_layers=1)):
+        ref = nn.LSTM(5, 6, **kw)
+        ours = copy.deepcopy(ref)
+        qp.QuantizedProducts(ours, FP8)
+        batch_first = kw.get("batch_first", False)
+        x = torch.randn(4, 7, 5) if batch_first else torch.randn(7, 4, 5)
+        for packed in (False, True):
+            inp = pack_padded_sequence(x, torch.tensor([7, 3, 5, 1]), batch_first=batch_first, enforce_sorted=False) if packed else x
+            results = []
+            for lstm in (ref, ours):
+                out, (h, c) = lstm(inp)
+                if packed:
+                    assert isinstance(out, type(inp))
+                    out = pad_packed_sequence(out, batch_first=True)[0]
+                loss = out.square().sum() + h.sum() + 2 * c.sum()
+                results.append([out, h, c, *torch.autograd.grad(loss, list(lstm.parameters()))])
+            for a, b in zip(*results):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_an_fp8_lstm_quantizes_every_gate_product():
+    lstm = nn.LSTM(6, 8, num_layers=2, proj_size=4, bidirectional=True)
+    products = qp.QuantizedProducts(lstm, qp.Recipe(E4M3, E5M2, "delayed", 4, 0, "max"))
+    out, _ = lstm(torch.randn(5, 3, 6))
+    out.sum().backward()
+    assert sorted(products.sites) == sorted(f".{k}_l{i}{d}" for k in ("ih", "hh", "hr") for i in (0, 1) for d in ("", "_reverse"))
+    for name, site in products.sites.items():
+        assert sorted(site.delayed) == ["grad_output", "input", "weight"], name
+        assert all(s.history[0] > 0 for s in site.delayed.values()), name
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [("precision.products.scaling=block", "scaling=block needs MX block formats for both operands"),
+     ("precision.products.backward=mxfp8_e5m2", "scaling=tensor needs scalar formats for both operands"),
+     ("precision.products.forward=e3m4", "precision.products.forward=e3m4: choose a format from fp16, bf16"),
+     ("precision.products.amax_history=0", "amax_history=0: must be at least 1"),
+     ("precision.products.amax_reduction=mean", "amax_reduction=mean: choose one of max, most_recent")],
+)  # fmt: skip
+def test_a_bad_products_setting_is_named(override, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate(compose_cfg("precision=fp8", override))
+
+
+# MXFP8 and MXFP6 differ from MXFP4 only in their formats, tested above: their runs are slow-tier.
+@pytest.mark.parametrize("mode", ["fp8", "fp8_delayed", pytest.param("mxfp8", marks=pytest.mark.slow), pytest.param("mxfp6", marks=pytest.mark.slow), "mxfp4"])
+def test_each_fp8_and_mx_mode_trains_and_records_its_products(tmp_path, in_process, mode):
+    rec = build_run(tmp_path, TINY, "schedule=smoke", "schedule.steps=2", f"precision={mode}", "logger=none", "checkpoint=false").execute()
+    assert rec.status == "ok" and math.isfinite(rec.final_train_loss)
+    p = read_record(tmp_path)["precision"]
+    assert p["products"]["forward"] == compose_cfg(f"precision={mode}").precision.products.forward
+    # every convolution and linear layer of the network, emulated on a CPU
+    layers = sum(isinstance(m, (nn.Conv2d, nn.Linear)) for m in torchvision.models.mobilenet_v3_small(num_classes=10).modules())
+    assert p["products"]["paths"] == {"emulated": layers}
