@@ -123,7 +123,10 @@ def test_out_of_range_values_are_rejected_naming_the_key(overrides, named):
             ["model=lenet"],
             "model=lenet: no such option; choose one of alexnet, biglstm, biglstm_small, biglstm_tiny, dcgan, dcgan64, gnmt, gnmt8, gnmt_nmt_one, gnmt_small, googlenet, inception_v3, mobilenet_v3_small, resnet50, ssd, vgg16",
         ),
-        (["precision=fp4"], "precision=fp4: no such option; choose one of amp, bf16, fp16, fp16_modmom, fp32, fp8, fp8_delayed, mixed, mxfp4, mxfp6, mxfp8, tf32"),
+        (
+            ["precision=fp4"],
+            "precision=fp4: no such option; choose one of amp, bf16, fp16, fp16_modmom, fp32, fp8, fp8_delayed, mixed, mxfp4, mxfp6, mxfp8, tf32",
+        ),
         (["scale=logmax"], "scale=logmax: no such option; choose one of auto, dynamic, none, static"),
         (["schedule.batch_size=abc"], "schedule.batch_size=abc: Value 'abc' of type 'str' could not be converted to Integer"),
         (["precision.param_dtype=float8"], "precision.param_dtype=float8: Invalid value 'float8', expected one of [float32, float16, bfloat16]"),
@@ -135,7 +138,10 @@ def test_out_of_range_values_are_rejected_naming_the_key(overrides, named):
         (["optim.lr=-1"], "optim.lr=-1.0: must be a positive number"),
         (["schedule.batch_size=0"], "schedule.batch_size=0: must be a positive number"),
         (["scale=static", "scale.value=0.5"], "scale.value=0.5: a static loss scale must be a finite number >= 1"),
-        (["-m", "precision=fp32,fp4"], "precision=fp4: no such option; choose one of amp, bf16, fp16, fp16_modmom, fp32, fp8, fp8_delayed, mixed, mxfp4, mxfp6, mxfp8, tf32"),
+        (
+            ["-m", "precision=fp32,fp4"],
+            "precision=fp4: no such option; choose one of amp, bf16, fp16, fp16_modmom, fp32, fp8, fp8_delayed, mixed, mxfp4, mxfp6, mxfp8, tf32",
+        ),
         (["-m", "optim.lr=0.1,-1"], "optim.lr=-1.0: must be a positive number"),
     ],
 )

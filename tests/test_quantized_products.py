@@ -20,6 +20,7 @@ from mpt.precision.formats import E4M3, E5M2, get_format, quantize
 from mpt.runner.validation import validate
 
 from .conftest import TINY, build_run, compose_cfg, read_record
+from .test_resume import SMALL_LM, SMALL_NMT
 
 FP8 = qp.Recipe(E4M3, E5M2, "tensor", 1, 0, "max")
 MXFP8 = qp.Recipe(get_format("mxfp8_e4m3"), get_format("mxfp8_e5m2"), "block", 1, 0, "max")
@@ -206,8 +207,14 @@ def test_a_bad_products_setting_is_named(override, message):
         validate(compose_cfg("precision=fp8", override))
 
 
-# MXFP8 and MXFP6 differ from MXFP4 only in their formats, tested above: their runs are slow-tier.
-@pytest.mark.parametrize("mode", ["fp8", "fp8_delayed", pytest.param("mxfp8", marks=pytest.mark.slow), pytest.param("mxfp6", marks=pytest.mark.slow), "mxfp4"])
+# The MX modes differ from the FP8 ones in their formats and block axes, tested above; their runs
+# (FP6 and FP4 through the integer emulation) are slow-tier.
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    "mode", ["fp8", "fp8_delayed", pytest.param("mxfp8", marks=SLOW), pytest.param("mxfp6", marks=SLOW), pytest.param("mxfp4", marks=SLOW)]
+)
 def test_each_fp8_and_mx_mode_trains_and_records_its_products(tmp_path, in_process, mode):
     rec = build_run(tmp_path, TINY, "schedule=smoke", "schedule.steps=2", f"precision={mode}", "logger=none", "checkpoint=false").execute()
     assert rec.status == "ok" and math.isfinite(rec.final_train_loss)
@@ -216,3 +223,20 @@ def test_each_fp8_and_mx_mode_trains_and_records_its_products(tmp_path, in_proce
     # every convolution and linear layer of the network, emulated on a CPU
     layers = sum(isinstance(m, (nn.Conv2d, nn.Linear)) for m in torchvision.models.mobilenet_v3_small(num_classes=10).modules())
     assert p["products"]["paths"] == {"emulated": layers}
+
+
+@pytest.mark.parametrize("model,extra", [("gnmt", SMALL_NMT), ("biglstm_tiny", SMALL_LM)])
+def test_an_lstm_model_trains_with_every_gate_attention_and_softmax_product_quantized(tmp_path, in_process, model, extra):
+    job = build_run(tmp_path, f"model={model}", *extra, "schedule=smoke", "schedule.steps=2", "precision=fp8_delayed", "logger=none", "checkpoint=false")
+    (engine,) = job.engines.values()
+    # a layer per linear layer and batched product (GNMT's attention context, bigLSTM's softmax), one per LSTM weight matrix
+    expected = 0
+    for m in engine.model.modules():
+        if isinstance(m, nn.LSTM):
+            expected += sum(n.startswith("weight_") for n in m._flat_weights_names)
+        elif isinstance(m, (nn.Linear, qp.BatchMatmul)):
+            expected += 1
+    assert expected > (10 if model == "gnmt" else 3)
+    rec = job.execute()
+    assert rec.status == "ok" and math.isfinite(rec.final_train_loss)
+    assert read_record(tmp_path)["precision"]["products"]["paths"] == {"emulated": expected}  # each of them ran

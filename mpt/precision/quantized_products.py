@@ -185,6 +185,7 @@ class Site:
         self.recipe = recipe
         self.delayed: dict[str, DelayedScale] = {}
         self.observing = True  # off while a step is run again (the overflow trace)
+        self.paths: set[str] = set()  # the arithmetic its products took, as they ran
 
     def operand(
         self, t: torch.Tensor, role: str, axis: int, scale: Optional[torch.Tensor] = None, observe: bool = False
@@ -233,6 +234,7 @@ def _fp32(device: torch.device) -> contextlib.AbstractContextManager:
 class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, b, site: Site, observe: bool):
+        site.paths.add("emulated")
         dtype = out_dtype(x)
         qx, sx = site.operand(x, "input", -1, observe=observe)
         qw, sw = site.operand(w, "weight", 1, observe=observe)
@@ -267,6 +269,7 @@ class _Convolution(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, b, site: Site, observe: bool, stride, padding, dilation, transposed, output_padding, groups):
+        site.paths.add("emulated")
         dtype = out_dtype(x)
         # A convolution reduces over input channels: axis 1 of a weight, axis 0 of a transposed one's.
         qx, sx = site.operand(x, "input", 1, observe=observe)
@@ -308,6 +311,7 @@ class _Matmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, a, b, site: Site, observe: bool):
+        site.paths.add("emulated")
         dtype = out_dtype(a)
         qa, sa = site.operand(a, "input", -1, observe=observe)
         qb, sb = site.operand(b, "weight", -2, observe=observe)
@@ -428,8 +432,8 @@ class QuantizedProducts:
                 site.observing = True
 
     def paths(self) -> dict[str, str]:
-        """Which arithmetic each layer's products took."""
-        return {name: "emulated" for name in self.sites}
+        """Which arithmetic each layer's products took, of those that have run."""
+        return {name: "+".join(sorted(site.paths)) for name, site in self.sites.items() if site.paths}
 
     def state_dict(self) -> dict:
         return {name: {role: s.state_dict() for role, s in site.delayed.items()} for name, site in self.sites.items() if site.delayed}

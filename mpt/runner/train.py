@@ -169,7 +169,7 @@ class Run:
                 self.board.write([{"kind": "eval", **self.record.metrics}])
 
     def _products_record(self) -> dict | None:
-        """The FP8 or MX recipe of the products, and how many layers took each arithmetic path."""
+        """The FP8 or MX recipe of the products, and how many layers' products ran on each arithmetic path."""
         if self.cfg.precision.products.forward is None:
             return None
         paths = collections.Counter(path for e in self.engines.values() if e.products for path in e.products.paths().values())
@@ -424,6 +424,7 @@ class Run:
             if self.grad_stats.sampled_steps:
                 rec.memory["note"] = self.grad_stats.MEMORY_NOTE
             rec.loss_scale = {name: e.scaler.summary() for name, e in self.engines.items()}
+            rec.precision["products"] = self._products_record()  # the paths its products took
             rec.grad_stats = self.grad_stats.summary()
             rec.overflow_origins = self.tracer.summary()
             rec.finished_at = now_iso()
