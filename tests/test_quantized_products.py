@@ -159,6 +159,68 @@ def test_a_delayed_layer_quantizes_with_the_last_steps_scale_and_keeps_the_large
     assert torch.equal(site.delayed["input"].history, before)
 
 
+def test_a_step_run_again_quantizes_with_the_scales_it_ran_with_and_adds_no_amax():
+    layer = nn.Linear(8, 4, bias=False)
+    products = qp.QuantizedProducts(layer, qp.Recipe(E4M3, E5M2, "delayed", 16, 0, "max"))
+    x = torch.randn(5, 8) * 1000
+    first = layer(x).detach()
+    products.end_step()
+    after = layer(x).detach()
+    history = products.sites[""].delayed["input"].history.clone()
+    assert not torch.equal(first, after)  # the update changed the scale
+    with products.replaying(stepped=True):
+        assert torch.equal(layer(x).detach(), first)
+    with products.replaying(stepped=False):  # a network that has not stepped yet runs as it will
+        assert torch.equal(layer(x).detach(), after)
+    assert torch.equal(products.sites[""].delayed["input"].history, history)
+    assert torch.equal(layer(x).detach(), after)
+
+
+def test_under_torchrun_each_amax_is_the_largest_over_the_ranks():
+    layer = nn.Linear(8, 4, bias=False)
+    products = qp.QuantizedProducts(layer, qp.Recipe(E4M3, E5M2, "delayed", 16, 0, "max"))
+    x = torch.randn(5, 8)
+    layer(x)
+    products.end_step(reduce_max=lambda t: t * 4)  # another rank saw four times this one's amax
+    assert products.sites[""].delayed["input"].scale.item() == pytest.approx(E4M3.max / (4 * x.abs().max().item()), rel=1e-6)
+
+
+def test_a_subclass_with_its_own_forward_is_refused_and_one_without_is_quantized():
+    class Scaled(nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    class Plain(nn.LSTM):
+        pass
+
+    with pytest.raises(ConfigError, match="Scaled has a forward of its own; only Linear itself can be quantized"):
+        qp.QuantizedProducts(Scaled(4, 4), FP8)
+    lstm = Plain(4, 4)
+    qp.QuantizedProducts(lstm, FP8)
+    assert isinstance(lstm, Plain) and lstm(torch.randn(3, 2, 4))[0].shape == (3, 2, 4)
+
+
+def test_a_batched_product_and_an_fp8_convolution_take_their_operands_as_quantized():
+    torch.manual_seed(0)
+    mm = qp.BatchMatmul()
+    qp.QuantizedProducts(mm, MXFP8)
+    a, b = torch.randn(3, 5, 64, requires_grad=True), torch.randn(3, 64, 40, requires_grad=True)
+    y = mm(a, b)
+    g = torch.randn_like(y)
+    y.backward(g)
+    f, bw = MXFP8.forward, MXFP8.backward
+    assert torch.allclose(y, quantize(a, f, axis=-1) @ quantize(b, f, axis=-2), rtol=1e-6, atol=1e-6)
+    assert torch.allclose(a.grad, quantize(g, bw, axis=-1) @ quantize(b, f, axis=-1).transpose(1, 2), rtol=1e-5, atol=1e-6)
+    assert torch.allclose(b.grad, quantize(a, f, axis=-2).transpose(1, 2) @ quantize(g, bw, axis=-2), rtol=1e-5, atol=1e-6)
+
+    conv = nn.Conv2d(6, 8, 3, padding=1, bias=False)
+    w = conv.weight.detach().clone()
+    qp.QuantizedProducts(conv, FP8)
+    x = torch.randn(2, 6, 5, 5) * 50
+    ref = F.conv2d(qp.scaled(x, E4M3, qp.tensor_scale(x, E4M3)), qp.scaled(w, E4M3, qp.tensor_scale(w, E4M3)), padding=1)
+    assert torch.allclose(conv(x), ref, rtol=1e-6, atol=1e-5)
+
+
 def test_the_written_out_lstm_computes_what_nn_lstm_computes(monkeypatch):
     """With the quantization taken out, every product and the cell as torch's own (packed, bidirectional, projected)."""
     monkeypatch.setattr(qp.Site, "operand", lambda self, t, role, axis, scale=None, observe=False: (t.float(), None))
@@ -240,3 +302,29 @@ def test_an_lstm_model_trains_with_every_gate_attention_and_softmax_product_quan
     rec = job.execute()
     assert rec.status == "ok" and math.isfinite(rec.final_train_loss)
     assert read_record(tmp_path)["precision"]["products"]["paths"] == {"emulated": expected}  # each of them ran
+
+
+@pytest.mark.gpu
+def test_on_fp8_tensor_cores_a_linear_layer_runs_on_scaled_mm_and_agrees_with_the_emulation(monkeypatch):
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no FP8 tensor cores (compute capability below 8.9)")
+    torch.manual_seed(0)
+    fast = nn.Linear(64, 48).cuda()
+    emulated = copy.deepcopy(fast)
+    products = qp.QuantizedProducts(fast, FP8)
+    qp.QuantizedProducts(emulated, FP8)
+    x = torch.randn(32, 64, device="cuda") * 3
+    g = torch.randn(32, 48, device="cuda") * 1e-3
+    results = []
+    for layer, on_gpu_kernels in ((fast, True), (emulated, False)):
+        with monkeypatch.context() as m:
+            if not on_gpu_kernels:
+                m.setattr(qp, "_on_scaled_mm", lambda *a: False)
+            xi = x.clone().requires_grad_()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                y = layer(xi)
+            y.backward(g.to(y.dtype))
+            results.append([y.float(), xi.grad, layer.weight.grad])
+    assert products.paths() == {"": "scaled_mm"}
+    for a, b in zip(*results):  # the same quantized operands, summed in another order: within a BF16 rounding
+        torch.testing.assert_close(a, b, rtol=2**-7, atol=1e-6)

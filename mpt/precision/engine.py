@@ -284,6 +284,7 @@ class PrecisionEngine:
         self.optimizer = self.update.optimizer
         self.scheduler = build_lr_schedule(self.optimizer, lr_milestones, cfg.schedule.lr_gamma, cfg.schedule.lr_warmup_steps)
         self.last_grad_norm: torch.Tensor | None = None
+        self.steps_taken = 0  # calls of step(), applied or skipped
 
     @property
     def lr(self) -> float:
@@ -300,15 +301,17 @@ class PrecisionEngine:
     def zero_grad(self) -> None:
         self._zero_grad()
 
-    def replaying(self) -> contextlib.AbstractContextManager:
-        """Around a step run again: its products' amax is not counted a second time."""
-        return self.products.not_observing() if self.products is not None else contextlib.nullcontext()
+    def replaying(self, stepped: bool) -> contextlib.AbstractContextManager:
+        """Around a step run again: its products quantize as they did (with the scales before the
+        step's update, if `stepped`) and add no amax."""
+        return self.products.replaying(stepped) if self.products is not None else contextlib.nullcontext()
 
     @torch.no_grad()
     def step(self) -> bool:
         """Apply the update unless the gradients overflowed. Returns whether the update was applied."""
+        self.steps_taken += 1
         if self.products is not None:  # a skipped step's amax counts too, as in Transformer Engine
-            self.products.end_step()
+            self.products.end_step(self.reduce_max)
         grads = self.update.grads()
         scale = self.scaler.scale
         unscale = 1.0 if self.update.carries_scale else 1.0 / scale

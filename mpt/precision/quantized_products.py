@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -154,6 +154,7 @@ class DelayedScale:
     def __init__(self, length: int, device: torch.device):
         self.history = torch.zeros(length, device=device)  # slot 0: this step's amax
         self.scale = torch.ones((), device=device)
+        self.last_scale = self.scale  # the step before's: a step run again runs with it
 
     def observe(self, t: torch.Tensor) -> None:
         amax = t.detach().abs().amax().float() if t.numel() else torch.zeros((), device=t.device)
@@ -164,7 +165,7 @@ class DelayedScale:
         sf = (fmt.max / amax) / 2.0**margin
         sf = torch.where(amax > 0.0, sf, self.scale)
         sf = torch.where(torch.isfinite(amax), sf, self.scale)
-        self.scale = torch.where(torch.isinf(sf), torch.full_like(sf, FP32_MAX), sf)
+        self.last_scale, self.scale = self.scale, torch.where(torch.isinf(sf), torch.full_like(sf, FP32_MAX), sf)
         if len(self.history) > 1:
             self.history = torch.roll(self.history, -1, 0)
         self.history[0] = 0.0
@@ -174,16 +175,18 @@ class DelayedScale:
 
     def load_state_dict(self, state: dict) -> None:
         self.history = state["history"].to(self.history.device).clone()
-        self.scale = state["scale"].to(self.scale.device).clone()
+        self.scale = self.last_scale = state["scale"].to(self.scale.device).clone()
 
 
 class Site:
     """The operands of one layer's products: how they are quantized, and their delayed scales."""
 
-    def __init__(self, name: str, recipe: Recipe):
+    ROLES = ("input", "weight", "grad_output")  # a batched product's second operand is its "weight"
+
+    def __init__(self, name: str, recipe: Recipe, device: torch.device):
         self.name = name
         self.recipe = recipe
-        self.delayed: dict[str, DelayedScale] = {}
+        self.delayed = {role: DelayedScale(recipe.history, device) for role in self.ROLES} if recipe.scaling == "delayed" else {}
         self.observing = True  # off while a step is run again (the overflow trace)
         self.paths: set[str] = set()  # the arithmetic its products took, as they ran
 
@@ -193,22 +196,23 @@ class Site:
         """t's FP32 values as this product's operand `role`, reduced along `axis`, and the
         per-tensor scale they took (None for block formats). `scale`: reuse that one (the
         backward's products take the forward's)."""
-        fmt, r = self.recipe.format(role), self.recipe
+        fmt = self.recipe.format(role)
         if isinstance(fmt, BlockFormat):
             return round_blocks(t, fmt, axis), None
         if t.numel() == 0:
             return t.float(), torch.ones((), device=t.device)
-        if scale is None:
-            if r.scaling == "tensor":
-                scale = tensor_scale(t, fmt)
-            else:
-                state = self.delayed.get(role)
-                if state is None:
-                    state = self.delayed[role] = DelayedScale(r.history, t.device)
-                if observe and self.observing:
-                    state.observe(t)
-                scale = state.scale
+        scale = self.scale(t, role, observe) if scale is None else scale
         return scaled(t, fmt, scale), scale
+
+    def scale(self, t: torch.Tensor, role: str, observe: bool = False) -> torch.Tensor:
+        """The per-tensor scale of t as operand `role`: its own (tensor) or its role's (delayed)."""
+        r = self.recipe
+        if r.scaling == "tensor":
+            return tensor_scale(t, r.format(role))
+        state = self.delayed[role]
+        if observe and self.observing:
+            state.observe(t)
+        return state.scale
 
     def end_step(self) -> None:
         for role, state in self.delayed.items():
@@ -231,19 +235,50 @@ def _fp32(device: torch.device) -> contextlib.AbstractContextManager:
     return torch.autocast(device.type, enabled=False)
 
 
+def _on_scaled_mm(site: Site, device: torch.device, *dims: int) -> bool:
+    """Whether a linear layer's products run on torch._scaled_mm: FP8 per-tensor scaling on a GPU
+    with FP8 tensor cores (compute capability 8.9 and up), every dimension a multiple of 16 (its
+    kernels' requirement). Convolutions have no FP8 kernel in PyTorch and stay emulated."""
+    r = site.recipe
+    return (
+        device.type == "cuda"
+        and r.scaling != "block"
+        and {r.forward.name, r.backward.name} <= set(TORCH_FP8)
+        and r.forward.name == "e4m3"  # every product pairs a gradient with a forward operand; E5M2 x E5M2 has no kernel
+        and hasattr(torch, "_scaled_mm")
+        and torch.cuda.get_device_capability(device) >= (8, 9)
+        and all(d % 16 == 0 for d in dims)
+    )
+
+
+def _scaled_gemm(a: torch.Tensor, sa: torch.Tensor, fa: FloatFormat, b_t: torch.Tensor, sb: torch.Tensor, fb: FloatFormat, dtype: torch.dtype) -> torch.Tensor:
+    """a (M, K) @ b_t (N, K)^T on torch._scaled_mm: each operand cast to FP8 under its scale (as
+    `scaled` rounds it), products accumulated in FP32, the scales divided out of the result."""
+    qa = (a.float() * sa).clamp(-fa.max, fa.max).to(TORCH_FP8[fa.name]).contiguous()
+    qb = (b_t.float() * sb).clamp(-fb.max, fb.max).to(TORCH_FP8[fb.name]).contiguous()
+    return torch._scaled_mm(qa, qb.t(), scale_a=sa.reciprocal().float(), scale_b=sb.reciprocal().float(), out_dtype=dtype)
+
+
 class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, b, site: Site, observe: bool):
-        site.paths.add("emulated")
         dtype = out_dtype(x)
-        qx, sx = site.operand(x, "input", -1, observe=observe)
-        qw, sw = site.operand(w, "weight", 1, observe=observe)
+        x2 = x.reshape(-1, x.shape[-1])
+        fast = _on_scaled_mm(site, x.device, *x2.shape, w.shape[0])
+        site.paths.add("scaled_mm" if fast else "emulated")
         with _fp32(x.device):
-            out = F.linear(qx, qw).to(dtype)
+            if fast:
+                f = site.recipe.forward
+                sx, sw = site.scale(x, "input", observe), site.scale(w, "weight", observe)
+                out = _scaled_gemm(x2, sx, f, w, sw, f, dtype).reshape(*x.shape[:-1], -1)
+            else:
+                qx, sx = site.operand(x, "input", -1, observe=observe)
+                qw, sw = site.operand(w, "weight", 1, observe=observe)
+                out = F.linear(qx, qw).to(dtype)
             if b is not None:
                 out = out + b.to(dtype)
         ctx.save_for_backward(x, w)
-        ctx.site, ctx.scales, ctx.has_bias, ctx.dtype = site, (sx, sw), b is not None, dtype
+        ctx.site, ctx.scales, ctx.has_bias, ctx.dtype, ctx.fast = site, (sx, sw), b is not None, dtype, fast
         return out
 
     @staticmethod
@@ -251,16 +286,24 @@ class _Linear(torch.autograd.Function):
         x, w = ctx.saved_tensors
         site, (sx, sw) = ctx.site, ctx.scales
         gx = gw = gb = None
+        g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
         with _fp32(g.device):
-            qg, sg = site.operand(g, "grad_output", -1, observe=True)  # the input gradient reduces over outputs
-            if ctx.needs_input_grad[0]:
-                gx = _through(qg @ site.operand(w, "weight", 0, scale=sw)[0], ctx.dtype, x)
-            if ctx.needs_input_grad[1]:
-                g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
-                qg2 = site.operand(g2, "grad_output", 0, scale=sg)[0] if sg is None else qg.reshape(g2.shape)
-                gw = _through(qg2.t() @ site.operand(x2, "input", 0, scale=sx)[0], ctx.dtype, w)  # the weight gradient reduces over rows
+            if ctx.fast:
+                f, fg = site.recipe.forward, site.recipe.backward
+                sg = site.scale(g, "grad_output", observe=True)
+                if ctx.needs_input_grad[0]:
+                    gx = _through(_scaled_gemm(g2, sg, fg, w.t(), sw, f, ctx.dtype).reshape(x.shape), ctx.dtype, x)
+                if ctx.needs_input_grad[1]:
+                    gw = _through(_scaled_gemm(g2.t(), sg, fg, x2.t(), sx, f, ctx.dtype), ctx.dtype, w)
+            else:
+                qg, sg = site.operand(g, "grad_output", -1, observe=True)  # the input gradient reduces over outputs
+                if ctx.needs_input_grad[0]:
+                    gx = _through(qg @ site.operand(w, "weight", 0, scale=sw)[0], ctx.dtype, x)
+                if ctx.needs_input_grad[1]:
+                    qg2 = site.operand(g2, "grad_output", 0, scale=sg)[0] if sg is None else qg.reshape(g2.shape)
+                    gw = _through(qg2.t() @ site.operand(x2, "input", 0, scale=sx)[0], ctx.dtype, w)  # the weight gradient reduces over rows
             if ctx.has_bias and ctx.needs_input_grad[2]:
-                gb = _through(g.reshape(-1, g.shape[-1]).float().sum(0), ctx.dtype, w)
+                gb = _through(g2.float().sum(0), ctx.dtype, w)
         return gx, gw, gb, None, None
 
 
@@ -374,17 +417,19 @@ CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTran
 
 @functools.cache
 def _quantized_class(cls: type) -> type:
-    """The class a module of class `cls` becomes: the same module, its products quantized."""
-    if issubclass(cls, nn.Linear):
-        return QuantizedLinear if cls is nn.Linear else type(f"Quantized{cls.__name__}", (cls,), {"forward": QuantizedLinear.forward})
-    if issubclass(cls, CONVOLUTIONS):
-        return type(f"Quantized{cls.__name__}", (_QuantizedConv, cls), {})
-    if issubclass(cls, BatchMatmul):
-        return QuantizedBatchMatmul
-    if issubclass(cls, nn.LSTM):
-        from .quantized_lstm import QuantizedLSTM
+    """The class a module of class `cls` becomes: the same module, its products quantized. A
+    subclass with a forward of its own is refused: replacing it would change what it computes."""
+    from .quantized_lstm import QuantizedLSTM
 
-        return QuantizedLSTM if cls is nn.LSTM else type(f"Quantized{cls.__name__}", (cls,), {"forward": QuantizedLSTM.forward})
+    for base, quantized in ((nn.Linear, QuantizedLinear), (BatchMatmul, QuantizedBatchMatmul), (nn.LSTM, QuantizedLSTM), *((c, None) for c in CONVOLUTIONS)):
+        if not issubclass(cls, base):
+            continue
+        own = next(c for c in cls.__mro__ if "forward" in vars(c))
+        if own not in (base, nn.modules.conv._ConvNd) and not (base is nn.LSTM and own is nn.RNNBase):
+            raise ConfigError(f"quantized products: {cls.__name__} has a forward of its own; only {base.__name__} itself can be quantized")
+        if quantized is None:
+            return type(f"Quantized{cls.__name__}", (_QuantizedConv, cls), {})
+        return quantized if cls is base else type(f"Quantized{cls.__name__}", (quantized, cls), {})
     raise TypeError(cls)
 
 
@@ -397,6 +442,7 @@ class QuantizedProducts:
     def __init__(self, model: nn.Module, recipe: Recipe):
         self.recipe = recipe
         self.sites: dict[str, Site] = {}
+        self.device = next(model.parameters(), torch.empty(0)).device  # where delayed scales live
         for name, module in model.named_modules():
             if not isinstance(module, QUANTIZED_MODULES):
                 continue
@@ -404,30 +450,45 @@ class QuantizedProducts:
                 raise ConfigError(
                     f"quantized products: convolution {name or 'model'} pads with {module.padding_mode}/{module.padding}; only explicit zero padding is supported"
                 )
+            cls = _quantized_class(type(module))
             if isinstance(module, nn.LSTM):  # a site per weight: ih_l0, hh_l0, hr_l0, ih_l0_reverse, ...
                 keys = [n.removeprefix("weight_") for n in module._flat_weights_names if n.startswith("weight_")]
                 module.products_sites = {k: self._site(f"{name}.{k}") for k in keys}
             else:
                 module.products_site = self._site(name)
-            module.__class__ = _quantized_class(type(module))
+            module.__class__ = cls
 
     def _site(self, name: str) -> Site:
-        site = self.sites[name] = Site(name, self.recipe)
+        site = self.sites[name] = Site(name, self.recipe, self.device)
         return site
 
-    def end_step(self) -> None:
-        """Delayed scaling: this step's amax into the histories, and the next step's scales."""
+    def end_step(self, reduce_max: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> None:
+        """Delayed scaling: this step's amax into the histories, and the next step's scales. Under
+        torchrun `reduce_max` takes each amax's maximum over the ranks (Transformer Engine's
+        reduce_amax), in one collective, so that every rank quantizes alike."""
+        states = [s for site in self.sites.values() for s in site.delayed.values()]
+        if not states:
+            return
+        current = reduce_max(torch.stack([s.history[0] for s in states]))
+        for state, amax in zip(states, current):
+            state.history[0] = amax
         for site in self.sites.values():
             site.end_step()
 
     @contextlib.contextmanager
-    def not_observing(self) -> Iterator[None]:
-        """A step run again (the overflow trace) must not count its amax twice."""
+    def replaying(self, stepped: bool) -> Iterator[None]:
+        """A step run again (the overflow trace) runs with the scales it ran with, those before the
+        step's update if it `stepped`, and adds no amax."""
+        states = [s for site in self.sites.values() for s in site.delayed.values()] if stepped else []
         for site in self.sites.values():
             site.observing = False
+        for s in states:
+            s.scale, s.last_scale = s.last_scale, s.scale
         try:
             yield
         finally:
+            for s in states:
+                s.scale, s.last_scale = s.last_scale, s.scale
             for site in self.sites.values():
                 site.observing = True
 
@@ -440,10 +501,8 @@ class QuantizedProducts:
 
     def load_state_dict(self, state: dict) -> None:
         for name, roles in state.items():
-            site = self.sites[name]
             for role, saved in roles.items():
-                s = site.delayed.setdefault(role, DelayedScale(self.recipe.history, saved["scale"].device))
-                s.load_state_dict(saved)
+                self.sites[name].delayed[role].load_state_dict(saved)
 
 
 def install(model: nn.Module, mode: DictConfig) -> Optional[QuantizedProducts]:

@@ -148,6 +148,7 @@ class Run:
         self.epoch, self.batch_in_epoch = 0, 0  # the data position
         self.peak_before_resume = 0
         self.pending: list[dict[str, Any]] = []  # per-step rows whose tensors are not yet on the host
+        self.steps_before: dict[str, int] = {}  # each engine's steps_taken as the current step began
         self.checkpoint_every = s.checkpoint_every
         self.checkpointed_at: int | None = None
         self.peers_preempted = False  # under torchrun: a rank got a preemption signal (as of the last flush)
@@ -509,6 +510,7 @@ class Run:
     def _train_step(self, step: int, batch: Any) -> list[dict]:
         rows = []
         rng = checkpoint.rng_state() if self.tracer.enabled else None  # where a traced re-run starts
+        self.steps_before = {g: e.steps_taken for g, e in self.engines.items()}  # which engines step during it
         losses = self.task.train_losses(batch)
         for index in itertools.count():
             with self.forward_context():  # only the forward runs under autocast; backward is outside
@@ -548,7 +550,9 @@ class Run:
             on_loss(term.loss)
             engine.backward(term.loss, scale=scale)
 
-        with self.grad_stats.paused(), self.tracer.restoring(), engine.replaying():
+        with self.grad_stats.paused(), self.tracer.restoring(), contextlib.ExitStack() as replaying:
+            for g, e in self.engines.items():  # a GAN's traced term runs the other network's forward too
+                replaying.enter_context(e.replaying(stepped=e.steps_taken > self.steps_before[g]))
             found = self.tracer.trace(step, group, scale, rerun)
         engine.zero_grad()
         self.tracer.seconds += time.perf_counter() - t0
