@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The paper's phenomena at reduced scale on the real data in ../shared/data (issue 21), one sweep per
 # phenomenon, 3 seeds per cell, into results/phenomena/<name>/ with its report:
-#   scripts/phenomena.sh classifiers|detection|translation|lm|gan [--report-only]
+#   scripts/phenomena.sh classifiers|detection|translation|lm|gan|fp8 [--report-only]
 # Run from the project root of a clean checkout: each record names the commit it ran. A relaunch
 # skips the runs already finished (their folders are named from their choices), so a sweep can be
 # spread over several sittings. Tarred data is unpacked once into the ignored .data/. Sizes and
@@ -9,7 +9,7 @@
 # learning rate falls 100x (two drops of 10x, at 1/2 and 3/4 of the run, or at epochs), since
 # updates are lost only once it is small. README, "What we reproduced", says what each one shows.
 set -euo pipefail
-name=${1:?usage: scripts/phenomena.sh classifiers|detection|translation|lm|gan [--report-only]}
+name=${1:?usage: scripts/phenomena.sh classifiers|detection|translation|lm|gan|fp8 [--report-only]}
 report_only=${2:-}
 data=../shared/data
 out=results/phenomena/$name
@@ -22,6 +22,25 @@ sweep() {
   [ "$report_only" = --report-only ] || python -m mpt.runner.cli -m "$@" device=cpu "seed=${seeds:-0,1,2}" checkpoint=false "hydra.sweep.dir=$out"
 }
 
+also=()  # other phenomena's runs this one's report compares against
+
+classifier() {  # classifier <model>: the classifier setting's overrides, into `common`
+  local model=$1 steps=600
+  local size=$([ "$model" = alexnet ] && echo 64 || echo 32)
+  local lr=$([ "$model" = alexnet ] && echo "optim.lr=0.01 optim.lr_batch=null" || true)
+  common=(model=$model $lr data=imagefolder data.root=.data/cifar10 data.val_split=test data.resize_ratio=1.0
+    schedule.batch_size=64 schedule.image_size=$size schedule.steps=$steps "schedule.lr_milestones=[$((steps / 2)),$((steps * 3 / 4))]"
+    schedule.eval_every=$((steps / 4)) schedule.eval_batches=null schedule.log_every=25
+    stats.lost_updates=true stats.every=50)
+}
+
+language_model() {  # the language-model setting's overrides, into `common`
+  common=(model=biglstm_tiny data=text_corpus data.root=$data/ptb 'data.train_split=ptb.train.txt*' 'data.val_split=ptb.valid.txt*'
+    'data.test_split=ptb.test.txt*' data.min_count=1 schedule.batch_size=32 schedule.steps=null schedule.epochs=3
+    'schedule.lr_milestones=[1.5,2.5]' schedule.eval_every=null schedule.eval_batches=null schedule.log_every=50
+    stats.lost_updates=true stats.every=100)
+}
+
 case $name in
 classifiers)
   # The paper's Table 1 and the seeds' FP16 results: CIFAR-10 (50,000 training, 10,000 test images),
@@ -32,14 +51,8 @@ classifiers)
   # (0.0025) its loss stays at chance, 2.30, for the first 200 of the 600 steps
   # (results/cpu-classifier-probe/schedule/). AlexNet runs first: it is the cheaper half.
   unpack cifar10.tar.gz cifar10
-  steps=600
   for model in alexnet resnet50; do
-    size=$([ $model = alexnet ] && echo 64 || echo 32)
-    lr=$([ $model = alexnet ] && echo "optim.lr=0.01 optim.lr_batch=null" || true)
-    common=(model=$model $lr data=imagefolder data.root=.data/cifar10 data.val_split=test data.resize_ratio=1.0
-      schedule.batch_size=64 schedule.image_size=$size schedule.steps=$steps "schedule.lr_milestones=[$((steps / 2)),$((steps * 3 / 4))]"
-      schedule.eval_every=$((steps / 4)) schedule.eval_batches=null schedule.log_every=25
-      stats.lost_updates=true stats.every=50)
+    classifier $model
     sweep "${common[@]}" precision=fp32,mixed,fp16 scale=none
     sweep "${common[@]}" precision=fp16,fp16_modmom scale=static  # the model's static scale, 1000
   done
@@ -47,10 +60,7 @@ classifiers)
 lm)
   # bigLSTM's structure at 2 x 256 cells (projection 64) on PTB, 3 epochs of batch 32 (4,356 steps),
   # Adagrad 0.2 falling to 0.02 at epoch 1.5 and to 0.002 at 2.5; perplexity on the full softmax.
-  common=(model=biglstm_tiny data=text_corpus data.root=$data/ptb 'data.train_split=ptb.train.txt*' 'data.val_split=ptb.valid.txt*'
-    'data.test_split=ptb.test.txt*' data.min_count=1 schedule.batch_size=32 schedule.steps=null schedule.epochs=3
-    'schedule.lr_milestones=[1.5,2.5]' schedule.eval_every=null schedule.eval_batches=null schedule.log_every=50
-    stats.lost_updates=true stats.every=100)
+  language_model
   # The first sweep ran with checkpoint=false, device=cpu and the seeds given before these (the order
   # does not change a run's folder).
   sweep "${common[@]}" precision=fp32,mixed scale=none
@@ -82,6 +92,21 @@ translation)
   sweep "${common[@]}" precision=mixed scale=static scale.value=1024
   sweep "${common[@]}" precision=mixed scale=none model.loss_reduction=sum
   ;;
+fp8)
+  # Issue 24: training in FP8 and MX formats, in the classifier setting (ResNet-50 at 32 px) and the
+  # language-model setting above, against their FP32 and mixed runs (reused from those sweeps, which
+  # ran the same settings). No loss scaling: every mode here computes outside its products in BF16.
+  unpack cifar10.tar.gz cifar10
+  classifier resnet50
+  sweep "${common[@]}" precision=bf16,fp8,fp8_delayed,mxfp8,mxfp4 scale=none
+  # The atlas of the FP8 run (seed 0): its products' tensors against the formats it and the MX modes use.
+  seeds=0 sweep "${common[@]}" precision=fp8 scale=none stats.every=300 'stats.formats=[e4m3,e5m2,mxfp8_e4m3,mxfp8_e5m2,mxfp4,mxfp6_e3m2]'
+  language_model
+  sweep "${common[@]}" precision=bf16,fp8,fp8_delayed,mxfp8,mxfp4 scale=none
+  shopt -s nullglob  # a baseline not run yet is left out, not passed as a pattern
+  also=(results/phenomena/classifiers/resnet50_fp32_none_* results/phenomena/classifiers/resnet50_mixed_none_*
+    results/phenomena/lm/biglstm_tiny_fp32_none_* results/phenomena/lm/biglstm_tiny_mixed_none_*)
+  ;;
 gan)
   # Radford's 64x64 DCGAN at half width (ngf = ndf = 32) on the 4,741 UTKFace faces, 1,200 steps of
   # batch 64 (16 epochs), Adam 2e-4 falling 10x at steps 600 and 900; a fixed-noise grid every 300.
@@ -91,8 +116,8 @@ gan)
     stats.lost_updates=true stats.every=50 precision=fp32,mixed scale=none
   ;;
 *)
-  echo "scripts/phenomena.sh: no phenomenon '$name' (expected classifiers, detection, translation, lm or gan)" >&2
+  echo "scripts/phenomena.sh: no phenomenon '$name' (expected classifiers, detection, translation, lm, gan or fp8)" >&2
   exit 2
   ;;
 esac
-python -m mpt.report.cli "$out" --out "$out/report"
+python -m mpt.report.cli "$out" "${also[@]}" --out "$out/report"
