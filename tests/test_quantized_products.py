@@ -176,6 +176,28 @@ def test_a_step_run_again_quantizes_with_the_scales_it_ran_with_and_adds_no_amax
     assert torch.equal(layer(x).detach(), after)
 
 
+def test_delayed_state_saved_and_loaded_continues_as_if_never_stopped():
+    torch.manual_seed(0)
+    recipe = qp.Recipe(E4M3, E5M2, "delayed", 3, 0, "max")
+    layers = [nn.Linear(8, 4), nn.Linear(8, 4)]
+    layers[1].load_state_dict(layers[0].state_dict())
+    a, b = (qp.QuantizedProducts(layer, recipe) for layer in layers)
+    xs = [torch.randn(5, 8) * 10**k for k in range(6)]
+    for x in xs[:4]:  # the history of 3 wraps
+        layers[0](x).sum().backward()
+        a.end_step()
+    b.load_state_dict(copy.deepcopy(a.state_dict()))
+    for x in xs[4:]:
+        outs = [layer(x) for layer in layers]
+        assert torch.equal(outs[0], outs[1])
+        for out, p in zip(outs, (a, b)):
+            out.sum().backward()
+            p.end_step()
+    for name, site in a.sites.items():
+        for role, state in site.delayed.items():
+            assert torch.equal(state.history, b.sites[name].delayed[role].history) and torch.equal(state.scale, b.sites[name].delayed[role].scale)
+
+
 def test_under_torchrun_each_amax_is_the_largest_over_the_ranks():
     layer = nn.Linear(8, 4, bias=False)
     products = qp.QuantizedProducts(layer, qp.Recipe(E4M3, E5M2, "delayed", 16, 0, "max"))
