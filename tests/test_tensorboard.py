@@ -6,16 +6,16 @@ import json
 
 import pytest
 
-from .conftest import ROOT, TINY, build_run, events, mpt_run, read_record
+from .conftest import TINY, build_run, events, read_record
 from .test_resume import Killed, stop_at
 
 
-def test_a_runs_event_files_hold_its_losses_scales_evaluations_and_gradient_histograms(tmp_path):
-    r = mpt_run(
-        TINY, "schedule=smoke", "schedule.steps=6", "schedule.log_every=2", "schedule.eval_every=3", "precision=mixed", "scale=dynamic",
-        "stats.grad_hist=true", "stats.lost_updates=true", "stats.every=2", "checkpoint=false", f"hydra.run.dir={tmp_path}", cwd=ROOT,
+def test_a_runs_event_files_hold_its_losses_scales_evaluations_and_gradient_histograms(tmp_path, in_process):
+    job = build_run(
+        tmp_path, TINY, "schedule=smoke", "schedule.steps=6", "schedule.log_every=2", "schedule.eval_every=3", "precision=mixed", "scale=dynamic",
+        "stats.grad_hist=true", "stats.lost_updates=true", "stats.every=2", "checkpoint=false",
     )  # fmt: skip
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert job.execute().status == "ok"
     rec = read_record(tmp_path)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     train = [row for row in rows if row["kind"] == "train"]
