@@ -15,7 +15,7 @@ from mpt.precision.scaler import build_scaler
 from mpt.report.cli import build_report
 from mpt.runner.grad_collector import GradStatsCollector
 
-from .conftest import CPU, ROOT, compose_cfg, mpt_run, read_record
+from .conftest import CPU, ROOT, build_run, compose_cfg, mpt_run, read_record
 
 
 def stats_cfg(every: int = 1):
@@ -299,8 +299,9 @@ def test_the_atlas_counts_each_products_input_weights_and_unscaled_gradients():
     assert not [h for h in model.modules() if h._forward_hooks]  # none outlives the step
 
 
-def test_an_atlas_run_writes_it_into_the_record(tmp_path):
-    r = mpt_run(
+def test_an_atlas_run_writes_it_into_the_record(tmp_path, in_process):
+    job = build_run(
+        tmp_path,
         "model=mobilenet_v3_small",
         "schedule=smoke",
         "schedule.steps=1",  # a sampled step costs tens of plain ones
@@ -308,10 +309,8 @@ def test_an_atlas_run_writes_it_into_the_record(tmp_path):
         "scale=dynamic",
         "stats.every=1",
         "stats.formats=[bf16,e5m2,mxfp4]",
-        f"hydra.run.dir={tmp_path}",
-        cwd=ROOT,
     )
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert job.execute().status == "ok"
     atlas = read_record(tmp_path)["grad_stats"]["atlas"]
     total = atlas["networks"]["model"]["total"]
     assert set(total) == {"input", "weight", "activation_grad", "weight_grad"}
