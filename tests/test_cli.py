@@ -76,31 +76,6 @@ def test_summary_is_printed(tmp_path):
     assert read_record(tmp_path)["status"] == "ok"
 
 
-def test_imagefolder_trains_on_cifar10_mini(tmp_path):
-    from .conftest import shared_data
-
-    root = shared_data("cifar10-mini")
-    r = mpt_run(
-        TINY,
-        "data=imagefolder",
-        f"data.root={root}",
-        "data.val_split=test",
-        "data.num_workers=0",
-        "schedule=smoke",
-        "schedule.eval_batches=null",
-        "schedule.batch_size=50",
-        f"hydra.run.dir={tmp_path}",
-        cwd=ROOT,
-    )
-    assert r.returncode == 0, r.stderr[-2000:]
-    rec = read_record(tmp_path)
-    assert rec["status"] == "ok"
-    assert rec["data"]["num_classes"] == 10
-    assert (rec["data"]["train_samples"], rec["data"]["val_samples"]) == (1000, 200)
-    assert rec["metrics"]["val_samples"] == 200  # the whole test split was evaluated
-    assert rec["samples"] == 150
-
-
 @pytest.mark.slow
 def test_a_sweep_runs_through_submitits_local_launcher(tmp_path):
     """hydra/launcher=submitit_local runs each run of the sweep as its own job process, as

@@ -9,7 +9,7 @@ from PIL import Image
 from mpt.config import ConfigError
 from mpt.datasets.imagefolder import ImageFolderData
 
-from .conftest import CPU, compose_cfg, shared_data
+from .conftest import CPU, TINY, build_run, compose_cfg, read_record, shared_data
 
 
 def make_folder(root, splits=("train", "val"), classes=("cat", "dog"), per_class=3, size=40):
@@ -43,6 +43,28 @@ def test_cifar10_mini_from_shared_data():
     assert (data.info["train_samples"], data.info["val_samples"]) == (1000, 200)
     images, _ = next(iter(data.epoch(0)))
     assert images.shape == (20, 3, 32, 32)
+
+
+def test_a_run_trains_on_cifar10_mini_and_evaluates_its_whole_test_split(tmp_path, in_process):
+    root = shared_data("cifar10-mini")
+    job = build_run(
+        tmp_path,
+        TINY,
+        "data=imagefolder",
+        f"data.root={root}",
+        "data.val_split=test",
+        "data.num_workers=0",
+        "schedule=smoke",
+        "schedule.eval_batches=null",
+        "schedule.batch_size=50",
+    )
+    assert job.execute().status == "ok"
+    rec = read_record(tmp_path)
+    assert rec["status"] == "ok"
+    assert rec["data"]["num_classes"] == 10
+    assert (rec["data"]["train_samples"], rec["data"]["val_samples"]) == (1000, 200)
+    assert rec["metrics"]["val_samples"] == 200  # the whole test split was evaluated
+    assert rec["samples"] == 150
 
 
 def test_a_capped_evaluation_samples_every_class_the_same_for_every_seed(tmp_path):
