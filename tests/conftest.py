@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -39,14 +40,34 @@ def compose_cfg(*overrides: str):
         return compose(config_name="config", overrides=list(overrides))
 
 
+# The FP32 math flags a run sets (engine.set_fp32_math): precision=tf32 would leave TF32 on for later tests.
+FP32_MATH = (
+    [(torch.backends.cuda.matmul, "fp32_precision"), (torch.backends.cudnn.conv, "fp32_precision"), (torch.backends.cudnn.rnn, "fp32_precision")]
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision")
+    else [(torch.backends.cuda.matmul, "allow_tf32"), (torch.backends.cudnn, "allow_tf32")]
+)
+
+
+@contextlib.contextmanager
+def process_settings_kept():
+    """Settings a run makes process-wide are put back when the block ends."""
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    benchmark = torch.backends.cudnn.benchmark
+    fp32_math = [getattr(obj, name) for obj, name in FP32_MATH]
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+        torch.backends.cudnn.benchmark = benchmark
+        for (obj, name), value in zip(FP32_MATH, fp32_math):
+            setattr(obj, name, value)
+
+
 @pytest.fixture
 def in_process():
     """Build runs in this process; settings a run makes process-wide are put back afterwards."""
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    benchmark = torch.backends.cudnn.benchmark
-    yield
-    torch.use_deterministic_algorithms(deterministic)
-    torch.backends.cudnn.benchmark = benchmark
+    with process_settings_kept():
+        yield
 
 
 def build_run(run_dir: Path, *overrides: str):
