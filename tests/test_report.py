@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import re
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import pandas as pd
@@ -44,9 +42,10 @@ def swept(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def report(swept) -> Path:
+    """mpt-report's command line, run in this process: a second interpreter's start-up would cost
+    more than the report."""
     out = swept.parent / "report"
-    r = subprocess.run([sys.executable, "-m", "mpt.report.cli", str(swept), "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
+    report_main([str(swept), "--out", str(out)])  # exits on an error
     return out
 
 
