@@ -270,7 +270,14 @@ def multi30k_cfg(*extra: str):
     return tiny_cfg("data=parallel_text", f"data.root={root}", "data.val_split=val", "data.vocab_size=2000", "schedule.batch_size=16", *extra)
 
 
-def test_multi30k_pairs_tokenizer_and_buckets(tmp_path):
+@pytest.fixture(scope="module")
+def multi30k():
+    """Multi30k read, its tokenizer trained and its 29,000 pairs encoded: seconds, shared by the tests
+    that only read it."""
+    return build_data(multi30k_cfg(), CPU)
+
+
+def test_multi30k_pairs_tokenizer_and_buckets(tmp_path, multi30k):
     cfg = multi30k_cfg()
     data = build_data(cfg, CPU, workdir=tmp_path)
     info = data.info
@@ -278,8 +285,8 @@ def test_multi30k_pairs_tokenizer_and_buckets(tmp_path):
     assert info["train_pairs_dropped"] < 100 and info["vocab_size"] == 2000
     model = tmp_path / "tokenizer.model"
     assert hashlib.sha256(model.read_bytes()).hexdigest() == info["tokenizer_sha256"]
-    again = build_data(cfg, CPU)  # trained again from the same text: the same vocabulary
-    assert again.info["tokenizer_sha256"] == info["tokenizer_sha256"]
+    again = multi30k  # built on its own, its tokenizer trained again from the same text: the same vocabulary
+    assert again is not data and again.info["tokenizer_sha256"] == info["tokenizer_sha256"]
 
     refs = gzip.decompress((shared_data("multi30k") / "val.de.gz").read_bytes()).decode().splitlines()
     val = list(data.val())
@@ -318,8 +325,8 @@ def test_lines_end_at_newlines_only(tmp_path):
     assert read_pairs(tmp_path, "train", "en", "de") == (src, ["eins", "zwei", "vier"])
 
 
-def test_a_resume_with_another_tokenizer_is_refused():
-    data = build_data(multi30k_cfg(), CPU)
+def test_a_resume_with_another_tokenizer_is_refused(multi30k):
+    data = multi30k
     list(itertools.islice(data.epoch(0), 1))
     state = {**data.state_dict(), "tokenizer_sha256": "0" * 64}
     with pytest.raises(ConfigError, match="the checkpoint was trained with tokenizer sha256 0000"):
@@ -424,9 +431,9 @@ def test_bleu_rises_on_the_synthetic_pair_with_adam_and_warmup(tmp_path):
     assert all(math.isclose(lr, 1e-2 * lr_factor(i, [200], 0.5, 20), rel_tol=1e-9) for i, lr in enumerate(lrs))
 
 
-def test_bleu_scores_each_output_against_its_own_reference(monkeypatch):
-    cfg = multi30k_cfg("model.beam_size=1")
-    data = build_data(cfg, CPU)
+def test_bleu_scores_each_output_against_its_own_reference(monkeypatch, multi30k):
+    cfg = multi30k_cfg("model.beam_size=1")  # the model's setting: the data is the shared build's
+    data = multi30k
     task = build_task(cfg, data.info)
     batches = list(itertools.islice(data.val(), 3))
 
