@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
-from .quantized_products import Site, linear, out_dtype
+from .quantized_products import Site, linear, observing, out_dtype
 
 
 def _repack(out: torch.Tensor, like: PackedSequence) -> PackedSequence:
@@ -53,7 +53,7 @@ class QuantizedLSTM(nn.LSTM):
         valid = None if lengths is None else torch.arange(steps).unsqueeze(1) < lengths.unsqueeze(0)  # (T, B)
         if valid is not None:
             valid = valid.to(x.device).unsqueeze(-1)
-        observe = self.training and torch.is_grad_enabled()
+        observe = observing(self)
         layer_input, hs, cs = x, [], []
         for layer in range(self.num_layers):
             outs = []

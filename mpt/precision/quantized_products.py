@@ -111,12 +111,16 @@ def validate(mode: DictConfig) -> None:
 TORCH_FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 
+def to_fp8(x: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+    """x in torch's FP8 dtype for `fmt`, saturating."""
+    return x.float().clamp(-fmt.max, fmt.max).to(TORCH_FP8[fmt.name])
+
+
 def round_to(x: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
     """formats.quantize(x, fmt) with the format's saturating policy, through torch's cast where it has one."""
-    dtype = TORCH_FP8.get(fmt.name)
-    if dtype is None or fmt.overflow != "saturate":
+    if fmt.name not in TORCH_FP8 or fmt.overflow != "saturate":
         return quantize(x, fmt)
-    return x.float().clamp(-fmt.max, fmt.max).to(dtype).float()
+    return to_fp8(x, fmt).float()
 
 
 def round_blocks(x: torch.Tensor, fmt: BlockFormat, axis: int) -> torch.Tensor:
@@ -254,8 +258,8 @@ def _on_scaled_mm(site: Site, device: torch.device, *dims: int) -> bool:
 def _scaled_gemm(a: torch.Tensor, sa: torch.Tensor, fa: FloatFormat, b_t: torch.Tensor, sb: torch.Tensor, fb: FloatFormat, dtype: torch.dtype) -> torch.Tensor:
     """a (M, K) @ b_t (N, K)^T on torch._scaled_mm: each operand cast to FP8 under its scale (as
     `scaled` rounds it), products accumulated in FP32, the scales divided out of the result."""
-    qa = (a.float() * sa).clamp(-fa.max, fa.max).to(TORCH_FP8[fa.name]).contiguous()
-    qb = (b_t.float() * sb).clamp(-fb.max, fb.max).to(TORCH_FP8[fb.name]).contiguous()
+    qa = to_fp8(a.float() * sa, fa).contiguous()
+    qb = to_fp8(b_t.float() * sb, fb).contiguous()
     return torch._scaled_mm(qa, qb.t(), scale_a=sa.reciprocal().float(), scale_b=sb.reciprocal().float(), out_dtype=dtype)
 
 
@@ -383,13 +387,14 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], site: Si
     return _Linear.apply(x, w, b, site, observe)
 
 
-def _observing(module: nn.Module) -> bool:
+def observing(module: nn.Module) -> bool:
+    """Whether a module's products add to the delayed histories: in training forwards only."""
     return module.training and torch.is_grad_enabled()
 
 
 class QuantizedLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Linear.apply(x, self.weight, self.bias, self.products_site, _observing(self))
+        return _Linear.apply(x, self.weight, self.bias, self.products_site, observing(self))
 
 
 class _QuantizedConv:
@@ -403,13 +408,13 @@ class _QuantizedConv:
         else:
             output_padding = (0,) * dims
         return _Convolution.apply(
-            x, self.weight, self.bias, self.products_site, _observing(self), self.stride, self.padding, self.dilation, transposed, output_padding, self.groups
+            x, self.weight, self.bias, self.products_site, observing(self), self.stride, self.padding, self.dilation, transposed, output_padding, self.groups
         )
 
 
 class QuantizedBatchMatmul(BatchMatmul):
     def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return _Matmul.apply(a, b, self.products_site, _observing(self))
+        return _Matmul.apply(a, b, self.products_site, observing(self))
 
 
 CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
