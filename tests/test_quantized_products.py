@@ -72,9 +72,11 @@ def test_an_fp8_linear_layer_computes_what_torchaos_emulated_float8linear_comput
         assert y1.dtype == y2.dtype == (torch.bfloat16 if autocast else torch.float32)
         y1.backward(g.to(y1.dtype))
         y2.backward(g.to(y2.dtype))
-        # torchao's tensorwise scales and casts, the same FP32 products: equal, not just close
-        assert torch.equal(y1, y2) and torch.equal(x1.grad, x2.grad)
-        assert torch.equal(ref[0].weight.grad, ours[0].weight.grad) and torch.equal(ref[0].bias.grad, ours[0].bias.grad)
+        # torchao's tensorwise scales and casts, the same FP32 products: equal up to the order in
+        # which the CPU's kernels (mm here, addmm there) sum, which differs between CPUs
+        tol = dict(rtol=2**-7, atol=1e-6) if autocast else dict(rtol=1e-5, atol=1e-8)
+        for a, b in ((y1, y2), (x1.grad, x2.grad), (ref[0].weight.grad, ours[0].weight.grad), (ref[0].bias.grad, ours[0].bias.grad)):
+            torch.testing.assert_close(a, b, **tol)
         ref.zero_grad()
         ours.zero_grad()
 
