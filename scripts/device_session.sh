@@ -7,6 +7,7 @@
 #   one $OUT/PART.tar.gz (records, logs, pictures; no checkpoints): the device tool returns 8 files.
 #
 # PART:
+#   suite      the CUDA test suite, `python -m pytest -m gpu` (SUITE_TIMEOUT seconds at most, 300 by default)
 #   bench      experiment=throughput over the paper's six models and fp32,tf32,fp16,mixed,amp,bf16
 #              (MODELS=alexnet,resnet50 and PRECISIONS=... narrow it, to split it over several calls)
 #   options    ResNet-50 amp at schedule=bench with each speed option off and on
@@ -27,6 +28,8 @@ W=/tmp/mpt/$part
 mkdir -p "$OUT" "$W"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD
+# Uninstalled, mpt.configs is where pip puts configs/ (pyproject.toml's package-dir).
+[ -e mpt/configs ] || ln -s ../configs mpt/configs
 nvidia-smi -L | tee "$W/device.txt"
 # The copy of the tree has no .git: the records name the commit device_carry.sh read, and are
 # marked dirty if the tracked files here are not the ones it hashed (the tree changed since).
@@ -51,6 +54,10 @@ seeds="seed=${SEEDS:-0,1,2}"
 D=$PWD/.data
 
 case $part in
+  suite)
+    timeout "${SUITE_TIMEOUT:-300}" python3 -m pytest -m gpu -v -rA -p no:cacheprovider --basetemp=/tmp/mpt-suite tests "$@" 2>&1 | tee -a "$W/$part.log"
+    rc=${PIPESTATUS[0]}
+    pack ;;
   bench)
     run -m experiment=throughput model=${MODELS:-alexnet,resnet50,ssd,gnmt,biglstm,dcgan} precision=${PRECISIONS:-fp32,tf32,fp16,mixed,amp,bf16} \
         hydra.sweep.dir="$W/bench" "$@" ;;
@@ -98,6 +105,6 @@ case $part in
     root=$(dirname "$(find /tmp/utk -name '*.jpg' | head -1)")
     run -m model=dcgan64 data=image_dir data.root="$root" schedule.batch_size=128 schedule.steps=2000 schedule.eval_every=500 \
         precision=fp32,mixed scale=none checkpoint=false $seeds hydra.sweep.dir="$W/dcgan" "$@" ;;
-  *) echo "device_session.sh: PART=$part: expected one of bench, options, peer, cifar, ssd, gnmt, biglstm, dcgan" >&2; exit 2 ;;
+  *) echo "device_session.sh: PART=$part: expected one of suite, bench, options, peer, cifar, ssd, gnmt, biglstm, dcgan" >&2; exit 2 ;;
 esac
 exit $rc

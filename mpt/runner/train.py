@@ -7,6 +7,7 @@ import contextlib
 import itertools
 import logging
 import math
+import os
 import random
 import signal
 import sys
@@ -103,7 +104,11 @@ class Run:
         setup_distributed(self.dist, self.device)
         seed_everything(cfg.seed)
         if cfg.deterministic:
-            torch.use_deterministic_algorithms(True)
+            # cuBLAS repeats its sums only with a fixed workspace; torch refuses its kernels without one.
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            # A few CUDA backwards (adaptive average pooling's among them) have no deterministic kernel:
+            # torch names each in a warning rather than stopping the run.
+            torch.use_deterministic_algorithms(True, warn_only=True)
         torch.backends.cudnn.benchmark = cfg.cudnn_benchmark and not cfg.deterministic
         self.fp32_math = set_fp32_math(cfg.precision.tf32)
 
