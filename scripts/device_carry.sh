@@ -14,8 +14,10 @@ rm -rf .data && mkdir -p .data
 # peer: DLE imports pynvml (nvidia-ml-py), which the device image has; carried too, to be sure.
 ../shared/offline/wheels.sh $([ "$part" = peer ] && echo nvidia-ml-py) > /dev/null
 # What the records will name: the commit, whether tracked files differ from it, and a hash of the
-# tracked files' content, which device_session.sh recomputes on the copy it runs in.
-git ls-files > .data/GIT_FILES
+# tracked files' content, which device_session.sh recomputes on the copy it runs in. results/ is
+# left out of the hash: the records change nothing a run computes, and they can be left behind
+# (moved aside here) when the tree would pass the device's 64 MiB.
+git ls-files -- . ':!:results' > .data/GIT_FILES
 hash=$(tr '\n' '\0' < .data/GIT_FILES | xargs -0 sha256sum | sha256sum | cut -d' ' -f1)
 echo "$(git rev-parse HEAD) $([ -n "$(git status --porcelain --untracked-files=no)" ] && echo 1 || echo 0) $hash" > .data/GIT
 case $part in

@@ -225,6 +225,15 @@ def test_a_stopped_and_rebuilt_run_on_cuda_matches_an_uninterrupted_one(tmp_path
     assert checkpoint.load(stopped)["engines"]  # read back onto the CPU, as a CPU can resume it
 
 
+@pytest.mark.parametrize("model", PAPER_MODELS)
+@pytest.mark.parametrize("precision", MODES)
+def test_every_paper_model_trains_in_every_mode_on_cuda(tmp_path, in_process, model, precision):
+    run = build_run(tmp_path, f"model={model}", f"precision={precision}", "schedule=smoke", "device=cuda", "checkpoint=false")
+    assert run.execute().status == "ok"
+    rec = read_record(tmp_path)
+    assert rec["environment"]["device_name"].startswith("NVIDIA") and finite_losses(rec), rec.get("final_train_loss")
+
+
 def train_rows(run_dir: Path) -> list[dict]:
     return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
 
@@ -242,12 +251,3 @@ def test_cuda_graphs_with_the_dynamic_scaler_skipping_steps(tmp_path, in_process
     a, b = train_rows(tmp_path / "eager"), train_rows(tmp_path / "graphs")
     assert [r.get("scale") for r in a] == [r.get("scale") for r in b]
     assert [r["loss"] for r in b] == pytest.approx([r["loss"] for r in a], rel=2e-2)
-
-
-@pytest.mark.parametrize("model", PAPER_MODELS)
-@pytest.mark.parametrize("precision", MODES)
-def test_every_paper_model_trains_in_every_mode_on_cuda(tmp_path, in_process, model, precision):
-    run = build_run(tmp_path, f"model={model}", f"precision={precision}", "schedule=smoke", "device=cuda", "checkpoint=false")
-    assert run.execute().status == "ok"
-    rec = read_record(tmp_path)
-    assert rec["environment"]["device_name"].startswith("NVIDIA") and finite_losses(rec), rec.get("final_train_loss")
