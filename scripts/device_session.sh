@@ -8,6 +8,7 @@
 #
 # PART:
 #   suite      the CUDA test suite, `python -m pytest -m gpu` (SUITE_TIMEOUT seconds at most, 300 by default)
+#   arithmetic scripts/probe_cuda_arithmetic.py: cuBLAS's and cuDNN's FP16/BF16 products against one rounding
 #   bench      experiment=throughput over the paper's six models and fp32,tf32,fp16,mixed,amp,bf16
 #              (MODELS=alexnet,resnet50 and PRECISIONS=... narrow it, to split it over several calls)
 #   options    ResNet-50 amp at schedule=bench with each speed option off and on
@@ -58,6 +59,10 @@ case $part in
     timeout "${SUITE_TIMEOUT:-300}" python3 -m pytest -m gpu -v -rA -p no:cacheprovider --basetemp=/tmp/mpt-suite tests "$@" 2>&1 | tee -a "$W/$part.log"
     rc=${PIPESTATUS[0]}
     pack ;;
+  arithmetic)
+    python3 scripts/probe_cuda_arithmetic.py --out "$W/arithmetic.json" 2>&1 | tee -a "$W/$part.log"
+    rc=${PIPESTATUS[0]}
+    pack ;;
   bench)
     run -m experiment=throughput model=${MODELS:-alexnet,resnet50,ssd,gnmt,biglstm,dcgan} precision=${PRECISIONS:-fp32,tf32,fp16,mixed,amp,bf16} \
         hydra.sweep.dir="$W/bench" "$@" ;;
@@ -105,6 +110,6 @@ case $part in
     root=$(dirname "$(find /tmp/utk -name '*.jpg' | head -1)")
     run -m model=dcgan64 data=image_dir data.root="$root" schedule.batch_size=128 schedule.steps=2000 schedule.eval_every=500 \
         precision=fp32,mixed scale=none checkpoint=false $seeds hydra.sweep.dir="$W/dcgan" "$@" ;;
-  *) echo "device_session.sh: PART=$part: expected one of suite, bench, options, peer, cifar, ssd, gnmt, biglstm, dcgan" >&2; exit 2 ;;
+  *) echo "device_session.sh: PART=$part: expected one of suite, arithmetic, bench, options, peer, cifar, ssd, gnmt, biglstm, dcgan" >&2; exit 2 ;;
 esac
 exit $rc

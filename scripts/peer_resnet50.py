@@ -171,7 +171,7 @@ def main() -> None:
         }
         # After each mode: a later failure keeps what was measured.
         (out / "comparison.json").write_text(json.dumps(comparison, indent=2) + "\n")
-        print(f"{mode}: DLE {peer['images_per_s']:.1f} images/s, mpt {ours} images/s ({rec['status']})", flush=True)
+        print(f"{mode}: DLE {peer['images_per_s']:.1f} images/s, mpt {ours} images/s ({rec.status})", flush=True)
 
 
 if __name__ == "__main__":

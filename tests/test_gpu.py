@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mpt.config import ConfigError, Update
 from mpt.precision.cpu_tensor_cores import TensorCoreArithmetic
 from mpt.precision.engine import PrecisionEngine, forward_context
 from mpt.precision.scaler import build_scaler
@@ -83,7 +84,7 @@ def test_the_cpu_lstm_and_cudnns_agree_within_one_ulp(dtype, steps, proj_size):
     g_out, g_c = torch.randn(steps, 5, proj_size or 24).to(dtype), torch.randn(1, 5, 24).to(dtype)
 
     def run(module, device, arithmetic):
-        xs = [t.to(device).requires_grad_() for t in (x, h0, c0)]
+        xs = [t.detach().clone().to(device).requires_grad_() for t in (x, h0, c0)]
         with arithmetic:
             out, (h, c) = module(xs[0], (xs[1], xs[2]))
             torch.autograd.backward([out, c], [g_out.to(device), g_c.to(device)])
@@ -194,7 +195,7 @@ def test_the_record_fills_memory_throughput_and_mfu_on_cuda(tmp_path, in_process
     assert build_run(tmp_path, *args).execute().status == "ok"
     rec = read_record(tmp_path)
     assert rec["memory"]["kind"] == "cuda_max_memory_allocated" and rec["memory"]["peak_bytes"] > 2**30  # ResNet-50 at batch 256
-    assert rec["throughput"]["unit"] == "samples/s" and rec["throughput"]["windows"] == 3 and rec["throughput"]["pipeline"] > 0
+    assert rec["throughput"]["unit"] == "images/s" and rec["throughput"]["windows"] == 3 and rec["throughput"]["pipeline"] > 0
     assert rec["flops"]["per_sample"] == pytest.approx(3 * 2 * 4.1e9, rel=0.1)  # forward and backward (twice the forward) of 4.1 G multiply-adds
     assert 0 < rec["mfu"]["value"] < 1 and rec["mfu"]["math"] == "fp16"
     assert "H100" in rec["environment"]["device_name"] or "H200" in rec["environment"]["device_name"] or rec["mfu"]["why"]
@@ -228,6 +229,11 @@ def test_a_stopped_and_rebuilt_run_on_cuda_matches_an_uninterrupted_one(tmp_path
 @pytest.mark.parametrize("model", PAPER_MODELS)
 @pytest.mark.parametrize("precision", MODES)
 def test_every_paper_model_trains_in_every_mode_on_cuda(tmp_path, in_process, model, precision):
+    cfg = compose_cfg(f"model={model}", f"precision={precision}")
+    if Update(cfg.precision.update_rule) != Update.optimizer and cfg.optim.name != "sgd":  # pure FP16's update is momentum SGD
+        with pytest.raises(ConfigError, match=f"cannot run optim.name={cfg.optim.name}"):
+            build_run(tmp_path, f"model={model}", f"precision={precision}", "device=cuda")
+        return
     run = build_run(tmp_path, f"model={model}", f"precision={precision}", "schedule=smoke", "device=cuda", "checkpoint=false")
     assert run.execute().status == "ok"
     rec = read_record(tmp_path)
