@@ -4,8 +4,11 @@ A tensor core multiplies FP16 (or BF16) inputs, accumulates the products in FP32
 result once to the output dtype. Inside `TensorCoreArithmetic`, every matrix product and
 convolution whose floating inputs are all FP16 (or all BF16) runs as torch's own FP32 kernel on
 those same rounded inputs, and its result is rounded once: the GPU's arithmetic up to summation
-order, at the speed of the CPU's FP32 kernels. An LSTM in FP16 or BF16 runs as cuDNN's does: its
-products so, its cell's sums, activations and update in FP32, its h and c stored in the dtype.
+order, at the speed of the CPU's FP32 kernels. A convolution's bias is then added in the dtype, as
+torch's cuDNN path adds it. An LSTM in FP16 or BF16 runs with its products so, its cell's sums,
+activations and update in FP32, its h and c stored in the dtype. On an H200, cuBLAS's and cuDNN's
+products and gradients were within one rounding of their exact sums, as these are, but cuDNN's
+LSTM was not this computation (results/gpu-arithmetic).
 
 The products are replaced at the CPU kernels of the aten ops (torch.library, for the context's
 duration), below autograd: so they catch what composite modules call inside (linear is an addmm,
@@ -103,6 +106,11 @@ def _product(original, name: str, counts: dict[str, int], scratch: _Scratch):
         if not (isinstance(first, torch.Tensor) and first.dtype in LOW_PRECISION) or (dtype := low_precision_dtype(args, kwargs)) is None:
             return original.call_boxed(keyset, *args, **kwargs)
         counts[name] = counts.get(name, 0) + 1
+        bias = None
+        if name == "convolution" and args[2] is not None:
+            # torch's cuDNN path adds a convolution's bias to the product already in the dtype
+            # (output.add_(bias) in ATen's Convolution.cpp): two roundings, as results/gpu-arithmetic measured.
+            bias, args = args[2], (*args[:2], None, *args[3:])
         taken: list = []  # the buffers this call widened into, given back when it returns
         try:
             widen = [scratch.widen(a, taken) if isinstance(a, torch.Tensor) and a.dtype == dtype else a for a in args]
@@ -110,7 +118,8 @@ def _product(original, name: str, counts: dict[str, int], scratch: _Scratch):
         finally:
             scratch.give_back(taken)
         if isinstance(out, torch.Tensor):
-            return out.to(dtype)
+            out = out.to(dtype)
+            return out if bias is None else out.add_(bias.reshape(1, -1, *[1] * (out.dim() - 2)))
         return tuple(o.to(dtype) if isinstance(o, torch.Tensor) else o for o in out)
 
     return kernel
