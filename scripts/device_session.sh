@@ -8,7 +8,8 @@
 #
 # PART:
 #   suite      the CUDA test suite, `python -m pytest -m gpu` (SUITE_TIMEOUT seconds at most, 300 by default)
-#   arithmetic scripts/probe_cuda_arithmetic.py: cuBLAS's and cuDNN's FP16/BF16 products against one rounding
+#   arithmetic scripts/probe_cuda_arithmetic.py: cuBLAS's and cuDNN's FP16/BF16 products against one rounding;
+#              scripts/probe_cuda_lstm.py: which rounding points reproduce cuDNN's LSTM step
 #   bench      experiment=throughput over the paper's six models and fp32,tf32,fp16,mixed,amp,bf16
 #              (MODELS=alexnet,resnet50 and PRECISIONS=... narrow it, to split it over several calls)
 #   options    ResNet-50 amp at schedule=bench with each speed option off and on
@@ -62,6 +63,7 @@ case $part in
   arithmetic)
     python3 scripts/probe_cuda_arithmetic.py --out "$W/arithmetic.json" 2>&1 | tee -a "$W/$part.log"
     rc=${PIPESTATUS[0]}
+    python3 scripts/probe_cuda_lstm.py --out "$W/lstm.json" 2>&1 | tee -a "$W/$part.log" || rc=$?
     pack ;;
   bench)
     run -m experiment=throughput model=${MODELS:-alexnet,resnet50,ssd,gnmt,biglstm,dcgan} precision=${PRECISIONS:-fp32,tf32,fp16,mixed,amp,bf16} \

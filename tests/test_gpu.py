@@ -240,6 +240,17 @@ def test_every_paper_model_trains_in_every_mode_on_cuda(tmp_path, in_process, mo
     assert rec["environment"]["device_name"].startswith("NVIDIA") and finite_losses(rec), rec.get("final_train_loss")
 
 
+@pytest.mark.parametrize("model,extra", [("biglstm_tiny", SMALL_LM), ("gnmt", SMALL_NMT)], ids=["biglstm_tiny", "gnmt"])
+def test_two_deterministic_runs_on_cuda_are_identical(tmp_path, in_process, model, extra):
+    """Tells a nondeterministic kernel from a resume that restores too little: bigLSTM's resumed run
+    differed from its uninterrupted one on an H200 (results/gpu-suite/)."""
+    args = [a if a != "device=cpu" else "device=cuda" for a in resume_args(model, "mixed", "dynamic", extra)]
+    for name in ("a", "b"):
+        assert build_run(tmp_path / name, *args).execute().status == "ok"
+    a, b = read_record(tmp_path / "a"), read_record(tmp_path / "b")
+    assert (a["metrics"], a["final_train_loss"]) == (b["metrics"], b["final_train_loss"])
+
+
 def train_rows(run_dir: Path) -> list[dict]:
     return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
 

@@ -1,0 +1,100 @@
+"""Which rounding points reproduce cuDNN's FP16/BF16 LSTM step: candidate computations in float64
+from the same rounded weights, inputs and states, each compared with cuDNN's h and c.
+
+    python scripts/probe_cuda_lstm.py --out results/gpu-arithmetic/lstm.json
+
+The CPU emulation (mpt/precision/cpu_tensor_cores.py) sums the gate products and biases in FP32 and
+rounds only h and c; on an H200 cuDNN's step was up to 42 BF16 ulps away from it
+(results/gpu-suite/call2). A candidate that is cuDNN's computation matches it on nearly every
+element, up to FP32 summation order: the figures are the share of elements equal and the worst
+distance in ulps of the dtype.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+from pathlib import Path
+
+import torch
+from torch import nn
+
+# (mantissa bits, smallest normal exponent), as in tests/test_cpu_tensor_cores.py
+FORMAT = {torch.float16: (10, -14), torch.bfloat16: (7, -126)}
+
+
+def ulp(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    mantissa, emin = FORMAT[dtype]
+    return torch.exp2(torch.floor(torch.log2(t.abs().clamp_min(2.0**emin))).clamp_min(emin) - mantissa)
+
+
+def candidates(x, h0, c0, w_ih, w_hh, b_ih, b_hh, dtype):
+    """(name, h1, c1) for each candidate, in float64 (rounding points marked r)."""
+
+    def r(t):
+        return t.to(dtype).double()
+
+    gi, gh = x @ w_ih.t(), h0 @ w_hh.t()  # exact: products of FP16/BF16 values summed in float64
+    gates = {
+        "gate products and biases summed, no rounding (the emulation)": gi + gh + b_ih + b_hh,
+        "each gate product rounded, then summed with the biases": r(gi) + r(gh) + b_ih + b_hh,
+        "each gate product with its bias rounded, then summed": r(gi + b_ih) + r(gh + b_hh),
+        "the input's product with its bias rounded (computed for all steps first)": r(gi + b_ih) + gh + b_hh,
+        "the summed gates rounded": r(gi + gh + b_ih + b_hh),
+    }
+    out = []
+    for name, a in gates.items():
+        i, f, g, o = a.chunk(4, 1)
+        c1 = torch.sigmoid(f) * c0 + torch.sigmoid(i) * torch.tanh(g)
+        for tanh_of in ("c before rounding", "c rounded"):
+            h1 = torch.sigmoid(o) * torch.tanh(c1 if tanh_of == "c before rounding" else r(c1))
+            out.append((f"{name}; h from {tanh_of}", r(h1), r(c1)))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--seeds", type=int, default=5)
+    args = ap.parse_args()
+    cuda = torch.device("cuda")
+    rows = []
+    for dtype in (torch.float16, torch.bfloat16):
+        tally: dict[str, dict] = {}
+        for seed in range(args.seeds):
+            torch.manual_seed(seed)
+            lstm = nn.LSTM(40, 24).to(dtype)
+            x, h0, c0 = torch.randn(1, 5, 40).to(dtype), torch.randn(1, 5, 24).to(dtype), torch.randn(1, 5, 24).to(dtype)
+            gpu = lstm.to(cuda)
+            with torch.no_grad():
+                _, (h, c) = gpu(x.to(cuda), (h0.to(cuda), c0.to(cuda)))
+            h, c = h[0].cpu().double(), c[0].cpu().double()
+            w = [p.detach().cpu().double() for p in (gpu.weight_ih_l0, gpu.weight_hh_l0, gpu.bias_ih_l0, gpu.bias_hh_l0)]
+            for name, h1, c1 in candidates(x[0].double(), h0[0].double(), c0[0].double(), *w, dtype):
+                t = tally.setdefault(name, {"equal": 0, "elements": 0, "worst_ulps": 0.0})
+                for ours, theirs in ((h1, h), (c1, c)):
+                    t["equal"] += int((ours == theirs).sum())
+                    t["elements"] += ours.numel()
+                    t["worst_ulps"] = max(t["worst_ulps"], ((ours - theirs).abs() / ulp(theirs, dtype)).max().item())
+        for name, t in tally.items():
+            rows.append(
+                {"dtype": str(dtype).removeprefix("torch."), "candidate": name, "share_equal": t["equal"] / t["elements"], "worst_ulps": t["worst_ulps"]}
+            )
+    record = {
+        "what": __doc__.strip().splitlines()[0],
+        "device_name": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cudnn": torch.backends.cudnn.version(),
+        "python": platform.python_version(),
+        "setting": f"one step of nn.LSTM(40, 24), batch 5, seeds 0-{args.seeds - 1}, h and c compared",
+        "rows": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=1) + "\n")
+    for r in rows:
+        print(f"{r['dtype']:9s} equal {r['share_equal']:6.1%}  worst {r['worst_ulps']:7.2f} ulps  {r['candidate']}")
+
+
+if __name__ == "__main__":
+    main()
