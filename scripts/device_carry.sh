@@ -19,7 +19,7 @@ rm -rf .data && mkdir -p .data
 # (moved aside here) when the tree would pass the device's 64 MiB.
 git ls-files -- . ':!:results' > .data/GIT_FILES
 hash=$(tr '\n' '\0' < .data/GIT_FILES | xargs -0 sha256sum | sha256sum | cut -d' ' -f1)
-echo "$(git rev-parse HEAD) $([ -n "$(git status --porcelain --untracked-files=no)" ] && echo 1 || echo 0) $hash" > .data/GIT
+echo "$(git rev-parse HEAD) $([ -n "$(git status --porcelain --untracked-files=no -- . ':!:results')" ] && echo 1 || echo 0) $hash" > .data/GIT
 case $part in
   suite|arithmetic|bench|options) ;;
   peer)

@@ -42,6 +42,9 @@ if [ "$here_hash" != "$packed_hash" ]; then
   MPT_GIT_DIRTY=1
 fi
 export MPT_GIT_COMMIT MPT_GIT_DIRTY
+# The copy may carry a stale .git of its own, which record.py would ask first (the first GPU call's
+# records named the session's first commit): hide it, so the packed commit is what records name.
+export GIT_DIR=/nonexistent
 echo "commit $MPT_GIT_COMMIT dirty $MPT_GIT_DIRTY" >> "$W/device.txt"
 # After every command the tarball is rewritten: a call cut off by its time limit still returns
 # the runs that finished (the device tool returns only what is under $OUT).
@@ -57,7 +60,9 @@ D=$PWD/.data
 
 case $part in
   suite)
-    timeout "${SUITE_TIMEOUT:-300}" python3 -m pytest -m gpu -v -rA -p no:cacheprovider --basetemp=/tmp/mpt-suite tests "$@" 2>&1 | tee -a "$W/$part.log"
+    # SIGINT: pytest stops and prints its summary. (SIGTERM is a run's preemption signal: each test's
+    # run would stop after a step, recorded `preempted`, and pytest would go on past the limit.)
+    timeout -s INT -k 30 "${SUITE_TIMEOUT:-300}" python3 -m pytest -m gpu -v -rA -p no:cacheprovider --basetemp=/tmp/mpt-suite tests "$@" 2>&1 | tee -a "$W/$part.log"
     rc=${PIPESTATUS[0]}
     pack ;;
   arithmetic)

@@ -45,12 +45,19 @@ def on_cuda(fn, low: list[torch.Tensor], grad: torch.Tensor):
     return out.detach().cpu(), [x.grad.cpu() for x in xs]
 
 
+ADDMM_ROUNDS_TWICE = pytest.mark.xfail(
+    reason="CUDA's addmm with a full matrix added was 1.07 (FP16) and 1.51 (BF16) times the one-rounding bound on an H200 "
+    "(results/gpu-arithmetic); the emulation rounds once. nn.Linear adds a bias vector, in cuBLASLt's one rounding.",
+    strict=False,
+)
+
+
 @pytest.mark.parametrize("dtype", LOW, ids=IDS)
 @pytest.mark.parametrize(
     "name,fn,shapes",
     [
         ("mm", torch.mm, [(64, 256), (256, 48)]),
-        ("addmm", lambda c, a, b: torch.addmm(c, a, b), [(64, 48), (64, 256), (256, 48)]),
+        pytest.param("addmm", lambda c, a, b: torch.addmm(c, a, b), [(64, 48), (64, 256), (256, 48)], marks=ADDMM_ROUNDS_TWICE),
         ("bmm", torch.bmm, [(4, 32, 200), (4, 200, 24)]),
         ("linear", F.linear, [(3, 16, 250), (40, 250), (40,)]),
         ("conv2d", lambda x, w, b: F.conv2d(x, w, b, stride=2, padding=1), [(4, 16, 15, 13), (32, 16, 3, 3), (32,)]),
@@ -60,13 +67,19 @@ def on_cuda(fn, low: list[torch.Tensor], grad: torch.Tensor):
 )  # fmt: skip
 def test_the_cpu_emulation_and_cudas_kernels_agree_within_one_ulp(dtype, name, fn, shapes):
     """The premise of every CPU result: the emulated FP16/BF16 product and CUDA's (cuBLAS, cuDNN)
-    are each one rounding of an FP32 sum of the same products, forward and both gradients."""
+    are each one rounding of an FP32 sum of the same products, forward and both gradients. A
+    convolution's bias is added to the rounded product on both (torch's cuDNN path): two roundings,
+    so its forward may differ by one ulp of the product as well as one of the result."""
     torch.manual_seed(0)
     mode = TensorCoreArithmetic()
     e = against_float64(fn, [randn(*s) for s in shapes], dtype, mode)
     assert mode.counts, "the CPU side ran the emulation"
     out, grads = on_cuda(fn, e.low, e.grad)
-    assert_within_one_ulp(out, e.out.double(), e.bound, dtype, f"{name} forward")
+    bound = e.bound
+    if name.startswith("conv") and len(shapes) == 3:  # one ulp of the product more, written in the bound's FP32 term
+        product = fn(*e.exact[:2], None).detach()
+        bound = e.bound + ulp(product, dtype) / FP32_ACCUMULATION
+    assert_within_one_ulp(out, e.out.double(), bound, dtype, f"{name} forward")
     for i, (ours, theirs, m) in enumerate(zip(e.low, grads, e.size)):
         assert_within_one_ulp(theirs, ours.grad.double(), m.grad, dtype, f"{name} gradient of input {i}")
 
@@ -198,7 +211,7 @@ def test_the_record_fills_memory_throughput_and_mfu_on_cuda(tmp_path, in_process
     assert rec["throughput"]["unit"] == "images/s" and rec["throughput"]["windows"] == 3 and rec["throughput"]["pipeline"] > 0
     assert rec["flops"]["per_sample"] == pytest.approx(3 * 2 * 4.1e9, rel=0.1)  # forward and backward (twice the forward) of 4.1 G multiply-adds
     assert 0 < rec["mfu"]["value"] < 1 and rec["mfu"]["math"] == "fp16"
-    assert "H100" in rec["environment"]["device_name"] or "H200" in rec["environment"]["device_name"] or rec["mfu"]["why"]
+    assert "H100" in rec["environment"]["device_name"] or "H200" in rec["environment"]["device_name"] or rec["mfu"].get("why")
 
 
 RESUME_CASES = [

@@ -142,7 +142,7 @@ def test_a_config_from_before_the_tensor_core_arithmetic_is_judged_by_what_it_ra
     assert same_computation({k: v for k, v in fp32.items() if k != "emulate_tensor_cores"} | {"emulate_cpu_fp16_conv": old}, fp32)
 
 
-def test_a_tree_copied_to_a_gpu_machine_names_the_commit_it_was_packed_from(tmp_path, monkeypatch):
+def test_a_tree_copied_without_git_names_the_commit_it_was_packed_from(tmp_path, monkeypatch):
     from mpt.runner.record import git_commit as cached
 
     git_commit = cached.__wrapped__  # the function itself, not the per-process cache
@@ -152,10 +152,7 @@ def test_a_tree_copied_to_a_gpu_machine_names_the_commit_it_was_packed_from(tmp_
     monkeypatch.setenv("MPT_GIT_COMMIT", "abc123")
     monkeypatch.setenv("MPT_GIT_DIRTY", "0")
     assert git_commit(tmp_path) == {"commit": "abc123", "dirty": False, "source": "MPT_GIT_COMMIT"}
-    # The copy may hold a stale .git of its own: what device_carry.sh packed wins.
-    assert git_commit(ROOT) == {"commit": "abc123", "dirty": False, "source": "MPT_GIT_COMMIT"}
-    monkeypatch.delenv("MPT_GIT_COMMIT")
-    assert len(git_commit(ROOT)["commit"]) == 40  # a checkout answers for itself
+    assert git_commit(ROOT)["commit"] != "abc123"  # a real checkout answers for itself
 
 
 COMMITTED = sorted((ROOT / "results").rglob("result.json"))

@@ -7,8 +7,9 @@ those same rounded inputs, and its result is rounded once: the GPU's arithmetic 
 order, at the speed of the CPU's FP32 kernels. A convolution's bias is then added in the dtype, as
 torch's cuDNN path adds it. An LSTM in FP16 or BF16 runs with its products so, its cell's sums,
 activations and update in FP32, its h and c stored in the dtype. On an H200, cuBLAS's and cuDNN's
-products and gradients were within one rounding of their exact sums, as these are, but cuDNN's
-LSTM was not this computation (results/gpu-arithmetic).
+bias-free products, `linear` and every gradient were within one rounding of their exact sums, as
+these are; cuDNN's LSTM was not this computation (results/gpu-arithmetic, results/gpu-suite). Only
+torch's cuDNN path adds a bias after rounding: its depthwise and fallback CUDA kernels take it inside.
 
 The products are replaced at the CPU kernels of the aten ops (torch.library, for the context's
 duration), below autograd: so they catch what composite modules call inside (linear is an addmm,

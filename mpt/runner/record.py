@@ -198,19 +198,18 @@ def git_commit(start: Path) -> dict:
     code a sweep runs is what its process imported, so a commit made while the sweep goes on must
     not be named by its later records."""
 
-    # A copy of the tree on a remote GPU machine: scripts/device_carry.sh read the checkout's state
-    # when it packed the tree, and device_session.sh passes it on. It comes first: such a copy may
-    # carry a stale .git of its own (the first GPU call's records named the session's first commit).
-    if os.environ.get("MPT_GIT_COMMIT"):
-        return {"commit": os.environ["MPT_GIT_COMMIT"], "dirty": os.environ.get("MPT_GIT_DIRTY") == "1", "source": "MPT_GIT_COMMIT"}
-
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=start, capture_output=True, text=True, timeout=10, check=True).stdout.strip()
 
     try:
         return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
     except (OSError, subprocess.SubprocessError):
-        return {"commit": None, "dirty": None}
+        pass
+    # A copy of the tree without .git (a remote GPU machine): scripts/device_carry.sh read the
+    # checkout's state when it packed the tree, and device_session.sh passes it on.
+    if os.environ.get("MPT_GIT_COMMIT"):
+        return {"commit": os.environ["MPT_GIT_COMMIT"], "dirty": os.environ.get("MPT_GIT_DIRTY") == "1", "source": "MPT_GIT_COMMIT"}
+    return {"commit": None, "dirty": None}
 
 
 def cpu_name() -> str:
