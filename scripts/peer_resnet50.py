@@ -83,7 +83,11 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--modes", default=",".join(RECIPES), help=f"which of {', '.join(RECIPES)} to run, comma-separated (a short GPU loan may fit one)")
     args = ap.parse_args()
+    modes = args.modes.split(",")
+    if not modes or set(modes) - set(RECIPES):
+        raise SystemExit(f"peer_resnet50: --modes {args.modes}: expected a comma-separated subset of {', '.join(RECIPES)}")
     if not (args.peer / "main.py").is_file():
         raise SystemExit(f"peer_resnet50: --peer {args.peer}: no main.py there (expected DLE's PyTorch/Classification/ConvNets)")
     if importlib.util.find_spec("pynvml") is None:
@@ -106,7 +110,8 @@ def main() -> None:
         "peer": {"repo": "NVIDIA/DeepLearningExamples", "path": "PyTorch/Classification/ConvNets", "commit": args.peer_commit},
         "modes": {},
     }
-    for mode, recipe in RECIPES.items():
+    for mode in modes:
+        recipe = RECIPES[mode]
         raport = out / f"dle_{mode}.json"
         run(
             f"DLE main.py ({mode})",

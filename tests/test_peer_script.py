@@ -43,3 +43,13 @@ def test_a_folder_without_the_peers_main_is_named(tmp_path):
         timeout=120,
     )
     assert r.returncode == 1 and f"--peer {tmp_path}: no main.py there" in r.stderr
+
+
+def test_a_mode_without_a_peer_recipe_is_named():
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "peer_resnet50.py"), "--peer", ".", "--out", "o", "--modes", "amp,fp8"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 1 and "--modes amp,fp8: expected a comma-separated subset of amp, tf32" in r.stderr
