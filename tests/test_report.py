@@ -60,11 +60,12 @@ def test_each_configuration_has_its_own_folder_named_from_its_choices(swept):
 
 @pytest.mark.slow  # over 20 s on 2 cores: the fast tier's budget
 def test_relaunching_a_sweep_skips_finished_runs_and_force_reruns(swept):
-    before = {p: p.stat().st_mtime_ns for p in swept.glob("*/result.json")}
+    before = {p: p.stat().st_mtime_ns for p in [*swept.glob("*/result.json"), *swept.glob("*/.hydra/*.yaml")]}
     r = mpt_run(*SWEEP, f"hydra.sweep.dir={swept}", cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.count("skipped (force=true runs it again)") == 8
-    assert {p: p.stat().st_mtime_ns for p in swept.glob("*/result.json")} == before
+    # A skipped run's files stay as its run wrote them, Hydra's too: committed records stay clean.
+    assert {p: p.stat().st_mtime_ns for p in [*swept.glob("*/result.json"), *swept.glob("*/.hydra/*.yaml")]} == before
 
     # A run that did not finish (its record still says `running`) is redone.
     unfinished = swept / "resnet50_fp32_none_synthetic_smoke_cpu_seed1" / "result.json"
@@ -87,6 +88,8 @@ def test_relaunching_a_sweep_skips_finished_runs_and_force_reruns(swept):
                 f"hydra.sweep.dir={swept}", cwd=ROOT)  # fmt: skip
     assert "already has a record with status diverged; skipped" in r.stdout
     assert {p: p.stat().st_mtime_ns for p in swept.glob("*/result.json")} == before
+    diverged = next(p.parent for p in swept.glob("*/result.json") if json.loads(p.read_text())["status"] == "diverged")
+    assert "log_every: 1\n" in (diverged / ".hydra" / "config.yaml").read_text()  # not the relaunch's 3
 
 
 def test_runs_csv_has_one_row_per_record_with_its_values(report, swept):

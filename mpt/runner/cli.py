@@ -136,8 +136,8 @@ def launch(cfg: DictConfig) -> str:
         print(f"mpt-run: {run_dir}: taking over its lock from {took_over}, which is no longer running", flush=True)
     file_log = None
     try:
-        file_log = _own_the_folder(cfg, run_dir) if lock else None
-        status, stop = _run_locked(cfg, run_dir, multirun)
+        file_log = _own_the_folder(run_dir) if lock else None
+        status, stop = _run_locked(cfg, run_dir, multirun, owner=lock is not None)
     finally:
         if file_log is not None:
             logging.getLogger().removeHandler(file_log)
@@ -150,24 +150,30 @@ def launch(cfg: DictConfig) -> str:
     return status
 
 
-def _own_the_folder(cfg: DictConfig, run_dir: Path) -> logging.Handler:
-    """Hydra's files, written by the lock's holder only (config.yaml has hydra.output_subdir: null
-    and a console-only job log), so a second launch of the run writes nothing into the folder."""
+def _own_the_folder(run_dir: Path) -> logging.Handler:
+    """The job log, opened by the lock's holder only (config.yaml has hydra.output_subdir: null and
+    a console-only job log), so a second launch of the run writes nothing into the folder."""
     remove_stale_temporaries(run_dir)  # the lock's holder is the folder's only writer
-    hydra_cfg = HydraConfig.instance().cfg
-    saved = run_dir / ".hydra"
-    saved.mkdir(exist_ok=True)
-    write_text_atomic(saved / "config.yaml", OmegaConf.to_yaml(cfg))
-    write_text_atomic(saved / "hydra.yaml", OmegaConf.to_yaml(hydra_cfg))
-    write_text_atomic(saved / "overrides.yaml", OmegaConf.to_yaml(hydra_cfg.hydra.overrides.task))
     handler = logging.FileHandler(run_dir / f"{HydraConfig.get().job.name}.log")
     handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
     logging.getLogger().addHandler(handler)
     return handler
 
 
-def _run_locked(cfg: DictConfig, run_dir: Path, multirun: bool) -> tuple[str, bool]:
-    """The run's status, and whether a preemption signal asks the process to stop."""
+def _save_hydra_files(cfg: DictConfig, run_dir: Path) -> None:
+    """Hydra's files, by the lock's holder, for a run that goes ahead: a skipped run's stay as its
+    record's run wrote them (a relaunch with another log_every would otherwise rewrite committed files)."""
+    hydra_cfg = HydraConfig.instance().cfg
+    saved = run_dir / ".hydra"
+    saved.mkdir(exist_ok=True)
+    write_text_atomic(saved / "config.yaml", OmegaConf.to_yaml(cfg))
+    write_text_atomic(saved / "hydra.yaml", OmegaConf.to_yaml(hydra_cfg))
+    write_text_atomic(saved / "overrides.yaml", OmegaConf.to_yaml(hydra_cfg.hydra.overrides.task))
+
+
+def _run_locked(cfg: DictConfig, run_dir: Path, multirun: bool, owner: bool) -> tuple[str, bool]:
+    """The run's status, and whether a preemption signal asks the process to stop. `owner`: this
+    process holds the folder's lock (rank 0)."""
     from .train import Run, failure  # torch and torchvision load after Hydra has parsed the command line
     from .validation import validate
 
@@ -178,6 +184,8 @@ def _run_locked(cfg: DictConfig, run_dir: Path, multirun: bool) -> tuple[str, bo
             print(f"mpt-run: {run_label()}: {run_dir} already has a record with status {previous.status}; skipped (force=true runs it again)", flush=True)
             return "skipped", False
         print(f"mpt-run: {run_label()}: {run_dir} has a {previous.status} record of a different config (the config files changed); running again", flush=True)
+    if owner:
+        _save_hydra_files(cfg, run_dir)
     try:
         validate(cfg)
         job = Run(cfg, run_dir, variant=identity.variant(overrides()), label=run_label())
