@@ -195,3 +195,19 @@ def test_keys_this_version_does_not_know_are_kept_and_a_newer_schema_is_refused(
         capsys.readouterr().err.strip()
         == f"mpt-report: error: {path}: record schema {SCHEMA_VERSION + 1}; this mpt reads schema {SCHEMA_VERSION} and older (update mpt to read it)"
     )
+
+
+def test_a_deterministic_run_names_the_ops_torch_ran_without_a_deterministic_kernel(tmp_path, in_process):
+    job = build_run(tmp_path / "det", TINY, "schedule=smoke", "checkpoint=false", "deterministic=true")
+    losses = job.task.train_losses
+
+    def with_put(batch):
+        torch.zeros(4).put_(torch.tensor([1]), torch.ones(1))  # no deterministic kernel: torch warns under warn_only
+        return losses(batch)
+
+    job.task.train_losses = with_put
+    with pytest.warns(UserWarning, match="put_ does not have a deterministic implementation"):
+        assert job.execute().status == "ok"
+    assert json.loads((tmp_path / "det" / "result.json").read_text())["nondeterministic_ops"] == ["put_"]  # once, for 3 steps
+    assert build_run(tmp_path / "free", TINY, "schedule=smoke", "checkpoint=false").execute().status == "ok"
+    assert json.loads((tmp_path / "free" / "result.json").read_text())["nondeterministic_ops"] is None

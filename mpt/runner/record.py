@@ -83,6 +83,7 @@ class RunRecord:
     preempted_at_step: Optional[int] = None
     resumed_from_step: Optional[int] = None
     resumed_at: Optional[str] = None
+    nondeterministic_ops: Optional[list] = None  # deterministic=true: ops torch ran without a deterministic kernel
     throughput: Optional[dict] = None  # throughput.py
     memory: Optional[dict] = None
     loss_scale: Optional[dict] = None  # per network: the scaler's summary

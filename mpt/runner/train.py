@@ -7,7 +7,6 @@ import contextlib
 import itertools
 import logging
 import math
-import os
 import random
 import signal
 import sys
@@ -38,7 +37,7 @@ from ..precision.engine import (
 )
 from ..precision.optim import effective_lr
 from ..precision.scaler import Diverged, build_scaler
-from . import checkpoint, identity
+from . import checkpoint, determinism, identity
 from .flops import counting_flops, flops_record, mfu
 from .grad_collector import GradStatsCollector
 from .overflow_trace import OverflowTracer
@@ -104,11 +103,7 @@ class Run:
         setup_distributed(self.dist, self.device)
         seed_everything(cfg.seed)
         if cfg.deterministic:
-            # cuBLAS repeats its sums only with a fixed workspace; torch refuses its kernels without one.
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-            # A few CUDA backwards (adaptive average pooling's among them) have no deterministic kernel:
-            # torch names each in a warning rather than stopping the run.
-            torch.use_deterministic_algorithms(True, warn_only=True)
+            determinism.enable()
         torch.backends.cudnn.benchmark = cfg.cudnn_benchmark and not cfg.deterministic
         self.fp32_math = set_fp32_math(cfg.precision.tf32)
 
@@ -198,6 +193,7 @@ class Run:
             # Every rank's own GPU generator advances alike (the same draws): rank 0's stands for all.
             "device_rng": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
             "started_at": self.record.started_at,
+            "nondeterministic_ops": self.record.nondeterministic_ops,
             "git": self.record.git,
             "throughput": self.meter.state_dict(),
             "peak_memory_bytes": int(self.dist.largest(max(peak_memory(self.device)["peak_bytes"], self.peak_before_resume), self.device)),
@@ -218,6 +214,8 @@ class Run:
             self.record.sample_grids = saved["sample_grids"]
         self.record.resumed_from_step = saved["step"]
         self.record.started_at, self.record.resumed_at = saved["started_at"], now_iso()
+        if saved.get("nondeterministic_ops") and self.record.nondeterministic_ops is not None:  # none before they were noted
+            self.record.nondeterministic_ops.extend(op for op in saved["nondeterministic_ops"] if op not in self.record.nondeterministic_ops)
         if saved["git"] != self.record.git:
             print(
                 f"mpt-run: warning: the checkpoint was written by commit {saved['git'].get('commit')}, this is {self.record['git'].get('commit')}", flush=True
@@ -360,6 +358,7 @@ class Run:
             environment=environment(self.device),
             git=git_commit(Path(__file__).resolve().parent),
             started_at=now_iso(),
+            nondeterministic_ops=[] if cfg.deterministic else None,
         )
 
     def _over_ranks(self, tp: dict) -> dict:
@@ -392,7 +391,11 @@ class Run:
                 skipped = {name: e.scaler.summary()["skipped_steps"] for name, e in self.engines.items()}
                 unit = self.meter.unit + ("/s per process" if self.dist.enabled else "/s")
                 self.progress = Progress(self.label, self.total_steps, self.step, skipped, unit)
-            with preemption.catching(), held_for_the_run(self.cfg.precision, self.device, self.cfg.emulate_tensor_cores):
+            with (
+                preemption.catching(),
+                held_for_the_run(self.cfg.precision, self.device, self.cfg.emulate_tensor_cores),
+                determinism.noting(rec.nondeterministic_ops),
+            ):
                 for _ in self.steps():
                     pass
             rec.status = "ok"
