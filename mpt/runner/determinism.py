@@ -44,3 +44,14 @@ def noting(ops: list[str] | None) -> Iterator[None]:
 
         warnings.showwarning = show
         yield
+
+
+def reseed_cudnn_dropout(device: torch.device) -> None:
+    """cuDNN's RNN dropout draws from a state of its own, cached per device, that no checkpoint
+    holds: a resumed run would draw other masks. Setting torch's CUDA generator to its own state
+    (CUDAGeneratorImpl::set_state clears its no_reset_rnn_state_ flag) makes the next dropout
+    reseed that cache from the generator (get_dropout_state in ATen's cudnn/RNN.cpp), so that each
+    step's masks follow from what a checkpoint holds; the reseed reads one number back from the GPU.
+    Called before each step of a deterministic CUDA run. Not yet run on a GPU: bigLSTM's resume
+    there differed (results/gpu-suite), and its LSTM has dropout between layers."""
+    torch.cuda.set_rng_state(torch.cuda.get_rng_state(device), device)

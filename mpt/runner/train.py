@@ -517,6 +517,8 @@ class Run:
 
     def _train_step(self, step: int, batch: Any) -> list[dict]:
         rows = []
+        if self.cfg.deterministic and self.device.type == "cuda":
+            determinism.reseed_cudnn_dropout(self.device)
         rng = checkpoint.rng_state() if self.tracer.enabled else None  # where a traced re-run starts
         self.steps_before = {g: e.steps_taken for g, e in self.engines.items()}  # which engines step during it
         losses = self.task.train_losses(batch)
