@@ -62,7 +62,7 @@ case $part in
   suite)
     # SIGINT: pytest stops and prints its summary. (SIGTERM is a run's preemption signal: each test's
     # run would stop after a step, recorded `preempted`, and pytest would go on past the limit.)
-    timeout -s INT -k 30 "${SUITE_TIMEOUT:-300}" python3 -m pytest -m gpu -v -rA -p no:cacheprovider --basetemp=/tmp/mpt-suite tests "$@" 2>&1 | tee -a "$W/$part.log"
+    timeout -s INT -k 30 "${SUITE_TIMEOUT:-300}" python3 -m pytest -m gpu -v -rA --durations=25 -p no:cacheprovider --basetemp=/tmp/mpt-suite tests "$@" 2>&1 | tee -a "$W/$part.log"
     rc=${PIPESTATUS[0]}
     pack ;;
   arithmetic)
