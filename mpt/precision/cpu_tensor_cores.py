@@ -155,7 +155,8 @@ _active = 0  # nested contexts: only the outermost registers
 
 class TensorCoreArithmetic:
     """Within it, on a CPU, FP16 and BF16 matrix products and convolutions accumulate in FP32 and
-    round once, and FP16 and BF16 LSTMs run as cuDNN's. With emulate=False, torch's own kernels
+    round once, and FP16 and BF16 LSTMs run as we understood cuDNN's to (an H200 disagreed: the
+    module docstring). With emulate=False, torch's own kernels
     run, LSTMs on torch's native one (oneDNN off). `counts`: the ops replaced, by name."""
 
     def __init__(self, emulate: bool = True):
@@ -185,7 +186,7 @@ class TensorCoreArithmetic:
             self._lib = None
 
 
-# --- LSTMs: the gate products as above, the cell's elementwise math as cuDNN does it ---------------
+# --- LSTMs: the gate products as above, the cell's elementwise math in FP32 registers -------------
 
 
 def _per_step(steps: list[int], *tensors: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
