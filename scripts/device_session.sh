@@ -33,8 +33,8 @@ export PYTHONPATH=/tmp/site:$PWD
 # Uninstalled, mpt.configs is where pip puts configs/ (pyproject.toml's package-dir).
 [ -e mpt/configs ] || ln -s ../configs mpt/configs
 nvidia-smi -L | tee "$W/device.txt"
-# The copy of the tree has no .git: the records name the commit device_carry.sh read, and are
-# marked dirty if the tracked files here are not the ones it hashed (the tree changed since).
+# The records name the commit device_carry.sh read, and are marked dirty if the tracked files here
+# are not the ones it hashed (the tree changed since).
 read -r MPT_GIT_COMMIT MPT_GIT_DIRTY packed_hash < .data/GIT
 here_hash=$(tr '\n' '\0' < .data/GIT_FILES | xargs -0 sha256sum | sha256sum | cut -d' ' -f1)
 if [ "$here_hash" != "$packed_hash" ]; then
@@ -42,8 +42,8 @@ if [ "$here_hash" != "$packed_hash" ]; then
   MPT_GIT_DIRTY=1
 fi
 export MPT_GIT_COMMIT MPT_GIT_DIRTY
-# The copy may carry a stale .git of its own, which record.py would ask first (the first GPU call's
-# records named the session's first commit): hide it, so the packed commit is what records name.
+# The copy may carry a stale .git of its own, which record.py would ask before MPT_GIT_COMMIT (the
+# first GPU call's records named the session's first commit): hide it.
 export GIT_DIR=/nonexistent
 echo "commit $MPT_GIT_COMMIT dirty $MPT_GIT_DIRTY" >> "$W/device.txt"
 # After every command the tarball is rewritten: a call cut off by its time limit still returns

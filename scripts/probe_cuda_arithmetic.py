@@ -14,17 +14,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import platform
 import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 from mpt.precision.cpu_tensor_cores import TensorCoreArithmetic  # noqa: E402
+from mpt.runner.record import environment, git_commit, now_iso, write_json_atomic  # noqa: E402
 from tests.test_cpu_tensor_cores import against_float64, bound_fraction, randn  # noqa: E402
 
 OPS = {
@@ -84,14 +84,13 @@ def main() -> None:
     record = {
         "what": __doc__.strip().splitlines()[0],
         "unit": "worst element's |result - float64| / (one ulp + FP32 accumulation bound)",
-        "device_name": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "cudnn": torch.backends.cudnn.version(),
-        "python": platform.python_version(),
+        "environment": environment(cuda),
+        "commit": git_commit(ROOT),
+        "finished_at": now_iso(),
         "rows": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=1) + "\n")
+    write_json_atomic(args.out, record)
     for r in rows:
         print(f"{r['op']:32s} {r['dtype']:8s} {r['setting']:55s} {r['part']:20s} cuda {r['cuda_over_bound']:7.3f} cpu {r['cpu_emulation_over_bound']:6.3f}")
 

@@ -13,20 +13,17 @@ distance in ulps of the dtype.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
+import sys
 from pathlib import Path
 
 import torch
 from torch import nn
 
-# (mantissa bits, smallest normal exponent), as in tests/test_cpu_tensor_cores.py
-FORMAT = {torch.float16: (10, -14), torch.bfloat16: (7, -126)}
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
-
-def ulp(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    mantissa, emin = FORMAT[dtype]
-    return torch.exp2(torch.floor(torch.log2(t.abs().clamp_min(2.0**emin))).clamp_min(emin) - mantissa)
+from mpt.runner.record import environment, git_commit, now_iso, write_json_atomic  # noqa: E402
+from tests.test_cpu_tensor_cores import ulp  # noqa: E402
 
 
 def candidates(x, h0, c0, w_ih, w_hh, b_ih, b_hh, dtype):
@@ -83,15 +80,14 @@ def main() -> None:
             )
     record = {
         "what": __doc__.strip().splitlines()[0],
-        "device_name": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "cudnn": torch.backends.cudnn.version(),
-        "python": platform.python_version(),
+        "environment": environment(cuda),
+        "commit": git_commit(ROOT),
+        "finished_at": now_iso(),
         "setting": f"one step of nn.LSTM(40, 24), batch 5, seeds 0-{args.seeds - 1}, h and c compared",
         "rows": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=1) + "\n")
+    write_json_atomic(args.out, record)
     for r in rows:
         print(f"{r['dtype']:9s} equal {r['share_equal']:6.1%}  worst {r['worst_ulps']:7.2f} ulps  {r['candidate']}")
 

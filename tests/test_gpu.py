@@ -5,7 +5,6 @@ still checked the arithmetic the CPU results stand on."""
 from __future__ import annotations
 
 import copy
-import json
 import math
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from mpt.runner import checkpoint
 
 from .conftest import ROOT, TINY, Vector, build_run, compose_cfg, read_record
 from .test_cpu_tensor_cores import FP32_ACCUMULATION, against_float64, assert_within_one_ulp, randn, ulp
-from .test_resume import SMALL_GAN, SMALL_LM, SMALL_NMT, Killed, assert_resumed_as_uninterrupted, resume_args, stop_at
+from .test_resume import SMALL_GAN, SMALL_LM, SMALL_NMT, Killed, assert_resumed_as_uninterrupted, log_rows, resume_args, stop_at
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -223,9 +222,14 @@ RESUME_CASES = [
 ]
 
 
+def cuda_resume_args(model: str, precision: str, scale: str, extra: list[str]) -> list[str]:
+    """test_resume.py's deterministic run, on CUDA."""
+    return [a if a != "device=cpu" else "device=cuda" for a in resume_args(model, precision, scale, extra)]
+
+
 @pytest.mark.parametrize("model,precision,scale,extra", RESUME_CASES, ids=[f"{m}-{p}" for m, p, _, _ in RESUME_CASES])
 def test_a_stopped_and_rebuilt_run_on_cuda_matches_an_uninterrupted_one(tmp_path, in_process, model, precision, scale, extra):
-    args = [a if a != "device=cpu" else "device=cuda" for a in resume_args(model, precision, scale, extra)]
+    args = cuda_resume_args(model, precision, scale, extra)
     reference, stopped = tmp_path / "reference", tmp_path / "stopped"
     assert build_run(reference, *args).execute().status == "ok"
     job = build_run(stopped, *args)
@@ -257,7 +261,7 @@ def test_every_paper_model_trains_in_every_mode_on_cuda(tmp_path, in_process, mo
 def test_two_deterministic_runs_on_cuda_are_identical(tmp_path, in_process, model, extra):
     """Tells a nondeterministic kernel from a resume that restores too little: bigLSTM's resumed run
     differed from its uninterrupted one on an H200 (results/gpu-suite/)."""
-    args = [a if a != "device=cpu" else "device=cuda" for a in resume_args(model, "mixed", "dynamic", extra)]
+    args = cuda_resume_args(model, "mixed", "dynamic", extra)
     for name in ("a", "b"):
         assert build_run(tmp_path / name, *args).execute().status == "ok"
     a, b = read_record(tmp_path / "a"), read_record(tmp_path / "b")
@@ -265,7 +269,7 @@ def test_two_deterministic_runs_on_cuda_are_identical(tmp_path, in_process, mode
 
 
 def train_rows(run_dir: Path) -> list[dict]:
-    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
+    return [r for r in log_rows(run_dir) if r["kind"] == "train"]
 
 
 def test_cuda_graphs_with_the_dynamic_scaler_skipping_steps(tmp_path, in_process):
