@@ -4,7 +4,12 @@ Throughput is samples per second in steady state: the first `warmup` steps are e
 device is synchronized at the edges of each window of `window` steps, and the figure is the median
 over windows. Two figures are kept:
 - `pipeline`: samples / window wall time, data loading included;
-- `compute`: samples / (window wall time - time the loop spent waiting for its next batch).
+- `compute`: samples / the time the steps themselves took, between each batch in hand and the end
+  of its step. On a CPU that is the window's wall time less the time the loop waited for its
+  batches. On CUDA the host runs ahead of the device and blocks wherever the launch queue is full,
+  often in the next batch's fetch, so its waits say nothing about data: there each step's span is
+  timed on the device with events recorded when its batch is in hand and when it ends, and idle
+  gaps between steps (the device waiting for a batch) are left out.
 A window that an evaluation interrupts is discarded, and the step after it reopens the window
 without being counted (so is the last warm-up step: at least one step is always excluded). A step
 that did extra work (a sampled step of gradient statistics) is left out of its window: its
@@ -35,6 +40,8 @@ class ThroughputMeter:
         self.compute: list[float] = []
         self.steps_seen = 0
         self._open = False
+        self._events = device.type == "cuda"
+        self._begin = None
 
     def _start(self) -> None:
         synchronize(self.device)
@@ -43,7 +50,14 @@ class ThroughputMeter:
         self._wait = 0.0
         self._excluded = 0.0
         self._steps = 0
+        self._spans: list[tuple] = []
         self._open = True
+
+    def batch_ready(self) -> None:
+        """Call when the step's batch is in hand, before the step runs."""
+        if self._events:
+            self._begin = torch.cuda.Event(enable_timing=True)
+            self._begin.record()
 
     def step(self, samples: int, wait_s: float, excluded_s: float | None = None, untimed_s: float = 0.0) -> None:
         """Call after each training step with its sample count and the time spent waiting for its
@@ -63,11 +77,19 @@ class ThroughputMeter:
         self._samples += samples
         self._wait += wait_s
         self._steps += 1
+        if self._events:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._spans.append((self._begin, end, untimed_s))
         if self._steps == self.window:
             synchronize(self.device)
             elapsed = time.perf_counter() - self._t0 - self._excluded
             self.pipeline.append(self._samples / elapsed)
-            self.compute.append(self._samples / max(elapsed - self._wait, 1e-12))
+            if self._events:
+                busy = sum(b.elapsed_time(e) / 1000 - untimed for b, e, untimed in self._spans)
+            else:
+                busy = elapsed - self._wait
+            self.compute.append(self._samples / max(busy, 1e-12))
             self._start()
 
     def state_dict(self) -> dict:

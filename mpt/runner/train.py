@@ -474,6 +474,7 @@ class Run:
                 continue
             self.batch_in_epoch += 1
             wait = time.perf_counter() - t0
+            self.meter.batch_ready()
             # FLOPs once, on this process's first step: in the warm-up, which throughput leaves out.
             counting = self.cfg.schedule.count_flops and self.record.flops is None
             traced_before = self.tracer.seconds
