@@ -4,15 +4,22 @@ from the same rounded weights, inputs and states, each compared with cuDNN's h a
     python scripts/probe_cuda_lstm.py --out results/gpu-arithmetic/lstm.json
 
 The CPU emulation (mpt/precision/cpu_tensor_cores.py) sums the gate products and biases in FP32 and
-rounds only h and c; on an H200 cuDNN's step was up to 42 BF16 ulps away from it
-(results/gpu-suite/call2). A candidate that is cuDNN's computation matches it on nearly every
-element, up to FP32 summation order: the figures are the share of elements equal and the worst
-distance in ulps of the dtype.
+rounds only h and c. A candidate that is cuDNN's computation matches it on nearly every element, up
+to FP32 summation order: the figures are the share of elements equal and the worst distance in ulps
+of the dtype.
+
+torch picks cuDNN's algorithm by shape (get_algo in ATen's cudnn/RNN.cpp): an unpacked LSTM without
+a projection and with at most 192 hidden units runs the persistent small-h kernel; larger ones, and
+every LSTM with a projection or packed input (GNMT's, bigLSTM's), the standard algorithm (FP16 with a
+batch of at most 128 divisible by 8 may get the persistent one). On an H100 (results/gpu-h100-loan2)
+the small-h kernel in BF16 was exactly its gate products each rounded to BF16 and summed with the
+biases in FP32, and in FP16 none of the candidates: hence one size per algorithm.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from pathlib import Path
 
@@ -47,7 +54,29 @@ def candidates(x, h0, c0, w_ih, w_hh, b_ih, b_hh, dtype):
         for tanh_of in ("c before rounding", "c rounded"):
             h1 = torch.sigmoid(o) * torch.tanh(c1 if tanh_of == "c before rounding" else r(c1))
             out.append((f"{name}; h from {tanh_of}", r(h1), r(c1)))
+        # Half-precision registers: every activation, product and sum of the cell rounded.
+        i, f, g, o = r(a).chunk(4, 1)
+        si, sf, tg, so = r(torch.sigmoid(i)), r(torch.sigmoid(f)), r(torch.tanh(g)), r(torch.sigmoid(o))
+        c1 = r(r(sf * c0) + r(si * tg))
+        out.append((f"{name}; the cell's math in the dtype", r(so * r(torch.tanh(c1))), c1))
     return out
+
+
+# Hidden size -> the algorithm torch's get_algo picks for an unpacked LSTM without a projection,
+# batch 5 (not divisible by 8, so FP16 does not take the persistent standard kernel either).
+HIDDEN_SIZES = {24: "persistent small-h (hidden <= 192)", 256: "standard"}
+
+
+def step(dtype, hidden: int, seed: int, cuda: torch.device):
+    """cuDNN's h and c after one step, and the float64 inputs the candidates start from."""
+    torch.manual_seed(seed)
+    lstm = nn.LSTM(40, hidden).to(dtype)
+    x, h0, c0 = torch.randn(1, 5, 40).to(dtype), torch.randn(1, 5, hidden).to(dtype), torch.randn(1, 5, hidden).to(dtype)
+    gpu = lstm.to(cuda)
+    with torch.no_grad():
+        _, (h, c) = gpu(x.to(cuda), (h0.to(cuda), c0.to(cuda)))
+    w = [p.detach().cpu().double() for p in (gpu.weight_ih_l0, gpu.weight_hh_l0, gpu.bias_ih_l0, gpu.bias_hh_l0)]
+    return (h[0].cpu().double(), c[0].cpu().double()), (x[0].double(), h0[0].double(), c0[0].double(), *w)
 
 
 def main() -> None:
@@ -57,39 +86,39 @@ def main() -> None:
     args = ap.parse_args()
     cuda = torch.device("cuda")
     rows = []
-    for dtype in (torch.float16, torch.bfloat16):
+    for (hidden, algorithm), dtype in itertools.product(HIDDEN_SIZES.items(), (torch.float16, torch.bfloat16)):
         tally: dict[str, dict] = {}
         for seed in range(args.seeds):
-            torch.manual_seed(seed)
-            lstm = nn.LSTM(40, 24).to(dtype)
-            x, h0, c0 = torch.randn(1, 5, 40).to(dtype), torch.randn(1, 5, 24).to(dtype), torch.randn(1, 5, 24).to(dtype)
-            gpu = lstm.to(cuda)
-            with torch.no_grad():
-                _, (h, c) = gpu(x.to(cuda), (h0.to(cuda), c0.to(cuda)))
-            h, c = h[0].cpu().double(), c[0].cpu().double()
-            w = [p.detach().cpu().double() for p in (gpu.weight_ih_l0, gpu.weight_hh_l0, gpu.bias_ih_l0, gpu.bias_hh_l0)]
-            for name, h1, c1 in candidates(x[0].double(), h0[0].double(), c0[0].double(), *w, dtype):
-                t = tally.setdefault(name, {"equal": 0, "elements": 0, "worst_ulps": 0.0})
+            (h, c), inputs = step(dtype, hidden, seed, cuda)
+            for name, h1, c1 in candidates(*inputs, dtype):
+                t = tally.setdefault(name, {"equal": 0, "elements": 0, "worst_ulps": 0.0, "worst_ulps_of_largest": 0.0})
                 for ours, theirs in ((h1, h), (c1, c)):
-                    t["equal"] += int((ours == theirs).sum())
+                    err = (ours - theirs).abs()
+                    t["equal"] += int((err == 0).sum())
                     t["elements"] += ours.numel()
-                    t["worst_ulps"] = max(t["worst_ulps"], ((ours - theirs).abs() / ulp(theirs, dtype)).max().item())
+                    t["worst_ulps"] = max(t["worst_ulps"], (err / ulp(theirs, dtype)).max().item())
+                    # Near zero one ulp is tiny: the error in ulps of the tensor's largest element too.
+                    t["worst_ulps_of_largest"] = max(t["worst_ulps_of_largest"], (err.max() / ulp(theirs.abs().max(), dtype)).item())
         for name, t in tally.items():
             rows.append(
-                {"dtype": str(dtype).removeprefix("torch."), "candidate": name, "share_equal": t["equal"] / t["elements"], "worst_ulps": t["worst_ulps"]}
-            )
+                {"hidden": hidden, "algorithm": algorithm, "dtype": str(dtype).removeprefix("torch."), "candidate": name,
+                 "share_equal": t["equal"] / t["elements"], "worst_ulps": t["worst_ulps"], "worst_ulps_of_largest": t["worst_ulps_of_largest"]}
+            )  # fmt: skip
     record = {
         "what": __doc__.strip().splitlines()[0],
         "environment": environment(cuda),
         "commit": git_commit(ROOT),
         "finished_at": now_iso(),
-        "setting": f"one step of nn.LSTM(40, 24), batch 5, seeds 0-{args.seeds - 1}, h and c compared",
+        "setting": f"one step of nn.LSTM(40, hidden), batch 5, seeds 0-{args.seeds - 1}, h and c compared",
         "rows": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(args.out, record)
     for r in rows:
-        print(f"{r['dtype']:9s} equal {r['share_equal']:6.1%}  worst {r['worst_ulps']:7.2f} ulps  {r['candidate']}")
+        print(
+            f"hidden {r['hidden']:4d} {r['dtype']:9s} equal {r['share_equal']:6.1%}  worst {r['worst_ulps']:7.2f} ulps"
+            f" ({r['worst_ulps_of_largest']:5.2f} of the largest)  {r['candidate']}"
+        )
 
 
 if __name__ == "__main__":

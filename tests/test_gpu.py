@@ -84,16 +84,18 @@ def test_the_cpu_emulation_and_cudas_kernels_agree_within_one_ulp(dtype, name, f
 
 
 @pytest.mark.parametrize("dtype", LOW, ids=IDS)
-@pytest.mark.parametrize("steps,proj_size", [(1, 0), (6, 0), (6, 8)])
-def test_the_cpu_lstm_and_cudnns_agree_within_one_ulp(dtype, steps, proj_size):
+# torch runs an unpacked LSTM without a projection and with at most 192 hidden units on cuDNN's
+# persistent small-h kernel, and the others (GNMT's and bigLSTM's) on the standard algorithm.
+@pytest.mark.parametrize("steps,proj_size,hidden", [(1, 0, 24), (6, 0, 24), (6, 8, 24), (1, 0, 256), (6, 0, 256)])
+def test_the_cpu_lstm_and_cudnns_agree_within_one_ulp(dtype, steps, proj_size, hidden):
     """h, c and every gradient of the CPU's written-out LSTM against cuDNN's, from the same rounded
     weights, inputs and states. Over several steps the two round the same stored values each step."""
     torch.manual_seed(1)
-    lstm = nn.LSTM(40, 24, proj_size=proj_size).to(dtype)
+    lstm = nn.LSTM(40, hidden, proj_size=proj_size).to(dtype)
     gpu = copy.deepcopy(lstm).to(CUDA)
     x = torch.randn(steps, 5, 40).to(dtype)
-    h0, c0 = torch.randn(1, 5, proj_size or 24).to(dtype), torch.randn(1, 5, 24).to(dtype)
-    g_out, g_c = torch.randn(steps, 5, proj_size or 24).to(dtype), torch.randn(1, 5, 24).to(dtype)
+    h0, c0 = torch.randn(1, 5, proj_size or hidden).to(dtype), torch.randn(1, 5, hidden).to(dtype)
+    g_out, g_c = torch.randn(steps, 5, proj_size or hidden).to(dtype), torch.randn(1, 5, hidden).to(dtype)
 
     def run(module, device, arithmetic):
         xs = [t.detach().clone().to(device).requires_grad_() for t in (x, h0, c0)]
@@ -260,7 +262,8 @@ def test_every_paper_model_trains_in_every_mode_on_cuda(tmp_path, in_process, mo
 @pytest.mark.parametrize("model,extra", [("biglstm_tiny", SMALL_LM), ("gnmt", SMALL_NMT)], ids=["biglstm_tiny", "gnmt"])
 def test_two_deterministic_runs_on_cuda_are_identical(tmp_path, in_process, model, extra):
     """Tells a nondeterministic kernel from a resume that restores too little: bigLSTM's resumed run
-    differed from its uninterrupted one on an H200 (results/gpu-suite/)."""
+    differed from its uninterrupted one on an H200 before its cuDNN dropout was reseeded each step
+    (results/gpu-suite/)."""
     args = cuda_resume_args(model, "mixed", "dynamic", extra)
     for name in ("a", "b"):
         assert build_run(tmp_path / name, *args).execute().status == "ok"
@@ -281,7 +284,7 @@ def test_cuda_graphs_with_the_dynamic_scaler_skipping_steps(tmp_path, in_process
     assert build_run(tmp_path / "graphs", *args, "compile.backend=inductor", "compile.mode=reduce-overhead").execute().status == "ok"
     eager, graphs = read_record(tmp_path / "eager"), read_record(tmp_path / "graphs")
     assert graphs["compile"]["mode"] == "reduce-overhead"
-    assert graphs["loss_scale"]["skipped_steps"] == eager["loss_scale"]["skipped_steps"] >= 1
+    assert graphs["loss_scale"]["model"]["skipped_steps"] == eager["loss_scale"]["model"]["skipped_steps"] >= 1
     a, b = train_rows(tmp_path / "eager"), train_rows(tmp_path / "graphs")
     assert [r.get("scale") for r in a] == [r.get("scale") for r in b]
     assert [r["loss"] for r in b] == pytest.approx([r["loss"] for r in a], rel=2e-2)
