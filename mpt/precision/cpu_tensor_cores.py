@@ -6,10 +6,10 @@ convolution whose floating inputs are all FP16 (or all BF16) runs as torch's own
 those same rounded inputs, and its result is rounded once: the GPU's arithmetic up to summation
 order, at the speed of the CPU's FP32 kernels. A convolution's bias is then added in the dtype, as
 torch's cuDNN path adds it. An LSTM in FP16 or BF16 runs with its products so, its cell's sums,
-activations and update in FP32, its h and c stored in the dtype. On an H200, cuBLAS's and cuDNN's
-bias-free products, `linear` and every gradient were within one rounding of their exact sums, as
-these are; cuDNN's LSTM was not this computation (results/gpu-arithmetic, results/gpu-suite). Only
-torch's cuDNN path adds a bias after rounding: its depthwise and fallback CUDA kernels take it inside.
+activations and update in FP32, its h and c stored in the dtype. On an H100, every product but
+`addmm` with a full matrix, biased convolutions included, was as far from its exact sum on CUDA as
+here (results/gpu-h100-loan2/arithmetic); cuDNN's LSTM was not this computation (docs/cpu-arithmetic.md).
+Only torch's cuDNN path adds a bias after rounding: its depthwise and fallback CUDA kernels take it inside.
 
 The products are replaced at the CPU kernels of the aten ops (torch.library, for the context's
 duration), below autograd: so they catch what composite modules call inside (linear is an addmm,

@@ -52,6 +52,7 @@ def reseed_cudnn_dropout(device: torch.device) -> None:
     (CUDAGeneratorImpl::set_state clears its no_reset_rnn_state_ flag) makes the next dropout
     reseed that cache from the generator (get_dropout_state in ATen's cudnn/RNN.cpp), so that each
     step's masks follow from what a checkpoint holds; the reseed reads one number back from the GPU.
-    Called before each step of a deterministic CUDA run. Not yet run on a GPU: bigLSTM's resume
-    there differed (results/gpu-suite), and its LSTM has dropout between layers."""
+    Called before each step of a deterministic CUDA run. Without it bigLSTM's resume (dropout
+    between its LSTM layers) differed on an H200 (results/gpu-suite); with it, it was bit for bit on
+    an H100 (results/gpu-h100-loan2/suite)."""
     torch.cuda.set_rng_state(torch.cuda.get_rng_state(device), device)
