@@ -12,7 +12,7 @@ cd "$root"
 shared=${SHARED_DATA:-$root/../shared/data}
 rm -rf .data && mkdir -p .data
 # peer: DLE imports pynvml (nvidia-ml-py), which the device image has; carried too, to be sure.
-../shared/offline/wheels.sh $([ "$part" = peer ] && echo nvidia-ml-py) > /dev/null
+../shared/offline/wheels.sh $(case $part in peer|next) echo nvidia-ml-py ;; esac) > /dev/null
 # What the records will name: the commit, whether tracked files differ from it, and a hash of the
 # tracked files' content, which device_session.sh recomputes on the copy it runs in. results/ is
 # left out of the hash: the records change nothing a run computes, and they can be left behind
@@ -22,7 +22,7 @@ hash=$(tr '\n' '\0' < .data/GIT_FILES | xargs -0 sha256sum | sha256sum | cut -d'
 echo "$(git rev-parse HEAD) $([ -n "$(git status --porcelain --untracked-files=no -- . ':!:results')" ] && echo 1 || echo 0) $hash" > .data/GIT
 case $part in
   suite|arithmetic|bench|options) ;;
-  peer)
+  peer|next)
     mkdir -p .data/peer/ConvNets .data/peer/dllogger
     git --git-dir="${DLE_GIT:?set DLE_GIT}" archive HEAD PyTorch/Classification/ConvNets | tar -x -C .data/peer/ConvNets --strip-components=3
     git --git-dir="${DLLOGGER_GIT:?set DLLOGGER_GIT}" archive HEAD dllogger | tar -x -C .data/peer/dllogger
@@ -32,6 +32,6 @@ case $part in
   gnmt) cp -r "$shared/multi30k" .data/ ;;
   biglstm) cp -r "$shared/ptb" .data/ ;;
   dcgan) cp "$shared/utkface.tar.gz" .data/ ;;
-  *) echo "device_carry.sh: PART=$part: expected one of suite, arithmetic, bench, options, peer, cifar, ssd, gnmt, biglstm, dcgan" >&2; exit 2 ;;
+  *) echo "device_carry.sh: PART=$part: expected one of suite, arithmetic, bench, options, peer, next, cifar, ssd, gnmt, biglstm, dcgan" >&2; exit 2 ;;
 esac
 du -sh .whl .data

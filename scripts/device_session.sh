@@ -22,9 +22,26 @@
 #   gnmt       Multi30k GNMT (gnmt_small): fp32, mixed without scaling, mixed with static scaling, 3 seeds
 #   biglstm    PTB bigLSTM (biglstm_small): fp32, mixed without scaling, mixed with scale 128, 3 seeds
 #   dcgan      UTKFace DCGAN: fp32 and mixed sample grids, 3 seeds
+#   next       what the loans so far left, in one call of about 9 minutes (carry as for peer): the
+#              suite's tests that failed or did not finish, the LSTM probe at cuDNN's standard
+#              algorithm, fp8 against bf16 for GNMT and bigLSTM (issue 24), ResNet-50 beside DLE
+#              again, the speed options, then the remaining bench cells; each step under its own
+#              time limit, each leaving its own tarball
 set -uo pipefail
 part=${1:?usage: scripts/device_session.sh PART [overrides...]}
 shift
+if [ "$part" = next ]; then
+  # The parts below as child calls of this script. A step cut off by its limit (SIGTERM: its runs
+  # stop after a step, recorded `preempted`) leaves what it finished: each part packs every minute
+  # and after every command. The suite stops itself first, with SIGINT, so pytest reports.
+  step() { local seconds=$1; shift; timeout -k 20 "$seconds" env "$@" || echo "device_session.sh next: $* stopped ($?)"; }
+  step 150 SUITE_TIMEOUT=140 bash "$0" suite -k "lstm or cuda_graphs or addmm"
+  step 60 bash "$0" arithmetic
+  step 100 MODELS=gnmt,biglstm PRECISIONS=bf16,fp8,fp8_delayed bash "$0" bench schedule.steps=60
+  step 100 bash "$0" peer --modes amp
+  step 240 bash "$0" options schedule.steps=60
+  exit 0
+fi
 OUT=${OUT:-/tmp/out}
 W=/tmp/mpt/$part
 mkdir -p "$OUT" "$W"
@@ -57,6 +74,7 @@ packer=$!
 trap 'kill $packer 2>/dev/null' EXIT
 seeds="seed=${SEEDS:-0,1,2}"
 D=$PWD/.data
+
 
 case $part in
   suite)
@@ -117,6 +135,6 @@ case $part in
     root=$(dirname "$(find /tmp/utk -name '*.jpg' | head -1)")
     run -m model=dcgan64 data=image_dir data.root="$root" schedule.batch_size=128 schedule.steps=2000 schedule.eval_every=500 \
         precision=fp32,mixed scale=none checkpoint=false $seeds hydra.sweep.dir="$W/dcgan" "$@" ;;
-  *) echo "device_session.sh: PART=$part: expected one of suite, arithmetic, bench, options, peer, cifar, ssd, gnmt, biglstm, dcgan" >&2; exit 2 ;;
+  *) echo "device_session.sh: PART=$part: expected one of suite, arithmetic, bench, options, peer, next, cifar, ssd, gnmt, biglstm, dcgan" >&2; exit 2 ;;
 esac
 exit $rc
