@@ -13,13 +13,14 @@ def clocks(monkeypatch):
         def __init__(self, enable_timing: bool):
             assert enable_timing
 
-        def record(self):
+        def record(self, stream=None):
             self.t = clock["device"]
 
         def elapsed_time(self, end) -> float:
             return (end.t - self.t) * 1000
 
     monkeypatch.setattr(throughput.torch.cuda, "Event", Event)
+    monkeypatch.setattr(throughput.torch.cuda, "current_stream", lambda device=None: None)
     monkeypatch.setattr(throughput, "synchronize", lambda device: None)
     monkeypatch.setattr(throughput.time, "perf_counter", lambda: clock["host"])
     return clock
@@ -59,3 +60,24 @@ def test_on_a_cpu_compute_is_the_wall_time_less_the_batch_waits(clocks):
     run_steps(meter, clocks, wait=0.3, idle=0.0, launch=0.1, work=0.0)
     assert meter.pipeline == pytest.approx([25.0, 25.0])
     assert meter.compute == pytest.approx([100.0, 100.0])
+
+
+def test_on_cuda_a_sampled_steps_span_and_a_traced_reruns_time_are_left_out(clocks):
+    """Device-bound steps of 0.1 s; the third is a sampled step (left out: 0.5 s), the fifth ran
+    again to trace an overflow (0.2 s of it untimed)."""
+    meter = throughput.ThroughputMeter(torch.device("cuda"), warmup=1, window=2, unit="images")
+    for work, sampled, untimed in [(0.1, False, 0.0), (0.1, False, 0.0), (0.5, True, 0.0), (0.1, False, 0.0), (0.3, False, 0.2), (0.1, False, 0.0)]:
+        clocks["host"] += 0.1  # the fetch, blocked behind the device
+        meter.batch_ready()
+        clocks["device"] += work
+        clocks["host"] += work - 0.1
+        meter.step(10, 0.1, excluded_s=work if sampled else None, untimed_s=untimed)
+    assert meter.compute == pytest.approx([100.0, 100.0])
+
+
+def test_on_cuda_a_step_without_its_batch_ready_is_an_error(clocks):
+    meter = throughput.ThroughputMeter(torch.device("cuda"), warmup=1, window=2, unit="images")
+    meter.batch_ready()
+    meter.step(10, 0.0)
+    with pytest.raises(RuntimeError, match="without batch_ready"):
+        meter.step(10, 0.0)

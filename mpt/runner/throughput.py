@@ -53,11 +53,15 @@ class ThroughputMeter:
         self._spans: list[tuple] = []
         self._open = True
 
+    def _event(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))  # the run's device, whichever is current
+        return event
+
     def batch_ready(self) -> None:
         """Call when the step's batch is in hand, before the step runs."""
         if self._events:
-            self._begin = torch.cuda.Event(enable_timing=True)
-            self._begin.record()
+            self._begin = self._event()
 
     def step(self, samples: int, wait_s: float, excluded_s: float | None = None, untimed_s: float = 0.0) -> None:
         """Call after each training step with its sample count and the time spent waiting for its
@@ -65,6 +69,9 @@ class ThroughputMeter:
         to be left out of throughput; `untimed_s`: time within a step that counts that is not
         training's (an overflowing step run again to trace it)."""
         self.steps_seen += 1
+        begin, self._begin = self._begin, None
+        if self._events and begin is None:
+            raise RuntimeError("ThroughputMeter.step on CUDA without batch_ready() before it: the step's device time has no start")
         if self.steps_seen < self.warmup:
             return
         if not self._open:
@@ -78,15 +85,15 @@ class ThroughputMeter:
         self._wait += wait_s
         self._steps += 1
         if self._events:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self._spans.append((self._begin, end, untimed_s))
+            self._spans.append((begin, self._event(), untimed_s))
         if self._steps == self.window:
             synchronize(self.device)
             elapsed = time.perf_counter() - self._t0 - self._excluded
             self.pipeline.append(self._samples / elapsed)
             if self._events:
-                busy = sum(b.elapsed_time(e) / 1000 - untimed for b, e, untimed in self._spans)
+                # untimed_s is host time (a traced step's rerun, which synchronizes): near enough
+                # the device's for it, and a span never counts below zero.
+                busy = sum(max(b.elapsed_time(e) / 1000 - untimed, 0.0) for b, e, untimed in self._spans)
             else:
                 busy = elapsed - self._wait
             self.compute.append(self._samples / max(busy, 1e-12))
@@ -110,6 +117,7 @@ class ThroughputMeter:
             "window_steps": self.window,
             "warmup_steps": self.warmup,
             "method": "steady state, warm-up excluded, device synchronized at window edges, median over windows",
+            "compute_method": "device time per step (CUDA events)" if self._events else "wall time less the waits for batches",
         }
         if not self.pipeline:
             out.update(pipeline=None, compute=None, note="the run had no complete timing window after warm-up")
