@@ -22,26 +22,32 @@
 #   gnmt       Multi30k GNMT (gnmt_small): fp32, mixed without scaling, mixed with static scaling, 3 seeds
 #   biglstm    PTB bigLSTM (biglstm_small): fp32, mixed without scaling, mixed with scale 128, 3 seeds
 #   dcgan      UTKFace DCGAN: fp32 and mixed sample grids, 3 seeds
-#   next       what the loans so far left, in one call of about 9 minutes (carry as for peer): the
-#              suite's tests that failed or did not finish, the LSTM probe at cuDNN's standard
-#              algorithm, fp8 against bf16 for GNMT and bigLSTM (issue 24), ResNet-50 beside DLE
-#              again, the speed options, then the remaining bench cells; each step under its own
-#              time limit, each leaving its own tarball
+#   next       what the loans so far left, in one call of at most 9 minutes (carry as for peer): the
+#              suite's tests that failed or did not finish, the LSTM probe, fp8 against bf16 for GNMT
+#              and bigLSTM (issue 24), ResNet-50 beside DLE again and the speed options, each part
+#              under its own time limit (PART_SECONDS), each leaving its own tarball
+#
+# PART_SECONDS=N: the part stops its commands N seconds after it starts (runs get SIGTERM, stop
+# after a step and record `preempted`; the suite gets SIGINT, so pytest reports), and still packs.
 set -uo pipefail
 part=${1:?usage: scripts/device_session.sh PART [overrides...]}
 shift
 if [ "$part" = next ]; then
-  # The parts below as child calls of this script. A step cut off by its limit (SIGTERM: its runs
-  # stop after a step, recorded `preempted`) leaves what it finished: each part packs every minute
-  # and after every command. The suite stops itself first, with SIGINT, so pytest reports.
-  step() { local seconds=$1; shift; timeout -k 20 "$seconds" env "$@" || echo "device_session.sh next: $* stopped ($?)"; }
-  step 150 SUITE_TIMEOUT=140 bash "$0" suite -k "lstm or cuda_graphs or addmm"
-  step 60 bash "$0" arithmetic
-  step 100 MODELS=gnmt,biglstm PRECISIONS=bf16,fp8,fp8_delayed bash "$0" bench schedule.steps=60
-  step 100 bash "$0" peer --modes amp
-  step 240 bash "$0" options schedule.steps=60
+  PART_SECONDS=140 bash "$0" suite -k "cpu_lstm or cuda_graphs or addmm"
+  PART_SECONDS=40 PROBES=lstm bash "$0" arithmetic
+  PART_SECONDS=100 MODELS=gnmt,biglstm PRECISIONS=bf16,fp8,fp8_delayed bash "$0" bench schedule.steps=60
+  PART_SECONDS=90 bash "$0" peer --modes amp
+  PART_SECONDS=170 bash "$0" options schedule.steps=60
   exit 0
 fi
+deadline=$(($(date +%s) + ${PART_SECONDS:-86400}))
+# A command under the part's deadline. timeout puts the command in a process group of its own, so
+# the signal reaches it and not this script, its packer or the tee after it.
+limited() {
+  local left=$((deadline - $(date +%s)))
+  [ "$left" -gt 0 ] || { echo "device_session.sh $part: no time left for: $*"; return 124; }
+  timeout -k 20 "$left" "$@"
+}
 OUT=${OUT:-/tmp/out}
 W=/tmp/mpt/$part
 mkdir -p "$OUT" "$W"
@@ -68,7 +74,7 @@ echo "commit $MPT_GIT_COMMIT dirty $MPT_GIT_DIRTY" >> "$W/device.txt"
 # It is also rewritten every minute meanwhile, so a sweep cut off midway returns its finished runs.
 rc=0
 pack() { tar --exclude=checkpoint.pt -czf "$W.$BASHPID.tgz" -C /tmp/mpt "$part" 2>/dev/null && mv -f "$W.$BASHPID.tgz" "$OUT/$part.tar.gz"; }
-run() { python3 -m mpt.runner.cli "$@" 2>&1 | tee -a "$W/$part.log" || rc=$?; pack; }
+run() { limited python3 -m mpt.runner.cli "$@" 2>&1 | tee -a "$W/$part.log" || rc=$?; pack; }
 ( while sleep 60; do pack; done ) &
 packer=$!
 trap 'kill $packer 2>/dev/null' EXIT
@@ -80,13 +86,17 @@ case $part in
   suite)
     # SIGINT: pytest stops and prints its summary. (SIGTERM is a run's preemption signal: each test's
     # run would stop after a step, recorded `preempted`, and pytest would go on past the limit.)
-    timeout -s INT -k 30 "${SUITE_TIMEOUT:-300}" python3 -m pytest -m gpu -v -rA --durations=25 -p no:cacheprovider --basetemp=/tmp/mpt-suite tests "$@" 2>&1 | tee -a "$W/$part.log"
+    left=$((deadline - $(date +%s)))
+    timeout -s INT -k 30 "$((left < ${SUITE_TIMEOUT:-300} ? left : ${SUITE_TIMEOUT:-300}))" python3 -m pytest -m gpu -v -rA --durations=25 -p no:cacheprovider --basetemp=/tmp/mpt-suite tests "$@" 2>&1 | tee -a "$W/$part.log"
     rc=${PIPESTATUS[0]}
     pack ;;
-  arithmetic)
-    python3 scripts/probe_cuda_arithmetic.py --out "$W/arithmetic.json" 2>&1 | tee -a "$W/$part.log"
-    rc=${PIPESTATUS[0]}
-    python3 scripts/probe_cuda_lstm.py --out "$W/lstm.json" 2>&1 | tee -a "$W/$part.log" || rc=$?
+  arithmetic)  # PROBES=products,lstm by default
+    if [[ ,${PROBES:-products,lstm}, == *,products,* ]]; then
+      limited python3 scripts/probe_cuda_arithmetic.py --out "$W/arithmetic.json" 2>&1 | tee -a "$W/$part.log" || rc=$?
+    fi
+    if [[ ,${PROBES:-products,lstm}, == *,lstm,* ]]; then
+      limited python3 scripts/probe_cuda_lstm.py --out "$W/lstm.json" 2>&1 | tee -a "$W/$part.log" || rc=$?
+    fi
     pack ;;
   bench)
     run -m experiment=throughput model=${MODELS:-alexnet,resnet50,ssd,gnmt,biglstm,dcgan} precision=${PRECISIONS:-fp32,tf32,fp16,mixed,amp,bf16} \
@@ -98,7 +108,7 @@ case $part in
     run "${base[@]}" optim.implementation=foreach,fused hydra.sweep.dir="$W/options" "$@"
     run "${base[@]}" compile.backend=inductor compile.mode=default,reduce-overhead,max-autotune-no-cudagraphs hydra.sweep.dir="$W/options" "$@" ;;
   peer)
-    python3 scripts/peer_resnet50.py --peer "$D/peer/ConvNets" --peer-commit "$(cat "$D/peer/COMMIT")" \
+    limited python3 scripts/peer_resnet50.py --peer "$D/peer/ConvNets" --peer-commit "$(cat "$D/peer/COMMIT")" \
         --pythonpath "$D/peer/dllogger" --out "$W/peer" "$@" 2>&1 | tee -a "$W/$part.log" || rc=$?
     pack ;;
   cifar)

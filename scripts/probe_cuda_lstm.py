@@ -9,11 +9,15 @@ to FP32 summation order: the figures are the share of elements equal and the wor
 of the dtype.
 
 torch picks cuDNN's algorithm by shape (get_algo in ATen's cudnn/RNN.cpp): an unpacked LSTM without
-a projection and with at most 192 hidden units runs the persistent small-h kernel; larger ones, and
-every LSTM with a projection or packed input (GNMT's, bigLSTM's), the standard algorithm (FP16 with a
-batch of at most 128 divisible by 8 may get the persistent one). On an H100 (results/gpu-h100-loan2)
-the small-h kernel in BF16 was exactly its gate products each rounded to BF16 and summed with the
-biases in FP32, and in FP16 none of the candidates: hence one size per algorithm.
+a projection and with at most 192 hidden units (128 in the backward) runs the persistent small-h
+kernel, as GNMT's layers past the first do at gnmt_small's 128 units; an LSTM with a projection
+(bigLSTM's) or packed input (GNMT's first layer) runs the standard algorithm; a larger unpacked one
+runs the standard algorithm too, except in FP16 with input and hidden sizes divisible by 128 (hidden
+at most 1024) and a batch of at most 128 divisible by 8 on most GPUs, which gets the persistent
+static kernel (GNMT's layers at full size). On an H100
+(results/gpu-h100-loan2) the small-h kernel in BF16 was exactly its gate products each rounded to
+BF16 and summed with the biases in FP32, and in FP16 none of the candidates: hence one shape per
+algorithm.
 """
 
 from __future__ import annotations
@@ -62,16 +66,19 @@ def candidates(x, h0, c0, w_ih, w_hh, b_ih, b_hh, dtype):
     return out
 
 
-# Hidden size -> the algorithm torch's get_algo picks for an unpacked LSTM without a projection,
-# batch 5 (not divisible by 8, so FP16 does not take the persistent standard kernel either).
-HIDDEN_SIZES = {24: "persistent small-h (hidden <= 192)", 256: "standard"}
+# (input, hidden, batch) -> the algorithm torch's get_algo picks for an unpacked LSTM without a projection.
+SHAPES = {
+    (40, 24, 5): "persistent small-h (hidden <= 192)",
+    (40, 256, 5): "standard",
+    (1024, 1024, 128): "GNMT's layers at full size: persistent static in FP16, standard in BF16",
+}
 
 
-def step(dtype, hidden: int, seed: int, cuda: torch.device):
+def step(dtype, size: int, hidden: int, batch: int, seed: int, cuda: torch.device):
     """cuDNN's h and c after one step, and the float64 inputs the candidates start from."""
     torch.manual_seed(seed)
-    lstm = nn.LSTM(40, hidden).to(dtype)
-    x, h0, c0 = torch.randn(1, 5, 40).to(dtype), torch.randn(1, 5, hidden).to(dtype), torch.randn(1, 5, hidden).to(dtype)
+    lstm = nn.LSTM(size, hidden).to(dtype)
+    x, h0, c0 = (torch.randn(1, batch, n).to(dtype) for n in (size, hidden, hidden))
     gpu = lstm.to(cuda)
     with torch.no_grad():
         _, (h, c) = gpu(x.to(cuda), (h0.to(cuda), c0.to(cuda)))
@@ -86,10 +93,10 @@ def main() -> None:
     args = ap.parse_args()
     cuda = torch.device("cuda")
     rows = []
-    for (hidden, algorithm), dtype in itertools.product(HIDDEN_SIZES.items(), (torch.float16, torch.bfloat16)):
+    for ((size, hidden, batch), algorithm), dtype in itertools.product(SHAPES.items(), (torch.float16, torch.bfloat16)):
         tally: dict[str, dict] = {}
         for seed in range(args.seeds):
-            (h, c), inputs = step(dtype, hidden, seed, cuda)
+            (h, c), inputs = step(dtype, size, hidden, batch, seed, cuda)
             for name, h1, c1 in candidates(*inputs, dtype):
                 t = tally.setdefault(name, {"equal": 0, "elements": 0, "worst_ulps": 0.0, "worst_ulps_of_largest": 0.0})
                 for ours, theirs in ((h1, h), (c1, c)):
@@ -101,7 +108,7 @@ def main() -> None:
                     t["worst_ulps_of_largest"] = max(t["worst_ulps_of_largest"], (err.max() / ulp(theirs.abs().max(), dtype)).item())
         for name, t in tally.items():
             rows.append(
-                {"hidden": hidden, "algorithm": algorithm, "dtype": str(dtype).removeprefix("torch."), "candidate": name,
+                {"input": size, "hidden": hidden, "batch": batch, "algorithm": algorithm, "dtype": str(dtype).removeprefix("torch."), "candidate": name,
                  "share_equal": t["equal"] / t["elements"], "worst_ulps": t["worst_ulps"], "worst_ulps_of_largest": t["worst_ulps_of_largest"]}
             )  # fmt: skip
     record = {
@@ -109,14 +116,14 @@ def main() -> None:
         "environment": environment(cuda),
         "commit": git_commit(ROOT),
         "finished_at": now_iso(),
-        "setting": f"one step of nn.LSTM(40, hidden), batch 5, seeds 0-{args.seeds - 1}, h and c compared",
+        "setting": f"one step of nn.LSTM(input, hidden), seeds 0-{args.seeds - 1}, h and c compared",
         "rows": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(args.out, record)
     for r in rows:
         print(
-            f"hidden {r['hidden']:4d} {r['dtype']:9s} equal {r['share_equal']:6.1%}  worst {r['worst_ulps']:7.2f} ulps"
+            f"hidden {r['hidden']:4d} batch {r['batch']:3d} {r['dtype']:9s} equal {r['share_equal']:6.1%}  worst {r['worst_ulps']:7.2f} ulps"
             f" ({r['worst_ulps_of_largest']:5.2f} of the largest)  {r['candidate']}"
         )
 
