@@ -81,7 +81,6 @@ trap 'kill $packer 2>/dev/null' EXIT
 seeds="seed=${SEEDS:-0,1,2}"
 D=$PWD/.data
 
-
 case $part in
   suite)
     # SIGINT: pytest stops and prints its summary. (SIGTERM is a run's preemption signal: each test's
