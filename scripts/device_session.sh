@@ -10,6 +10,7 @@
 #   suite      the CUDA test suite, `python -m pytest -m gpu` (SUITE_TIMEOUT seconds at most, 300 by default)
 #   arithmetic scripts/probe_cuda_arithmetic.py: cuBLAS's and cuDNN's FP16/BF16 products against one rounding;
 #              scripts/probe_cuda_lstm.py: which rounding points reproduce cuDNN's LSTM step
+#              (PROBES=lstm or PROBES=products runs one of the two)
 #   bench      experiment=throughput over the paper's six models and fp32,tf32,fp16,mixed,amp,bf16
 #              (MODELS=alexnet,resnet50 and PRECISIONS=... narrow it, to split it over several calls)
 #   options    ResNet-50 amp at schedule=bench with each speed option off and on
@@ -85,15 +86,16 @@ case $part in
   suite)
     # SIGINT: pytest stops and prints its summary. (SIGTERM is a run's preemption signal: each test's
     # run would stop after a step, recorded `preempted`, and pytest would go on past the limit.)
-    left=$((deadline - $(date +%s)))
-    timeout -s INT -k 30 "$((left < ${SUITE_TIMEOUT:-300} ? left : ${SUITE_TIMEOUT:-300}))" python3 -m pytest -m gpu -v -rA --durations=25 -p no:cacheprovider --basetemp=/tmp/mpt-suite tests "$@" 2>&1 | tee -a "$W/$part.log"
+    limit=$((deadline - $(date +%s))) && [ "$limit" -lt "${SUITE_TIMEOUT:-300}" ] || limit=${SUITE_TIMEOUT:-300}
+    timeout -s INT -k 30 "$limit" python3 -m pytest -m gpu -v -rA --durations=25 -p no:cacheprovider --basetemp=/tmp/mpt-suite tests "$@" 2>&1 | tee -a "$W/$part.log"
     rc=${PIPESTATUS[0]}
     pack ;;
-  arithmetic)  # PROBES=products,lstm by default
-    if [[ ,${PROBES:-products,lstm}, == *,products,* ]]; then
+  arithmetic)
+    probes=,${PROBES:-products,lstm},
+    if [[ $probes == *,products,* ]]; then
       limited python3 scripts/probe_cuda_arithmetic.py --out "$W/arithmetic.json" 2>&1 | tee -a "$W/$part.log" || rc=$?
     fi
-    if [[ ,${PROBES:-products,lstm}, == *,lstm,* ]]; then
+    if [[ $probes == *,lstm,* ]]; then
       limited python3 scripts/probe_cuda_lstm.py --out "$W/lstm.json" 2>&1 | tee -a "$W/$part.log" || rc=$?
     fi
     pack ;;
