@@ -43,7 +43,8 @@ def test_a_convolutions_forward_and_weight_gradient_are_counted():
 
 
 @pytest.mark.parametrize(
-    "precision, math", [("fp32", "fp32"), ("tf32", "tf32"), ("fp16", "fp16"), ("mixed", "fp16"), ("fp16_modmom", "fp16"), ("amp", "fp16"), ("bf16", "bf16")]
+    "precision, math", [("fp32", "fp32"), ("tf32", "tf32"), ("fp16", "fp16"), ("mixed", "fp16"), ("fp16_modmom", "fp16"), ("amp", "fp16"), ("bf16", "bf16"),
+     ("fp8", "fp8"), ("fp8_delayed", "fp8"), ("mxfp8", "mxfp8_e4m3"), ("mxfp4", "mxfp4")]
 )
 def test_each_mode_is_measured_against_the_peak_of_its_math(precision, math):
     assert math_of(compose_cfg(f"precision={precision}").precision) == math
@@ -58,6 +59,10 @@ def test_peaks_are_looked_up_by_device_name_most_specific_first():
     assert peak_tflops("Tesla V100-PCIE-16GB", "fp16")[0] == 112
     peak, why = peak_tflops("Tesla V100-SXM2-16GB", "bf16")
     assert peak is None and "bf16" in why
+    assert peak_tflops("NVIDIA H100 80GB HBM3", "fp8")[0] == pytest.approx(1979)  # twice FP16's
+    assert peak_tflops("NVIDIA A100-SXM4-80GB", "fp8")[0] is None
+    peak, why = peak_tflops("NVIDIA H100 80GB HBM3", "mxfp8_e4m3")
+    assert peak is None and "mxfp8_e4m3" in why
     peak, why = peak_tflops("NVIDIA GeForce GTX 1080", "fp16")
     assert peak is None and "GTX 1080" in why
 

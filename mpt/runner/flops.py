@@ -23,27 +23,36 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..config import DType
+from ..precision.formats import BlockFormat, get_format
+
+FP8_ELEMENTS = ("e4m3", "e5m2")  # the element formats of Hopper's and Ada's FP8 tensor cores
 
 # (a substring of torch.cuda.get_device_name(), dense peak TFLOP/s per math), most specific first.
 # Sources: NVIDIA's H100 and H200 datasheets (their tensor-core figures are "with sparsity", halved
 # here, as written), the A100 datasheet (dense figures), the V100 and V100S datasheets (no TF32 or BF16).
 # GH200 matches "H200": its GPU's figures are the H100/H200 SXM ones.
 PEAK_TFLOPS: list[tuple[str, dict[str, Optional[float]]]] = [
-    ("H100 PCIe", {"fp32": 51, "tf32": 756 / 2, "fp16": 1513 / 2, "bf16": 1513 / 2}),
-    ("H100 NVL", {"fp32": 60, "tf32": 835 / 2, "fp16": 1671 / 2, "bf16": 1671 / 2}),
-    ("H100", {"fp32": 67, "tf32": 989 / 2, "fp16": 1979 / 2, "bf16": 1979 / 2}),  # SXM5 ("NVIDIA H100 80GB HBM3")
-    ("H200 NVL", {"fp32": 60, "tf32": 835 / 2, "fp16": 1671 / 2, "bf16": 1671 / 2}),
-    ("H200", {"fp32": 67, "tf32": 989 / 2, "fp16": 1979 / 2, "bf16": 1979 / 2}),  # SXM
-    ("A100", {"fp32": 19.5, "tf32": 156, "fp16": 312, "bf16": 312}),
-    ("V100S", {"fp32": 16.4, "tf32": None, "fp16": 130, "bf16": None}),
-    ("V100-PCIE", {"fp32": 14, "tf32": None, "fp16": 112, "bf16": None}),
-    ("V100", {"fp32": 15.7, "tf32": None, "fp16": 125, "bf16": None}),  # SXM2
+    ("H100 PCIe", {"fp32": 51, "tf32": 756 / 2, "fp16": 1513 / 2, "bf16": 1513 / 2, "fp8": 3026 / 2}),
+    ("H100 NVL", {"fp32": 60, "tf32": 835 / 2, "fp16": 1671 / 2, "bf16": 1671 / 2, "fp8": 3341 / 2}),
+    ("H100", {"fp32": 67, "tf32": 989 / 2, "fp16": 1979 / 2, "bf16": 1979 / 2, "fp8": 3958 / 2}),  # SXM5 ("NVIDIA H100 80GB HBM3")
+    ("H200 NVL", {"fp32": 60, "tf32": 835 / 2, "fp16": 1671 / 2, "bf16": 1671 / 2, "fp8": 3341 / 2}),
+    ("H200", {"fp32": 67, "tf32": 989 / 2, "fp16": 1979 / 2, "bf16": 1979 / 2, "fp8": 3958 / 2}),  # SXM
+    ("A100", {"fp32": 19.5, "tf32": 156, "fp16": 312, "bf16": 312, "fp8": None}),
+    ("V100S", {"fp32": 16.4, "tf32": None, "fp16": 130, "bf16": None, "fp8": None}),
+    ("V100-PCIE", {"fp32": 14, "tf32": None, "fp16": 112, "bf16": None, "fp8": None}),
+    ("V100", {"fp32": 15.7, "tf32": None, "fp16": 125, "bf16": None, "fp8": None}),  # SXM2
 ]
 PEAK_SOURCE = "NVIDIA datasheets, dense (no sparsity), per GPU (mpt/runner/flops.py)"
 
 
 def math_of(p: DictConfig) -> str:
-    """What the mode's matmuls and convolutions compute in, from the precision fields (not the name)."""
+    """What the mode's matmuls and convolutions compute in, from the precision fields (not the name).
+    Quantized products are measured against what they ask of the hardware, even where they run
+    emulated: FP8 operands against the FP8 peak, MX operands against their format's (none here has one)."""
+    forward = p.get("products", {}).get("forward")
+    if forward is not None:
+        fmt = get_format(forward)
+        return fmt.name if isinstance(fmt, BlockFormat) or fmt.name not in FP8_ELEMENTS else "fp8"
     if p.autocast is not None:
         return {DType.float16: "fp16", DType.bfloat16: "bf16"}[DType(p.autocast)]
     dtype = DType(p.param_dtype)
