@@ -43,8 +43,20 @@ def test_a_convolutions_forward_and_weight_gradient_are_counted():
 
 
 @pytest.mark.parametrize(
-    "precision, math", [("fp32", "fp32"), ("tf32", "tf32"), ("fp16", "fp16"), ("mixed", "fp16"), ("fp16_modmom", "fp16"), ("amp", "fp16"), ("bf16", "bf16"),
-     ("fp8", "fp8"), ("fp8_delayed", "fp8"), ("mxfp8", "mxfp8_e4m3"), ("mxfp4", "mxfp4")]
+    "precision, math",
+    [
+        ("fp32", "fp32"),
+        ("tf32", "tf32"),
+        ("fp16", "fp16"),
+        ("mixed", "fp16"),
+        ("fp16_modmom", "fp16"),
+        ("amp", "fp16"),
+        ("bf16", "bf16"),
+        ("fp8", "fp8"),
+        ("fp8_delayed", "fp8"),
+        ("mxfp8", "mxfp8_e4m3"),
+        ("mxfp4", "mxfp4"),
+    ],
 )
 def test_each_mode_is_measured_against_the_peak_of_its_math(precision, math):
     assert math_of(compose_cfg(f"precision={precision}").precision) == math
