@@ -151,7 +151,7 @@ class GANModelConfig(ModelConfig):
 
 @dataclass
 class ProductsConfig:
-    """The operands of matrix products in a narrower format (precision/quantized_products.py)."""
+    """The operands of matrix products in a narrower format (precision/quantized_products.py, product_operands.py)."""
 
     forward: Optional[str] = None  # format of the forward's inputs and weights (a name in formats.FORMATS); null: products as the mode computes them
     backward: Optional[str] = None  # format of the gradients flowing back into a product

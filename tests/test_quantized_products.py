@@ -15,6 +15,7 @@ from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from mpt.config import ConfigError
+from mpt.precision import product_operands as ops
 from mpt.precision import quantized_products as qp
 from mpt.precision.formats import E4M3, E5M2, get_format, quantize
 from mpt.runner.validation import validate
@@ -22,8 +23,8 @@ from mpt.runner.validation import validate
 from .conftest import TINY, build_run, compose_cfg, read_record
 from .test_resume import SMALL_LM, SMALL_NMT
 
-FP8 = qp.Recipe(E4M3, E5M2, "tensor", 1, 0, "max")
-MXFP8 = qp.Recipe(get_format("mxfp8_e4m3"), get_format("mxfp8_e5m2"), "block", 1, 0, "max")
+FP8 = ops.Recipe(E4M3, E5M2, "tensor", 1, 0, "max")
+MXFP8 = ops.Recipe(get_format("mxfp8_e4m3"), get_format("mxfp8_e5m2"), "block", 1, 0, "max")
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -44,7 +45,7 @@ def every_fp32_exponent(n_per: int = 64) -> torch.Tensor:
 def test_torchs_fp8_cast_after_a_clamp_rounds_as_the_formats_module(fmt):
     ties = torch.tensor([fmt.max * 1.03, -fmt.max * 1.1, fmt.min_subnormal / 2, fmt.min_subnormal * 1.5, fmt.min_subnormal * 2.5, 0.0, -0.0])
     x = torch.cat([every_fp32_exponent(512), ties])
-    assert same(qp.round_to(x, fmt), quantize(x, fmt))
+    assert same(ops.round_to(x, fmt), quantize(x, fmt))
 
 
 @pytest.mark.parametrize("name", ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp4"])
@@ -53,7 +54,7 @@ def test_the_block_fast_path_rounds_as_the_formats_module(name, axis):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(40, 70, generator=g) * torch.exp2(torch.randint(-150, 120, (40, 1), generator=g).float())
     x[3, 5], x[10, 40], x[20] = math.nan, math.inf, 0.0
-    assert same(qp.round_blocks(x, get_format(name), axis), quantize(x, get_format(name), axis=axis))
+    assert same(ops.round_blocks(x, get_format(name), axis), quantize(x, get_format(name), axis=axis))
 
 
 def test_an_fp8_linear_layer_computes_what_torchaos_emulated_float8linear_computes():
@@ -128,7 +129,7 @@ def test_delayed_scaling_follows_transformer_engines_recurrence():
     """scale = (max / amax) / 2^margin, amax the maximum of the last `length` steps' amaxes; a zero or
     non-finite amax keeps the old scale (transformer_engine/pytorch/quantization.py, _default_sf_compute)."""
     length, margin = 3, 1
-    state = qp.DelayedScale(length, torch.device("cpu"))
+    state = ops.DelayedScale(length, torch.device("cpu"))
     amaxes = [2.0, 0.5, 0.25, 0.125, 0.0, 8.0, math.inf, 0.0, 0.0, 0.0]
     seen, expected = [], 1.0
     for a in amaxes:
@@ -144,17 +145,17 @@ def test_delayed_scaling_follows_transformer_engines_recurrence():
 
 def test_a_delayed_layer_quantizes_with_the_last_steps_scale_and_keeps_the_largest_amax_of_a_step():
     layer = nn.Linear(8, 4, bias=False)
-    products = qp.QuantizedProducts(layer, qp.Recipe(E4M3, E5M2, "delayed", 16, 0, "max"))
+    products = qp.QuantizedProducts(layer, ops.Recipe(E4M3, E5M2, "delayed", 16, 0, "max"))
     x = torch.randn(5, 8) * 1000  # beyond E4M3's 448: unscaled at step 0, it saturates
     w = layer.weight.detach()
-    assert torch.equal(layer(x).detach(), F.linear(qp.round_to(x, E4M3), qp.round_to(w, E4M3)))
+    assert torch.equal(layer(x).detach(), F.linear(ops.round_to(x, E4M3), ops.round_to(w, E4M3)))
     layer(x / 4)  # a second call in the step: the step's amax is the larger
     products.end_step()
     site = products.sites[""]
     for role, t in (("input", x), ("weight", w)):
         assert site.delayed[role].scale.item() == pytest.approx(E4M3.max / t.abs().max().item(), rel=1e-6)
     s = site.delayed["input"].scale
-    assert torch.equal(layer(x).detach(), F.linear(qp.round_to(x * s, E4M3) / s, qp.scaled(w, E4M3, site.delayed["weight"].scale)))
+    assert torch.equal(layer(x).detach(), F.linear(ops.round_to(x * s, E4M3) / s, ops.scaled(w, E4M3, site.delayed["weight"].scale)))
     layer.eval()  # an evaluation adds nothing to the history
     before = site.delayed["input"].history.clone()
     layer(x * 10)
@@ -163,7 +164,7 @@ def test_a_delayed_layer_quantizes_with_the_last_steps_scale_and_keeps_the_large
 
 def test_a_step_run_again_quantizes_with_the_scales_it_ran_with_and_adds_no_amax():
     layer = nn.Linear(8, 4, bias=False)
-    products = qp.QuantizedProducts(layer, qp.Recipe(E4M3, E5M2, "delayed", 16, 0, "max"))
+    products = qp.QuantizedProducts(layer, ops.Recipe(E4M3, E5M2, "delayed", 16, 0, "max"))
     x = torch.randn(5, 8) * 1000
     first = layer(x).detach()
     products.end_step()
@@ -180,7 +181,7 @@ def test_a_step_run_again_quantizes_with_the_scales_it_ran_with_and_adds_no_amax
 
 def test_delayed_state_saved_and_loaded_continues_as_if_never_stopped():
     torch.manual_seed(0)
-    recipe = qp.Recipe(E4M3, E5M2, "delayed", 3, 0, "max")
+    recipe = ops.Recipe(E4M3, E5M2, "delayed", 3, 0, "max")
     layers = [nn.Linear(8, 4), nn.Linear(8, 4)]
     layers[1].load_state_dict(layers[0].state_dict())
     a, b = (qp.QuantizedProducts(layer, recipe) for layer in layers)
@@ -202,7 +203,7 @@ def test_delayed_state_saved_and_loaded_continues_as_if_never_stopped():
 
 def test_under_torchrun_each_amax_is_the_largest_over_the_ranks():
     layer = nn.Linear(8, 4, bias=False)
-    products = qp.QuantizedProducts(layer, qp.Recipe(E4M3, E5M2, "delayed", 16, 0, "max"))
+    products = qp.QuantizedProducts(layer, ops.Recipe(E4M3, E5M2, "delayed", 16, 0, "max"))
     x = torch.randn(5, 8)
     layer(x)
     products.end_step(reduce_max=lambda t: t * 4)  # another rank saw four times this one's amax
@@ -241,13 +242,13 @@ def test_a_batched_product_and_an_fp8_convolution_take_their_operands_as_quantiz
     w = conv.weight.detach().clone()
     qp.QuantizedProducts(conv, FP8)
     x = torch.randn(2, 6, 5, 5) * 50
-    ref = F.conv2d(qp.scaled(x, E4M3, qp.tensor_scale(x, E4M3)), qp.scaled(w, E4M3, qp.tensor_scale(w, E4M3)), padding=1)
+    ref = F.conv2d(ops.scaled(x, E4M3, ops.tensor_scale(x, E4M3)), ops.scaled(w, E4M3, ops.tensor_scale(w, E4M3)), padding=1)
     assert torch.allclose(conv(x), ref, rtol=1e-6, atol=1e-5)
 
 
 def test_the_written_out_lstm_computes_what_nn_lstm_computes(monkeypatch):
     """With the quantization taken out, every product and the cell as torch's own (packed, bidirectional, projected)."""
-    monkeypatch.setattr(qp.Site, "operand", lambda self, t, role, axis, scale=None, observe=False: (t.float(), None))
+    monkeypatch.setattr(ops.Site, "operand", lambda self, t, role, axis, scale=None, observe=False: (t.float(), None))
     torch.manual_seed(0)
     for kw in (dict(num_layers=2, batch_first=True, bidirectional=True), dict(num_layers=2, proj_size=3, batch_first=True), dict(num_layers=1)):
         ref = nn.LSTM(5, 6, **kw)
@@ -271,7 +272,7 @@ def test_the_written_out_lstm_computes_what_nn_lstm_computes(monkeypatch):
 
 def test_an_fp8_lstm_quantizes_every_gate_product():
     lstm = nn.LSTM(6, 8, num_layers=2, proj_size=4, bidirectional=True)
-    products = qp.QuantizedProducts(lstm, qp.Recipe(E4M3, E5M2, "delayed", 4, 0, "max"))
+    products = qp.QuantizedProducts(lstm, ops.Recipe(E4M3, E5M2, "delayed", 4, 0, "max"))
     out, _ = lstm(torch.randn(5, 3, 6))
     out.sum().backward()
     assert sorted(products.sites) == sorted(f".{k}_l{i}{d}" for k in ("ih", "hh", "hr") for i in (0, 1) for d in ("", "_reverse"))

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
-from .quantized_products import Site, linear, observing, out_dtype
+from .product_operands import Site
+from .quantized_products import linear, observing, out_dtype
 
 
 def _repack(out: torch.Tensor, like: PackedSequence) -> PackedSequence:

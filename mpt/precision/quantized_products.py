@@ -10,20 +10,7 @@ input's): a GPU's scaled FP8 GEMM (FP32 accumulation) up to the order of summati
 torchao's `emulate=True` computes. Biases are added, and their gradients summed, in high precision,
 as in Transformer Engine and torchao.
 
-Scaling, per operand of each call:
-- `tensor`: scale = max of the format / amax of the operand, in float64 rounded to FP32 (amax
-  floored at 1e-12), the operand is multiplied by it in FP32, rounded to the format (saturating)
-  and divided by it again: torchao's tensorwise dynamic scaling, Transformer Engine's current
-  scaling;
-- `delayed`: Transformer Engine's DelayedScaling. Each operand role of each layer keeps a history
-  of the amax its calls saw, one slot per step (the largest over the step's calls); the step's
-  products use the scale computed at the end of the last step, scale = (max / amax) / 2^margin,
-  amax being the history's maximum (or its newest entry), the old scale kept where that amax is 0
-  or not finite. The histories and scales are state, saved in checkpoints;
-- `block`: the OCP Microscaling formats (formats.py): blocks of 32 along the product's reduction
-  axis share a power-of-two scale, so each of the three products quantizes its operands along its
-  own axis (the layout of Microsoft's microxcaling emulation: a convolution's channels for the
-  output and the input gradient, the batch for the weight gradient).
+Each operand's format and scale (per tensor, delayed or per block) are product_operands.py's.
 
 Evaluation forwards (a module in eval mode) use the scales but do not add to the histories, so how
 often a run evaluates does not change how it trains.
@@ -33,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -42,12 +28,8 @@ from omegaconf import DictConfig
 from torch import nn
 
 from ..config import ConfigError
-from .formats import FORMATS, BlockFormat, FloatFormat, _exp2, block_scale_exponents, get_format, quantize
-
-EPS = 1e-12  # torchao's floor on an amax, so that an all-zero operand gets a finite scale
-SCALINGS = ("tensor", "delayed", "block")
-REDUCTIONS = ("max", "most_recent")
-FP32_MAX = torch.finfo(torch.float32).max
+from .formats import FloatFormat
+from .product_operands import TORCH_FP8, Recipe, Site, recipe, to_fp8
 
 
 class BatchMatmul(nn.Module):
@@ -55,172 +37,6 @@ class BatchMatmul(nn.Module):
 
     def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.matmul(a, b)
-
-
-@dataclass(frozen=True)
-class Recipe:
-    forward: FloatFormat | BlockFormat
-    backward: FloatFormat | BlockFormat
-    scaling: str
-    history: int
-    margin: int
-    reduction: str
-
-    def format(self, role: str) -> FloatFormat | BlockFormat:
-        return self.backward if role == "grad_output" else self.forward
-
-
-def recipe(mode: DictConfig) -> Optional[Recipe]:
-    """The mode's recipe for its products, or None where it leaves them alone."""
-    p = mode.products
-    if p.forward is None:
-        return None
-    return Recipe(get_format(p.forward), get_format(p.backward), p.scaling, p.amax_history, p.margin, p.amax_reduction)
-
-
-def validate(mode: DictConfig) -> None:
-    """Raises ConfigError naming the first bad setting of `precision.products`."""
-    p = mode.products
-    if p.forward is None:
-        if p.backward is not None:
-            raise ConfigError(f"precision.products.backward={p.backward}: needs precision.products.forward too")
-        return
-    for key in ("forward", "backward"):
-        name = p[key]
-        if name is None or name not in FORMATS:
-            raise ConfigError(f"precision.products.{key}={name}: choose a format from {', '.join(FORMATS)}")
-    if p.scaling not in SCALINGS:
-        raise ConfigError(f"precision.products.scaling={p.scaling}: choose one of {', '.join(SCALINGS)}")
-    blocks = [isinstance(FORMATS[p[k]], BlockFormat) for k in ("forward", "backward")]
-    if (p.scaling == "block") != all(blocks) or any(blocks) != all(blocks):
-        kinds = "MX block formats" if p.scaling == "block" else "scalar formats"
-        raise ConfigError(
-            f"precision.products: scaling={p.scaling} needs {kinds} for both operands (got forward={p.forward}, backward={p.backward}); block scaling goes with mx* formats only"
-        )
-    if p.amax_history < 1:
-        raise ConfigError(f"precision.products.amax_history={p.amax_history}: must be at least 1")
-    if p.amax_reduction not in REDUCTIONS:
-        raise ConfigError(f"precision.products.amax_reduction={p.amax_reduction}: choose one of {', '.join(REDUCTIONS)}")
-    if mode.param_dtype.name != "float32":
-        raise ConfigError(f"precision {mode.name}: quantized products need FP32 weights (the master copy); got param_dtype={mode.param_dtype.name}")
-
-
-# torch's own casts to FP8: after a clamp to the largest finite value they round as formats.quantize
-# does (nearest, ties to even, subnormals included; tests/test_quantized_products.py checks every
-# FP32 exponent), ten times faster than its integer emulation. Other element formats have no torch dtype.
-TORCH_FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
-
-
-def to_fp8(x: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
-    """x in torch's FP8 dtype for `fmt`, saturating."""
-    return x.float().clamp(-fmt.max, fmt.max).to(TORCH_FP8[fmt.name])
-
-
-def round_to(x: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
-    """formats.quantize(x, fmt) with the format's saturating policy, through torch's cast where it has one."""
-    if fmt.name not in TORCH_FP8 or fmt.overflow != "saturate":
-        return quantize(x, fmt)
-    return to_fp8(x, fmt).float()
-
-
-def round_blocks(x: torch.Tensor, fmt: BlockFormat, axis: int) -> torch.Tensor:
-    """formats.quantize(x, fmt, axis=axis) for an MX format, through torch's cast for FP8 elements:
-    v / X is exact (X a power of two) wherever it matters, the quotient being an FP32 subnormal
-    only far below the element's smallest subnormal, where both round to zero."""
-    el = fmt.element
-    dtype = TORCH_FP8.get(el.name)
-    if dtype is None:
-        return quantize(x, fmt, axis=axis)
-    moved = x.float().movedim(axis, -1)
-    n = moved.shape[-1]
-    padded = F.pad(moved, (0, (-n) % fmt.block)).contiguous()
-    scale = _exp2(block_scale_exponents(padded, fmt)).unsqueeze(-1)
-    blocks = padded.unflatten(-1, (-1, fmt.block))
-    values = (blocks / scale).clamp(-el.max, el.max).to(dtype).float() * scale
-    values = torch.where(torch.isfinite(blocks).all(-1, keepdim=True), values, torch.nan)  # a NaN scale: the block is NaN
-    return values.flatten(-2)[..., :n].movedim(-1, axis)
-
-
-def tensor_scale(t: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
-    """torchao's tensorwise scale: max / amax, in float64, rounded to FP32."""
-    amax = t.detach().abs().amax().double()
-    return (fmt.max / amax.clamp(min=EPS)).float()
-
-
-def scaled(t: torch.Tensor, fmt: FloatFormat, scale: torch.Tensor) -> torch.Tensor:
-    """t's value after a round trip through `fmt` under a per-tensor scale: q(t * s) / s in FP32."""
-    return round_to(t.float() * scale, fmt) / scale
-
-
-class DelayedScale:
-    """One operand role's delayed scaling: Transformer Engine's amax history and scale recurrence."""
-
-    def __init__(self, length: int, device: torch.device):
-        self.history = torch.zeros(length, device=device)  # slot 0: this step's amax
-        self.scale = torch.ones((), device=device)
-        self.last_scale = self.scale  # the step before's: a step run again runs with it
-
-    def observe(self, t: torch.Tensor) -> None:
-        amax = t.detach().abs().amax().float() if t.numel() else torch.zeros((), device=t.device)
-        self.history[0] = torch.maximum(self.history[0], amax)
-
-    def update(self, fmt: FloatFormat, margin: int, reduction: str) -> None:
-        amax = self.history.max() if reduction == "max" else self.history[0].clone()
-        sf = (fmt.max / amax) / 2.0**margin
-        sf = torch.where(amax > 0.0, sf, self.scale)
-        sf = torch.where(torch.isfinite(amax), sf, self.scale)
-        self.last_scale, self.scale = self.scale, torch.where(torch.isinf(sf), torch.full_like(sf, FP32_MAX), sf)
-        if len(self.history) > 1:
-            self.history = torch.roll(self.history, -1, 0)
-        self.history[0] = 0.0
-
-    def state_dict(self) -> dict:
-        return {"history": self.history.clone(), "scale": self.scale.clone()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.history = state["history"].to(self.history.device).clone()
-        self.scale = self.last_scale = state["scale"].to(self.scale.device).clone()
-
-
-class Site:
-    """The operands of one layer's products: how they are quantized, and their delayed scales."""
-
-    ROLES = ("input", "weight", "grad_output")  # a batched product's second operand is its "weight"
-
-    def __init__(self, name: str, recipe: Recipe, device: torch.device):
-        self.name = name
-        self.recipe = recipe
-        self.delayed = {role: DelayedScale(recipe.history, device) for role in self.ROLES} if recipe.scaling == "delayed" else {}
-        self.observing = True  # off while a step is run again (the overflow trace)
-        self.paths: set[str] = set()  # the arithmetic its products took, as they ran
-
-    def operand(
-        self, t: torch.Tensor, role: str, axis: int, scale: Optional[torch.Tensor] = None, observe: bool = False
-    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """t's FP32 values as this product's operand `role`, reduced along `axis`, and the
-        per-tensor scale they took (None for block formats). `scale`: reuse that one (the
-        backward's products take the forward's)."""
-        fmt = self.recipe.format(role)
-        if isinstance(fmt, BlockFormat):
-            return round_blocks(t, fmt, axis), None
-        if t.numel() == 0:
-            return t.float(), torch.ones((), device=t.device)
-        scale = self.scale(t, role, observe) if scale is None else scale
-        return scaled(t, fmt, scale), scale
-
-    def scale(self, t: torch.Tensor, role: str, observe: bool = False) -> torch.Tensor:
-        """The per-tensor scale of t as operand `role`: its own (tensor) or its role's (delayed)."""
-        r = self.recipe
-        if r.scaling == "tensor":
-            return tensor_scale(t, r.format(role))
-        state = self.delayed[role]
-        if observe and self.observing:
-            state.observe(t)
-        return state.scale
-
-    def end_step(self) -> None:
-        for role, state in self.delayed.items():
-            state.update(self.recipe.format(role), self.recipe.margin, self.recipe.reduction)
 
 
 def out_dtype(x: torch.Tensor) -> torch.dtype:

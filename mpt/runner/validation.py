@@ -7,7 +7,7 @@ from omegaconf import DictConfig
 
 from .. import config, datasets, models
 from ..config import ConfigError
-from ..precision import quantized_products
+from ..precision import product_operands
 from ..precision.formats import FORMATS
 
 
@@ -17,7 +17,7 @@ def validate(cfg: DictConfig) -> None:
     for name in cfg.stats.formats:
         if name not in FORMATS:
             raise ConfigError(f"stats.formats: {name!r} is no format; choose from {', '.join(FORMATS)}")
-    quantized_products.validate(cfg.precision)
+    product_operands.validate(cfg.precision)
     datasets.source(cfg)  # the data fits the task before either reads its settings
     models.validate(cfg)
     datasets.validate(cfg)
