@@ -41,14 +41,25 @@ def every_fp32_exponent(n_per: int = 64) -> torch.Tensor:
     return (sign | (exps << 23) | mant).to(torch.int32).view(torch.float32)
 
 
-@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=lambda f: f.name)
-def test_torchs_fp8_cast_after_a_clamp_rounds_as_the_formats_module(fmt):
-    ties = torch.tensor([fmt.max * 1.03, -fmt.max * 1.1, fmt.min_subnormal / 2, fmt.min_subnormal * 1.5, fmt.min_subnormal * 2.5, 0.0, -0.0])
-    x = torch.cat([every_fp32_exponent(512), ties])
+def every_tie(fmt) -> torch.Tensor:
+    """The midpoint of each pair of neighbouring values of `fmt`, both signs, and a step either side."""
+    values = fmt.decode(torch.arange(1 << (fmt.bits - 1))).double()
+    values = values[torch.isfinite(values)]
+    mids = ((values[1:] + values[:-1]) / 2).float()  # exact in FP32: one bit more than the format
+    near = torch.cat([mids, mids.nextafter(torch.tensor(math.inf)), mids.nextafter(torch.tensor(0.0))])
+    return torch.cat([near, -near])
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E5M2, *(get_format(n) for n in ("e3m2", "e2m3", "e2m1"))], ids=lambda f: f.name)
+def test_the_fast_rounding_rounds_as_the_formats_module(fmt):
+    edges = torch.tensor([fmt.max * 1.03, -fmt.max * 1.1, fmt.min_subnormal / 2, fmt.min_subnormal * 1.5, fmt.min_subnormal * 2.5, 0.0, -0.0])
+    x = torch.cat([every_fp32_exponent(512), every_tie(fmt), edges])
     assert same(ops.round_to(x, fmt), quantize(x, fmt))
+    if fmt.name in ops.TORCH_FP8:  # torch's own cast after a clamp, which the GPU path takes, too
+        assert same(ops.to_fp8(x, fmt).float(), quantize(x, fmt))
 
 
-@pytest.mark.parametrize("name", ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp4"])
+@pytest.mark.parametrize("name", ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e3m2", "mxfp6_e2m3", "mxfp4"])
 @pytest.mark.parametrize("axis", [0, 1])
 def test_the_block_fast_path_rounds_as_the_formats_module(name, axis):
     g = torch.Generator().manual_seed(1)

@@ -83,9 +83,8 @@ def validate(mode: DictConfig) -> None:
         raise ConfigError(f"precision {mode.name}: quantized products need FP32 weights (the master copy); got param_dtype={mode.param_dtype.name}")
 
 
-# torch's own casts to FP8: after a clamp to the largest finite value they round as formats.quantize
-# does (nearest, ties to even, subnormals included; tests/test_quantized_products.py checks every
-# FP32 exponent), ten times faster than its integer emulation. Other element formats have no torch dtype.
+# torch's own FP8 dtypes, for torch._scaled_mm on a GPU. On a CPU their casts are slow (decoding
+# FP8 back to FP32 takes 30 times a multiplication), so rounding there is round_to's.
 TORCH_FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 
@@ -95,26 +94,30 @@ def to_fp8(x: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
 
 
 def round_to(x: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
-    """formats.quantize(x, fmt) with the format's saturating policy, through torch's cast where it has one."""
-    if fmt.name not in TORCH_FP8 or fmt.overflow != "saturate":
+    """formats.quantize(x, fmt) for a format that saturates, in a few FP32 operations: after a clamp
+    to the largest value, adding and subtracting 1.5 x 2^23 quanta makes FP32's own rounding (to
+    nearest, ties to even) round x to a multiple of its quantum, 2^(e - man_bits) for x's exponent e,
+    or the smallest normal's below it. The sum stays in one binade, so its ulp is that quantum and
+    its last bit is the quotient's parity. The same values as formats.quantize at every FP32 exponent,
+    zeros' signs and ties included (tests/test_quantized_products.py)."""
+    if fmt.overflow != "saturate":
         return quantize(x, fmt)
-    return to_fp8(x, fmt).float()
+    y = x.float().clamp(-fmt.max, fmt.max)
+    binade = (y.view(torch.int32) & 0x7F800000).view(torch.float32)  # 2^e; NaN gives inf, and NaN after
+    magic = binade.clamp_(min=fmt.min_normal).mul_(1.5 * 2.0 ** (23 - fmt.man_bits))
+    return (y + magic).sub_(magic).copysign_(y)
 
 
 def round_blocks(x: torch.Tensor, fmt: BlockFormat, axis: int) -> torch.Tensor:
-    """formats.quantize(x, fmt, axis=axis) for an MX format, through torch's cast for FP8 elements:
-    v / X is exact (X a power of two) wherever it matters, the quotient being an FP32 subnormal
-    only far below the element's smallest subnormal, where both round to zero."""
-    el = fmt.element
-    dtype = TORCH_FP8.get(el.name)
-    if dtype is None:
-        return quantize(x, fmt, axis=axis)
+    """formats.quantize(x, fmt, axis=axis) for an MX format, through round_to on v / X: v / X is
+    exact (X a power of two) wherever it matters, the quotient being an FP32 subnormal only far
+    below the element's smallest subnormal, where both round to zero."""
     moved = x.float().movedim(axis, -1)
     n = moved.shape[-1]
     padded = F.pad(moved, (0, (-n) % fmt.block)).contiguous()
     scale = _exp2(block_scale_exponents(padded, fmt)).unsqueeze(-1)
     blocks = padded.unflatten(-1, (-1, fmt.block))
-    values = (blocks / scale).clamp(-el.max, el.max).to(dtype).float() * scale
+    values = round_to(blocks / scale, fmt.element).mul_(scale)
     values = torch.where(torch.isfinite(blocks).all(-1, keepdim=True), values, torch.nan)  # a NaN scale: the block is NaN
     return values.flatten(-2)[..., :n].movedim(-1, axis)
 
