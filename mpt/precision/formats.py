@@ -269,7 +269,11 @@ def block_scale_exponents(x: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     """The E8M0 exponent of each block of the last axis of `x` (already padded to whole blocks):
     floor(log2 amax) - emax of the element, clamped to [-127, 127]; NaN blocks are marked by the
     caller. floor(log2) is read off the exponent bits, so it is exact."""
-    amax = x.unflatten(-1, (-1, fmt.block)).abs().amax(-1)
+    return amax_exponents(x.unflatten(-1, (-1, fmt.block)).abs().amax(-1), fmt)
+
+
+def amax_exponents(amax: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+    """block_scale_exponents from each block's amax."""
     biased = (amax.view(torch.int32) >> 23) & 0xFF
     floor_log2 = biased - 127  # an FP32-subnormal or zero amax gives -127, which the clamp takes anyway
     return (floor_log2 - fmt.element.emax).clamp(fmt.scale_exp_min, fmt.scale_exp_max)

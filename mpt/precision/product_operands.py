@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 
 from ..config import ConfigError
-from .formats import FORMATS, BlockFormat, FloatFormat, _exp2, block_scale_exponents, get_format, quantize
+from .formats import FORMATS, BlockFormat, FloatFormat, _exp2, amax_exponents, get_format, quantize
 
 EPS = 1e-12  # torchao's floor on an amax, so that an all-zero operand gets a finite scale
 SCALINGS = ("tensor", "delayed", "block")
@@ -113,12 +113,12 @@ def round_blocks(x: torch.Tensor, fmt: BlockFormat, axis: int) -> torch.Tensor:
     exact (X a power of two) wherever it matters, the quotient being an FP32 subnormal only far
     below the element's smallest subnormal, where both round to zero."""
     moved = x.float().movedim(axis, -1)
-    n = moved.shape[-1]
-    padded = F.pad(moved, (0, (-n) % fmt.block)).contiguous()
-    scale = _exp2(block_scale_exponents(padded, fmt)).unsqueeze(-1)
-    blocks = padded.unflatten(-1, (-1, fmt.block))
-    values = round_to(blocks / scale, fmt.element).mul_(scale)
-    values = torch.where(torch.isfinite(blocks).all(-1, keepdim=True), values, torch.nan)  # a NaN scale: the block is NaN
+    n, pad = moved.shape[-1], (-moved.shape[-1]) % fmt.block
+    blocks = (F.pad(moved, (0, pad)) if pad else moved).unflatten(-1, (-1, fmt.block))
+    amax = blocks.abs().amax(-1, keepdim=True)  # NaN where a block holds one
+    exps = amax_exponents(amax, fmt)
+    values = round_to(blocks * _exp2(-exps), fmt.element).mul_(_exp2(exps))
+    values = torch.where(torch.isfinite(amax), values, torch.nan)  # a NaN scale: the block is NaN
     return values.flatten(-2)[..., :n].movedim(-1, axis)
 
 
