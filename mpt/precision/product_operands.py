@@ -122,13 +122,6 @@ def round_blocks(x: torch.Tensor, fmt: BlockFormat, axis: int) -> torch.Tensor:
     return values.flatten(-2)[..., :n].movedim(-1, axis)
 
 
-def held_dtype(fmt: FloatFormat) -> torch.dtype:
-    """The narrowest dtype holding every value of `fmt` exactly: BF16 (7 fraction bits, exponents
-    -133 to 127 with its subnormals) for the FP8, FP6 and FP4 formats, else FP32."""
-    fits = fmt.man_bits <= 7 and fmt.emax <= 127 and fmt.emin - fmt.man_bits >= -133
-    return torch.bfloat16 if fits else torch.float32
-
-
 def tensor_scale(t: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
     """torchao's tensorwise scale: max / amax, in float64, rounded to FP32."""
     amax = t.detach().abs().amax().double()
@@ -195,27 +188,6 @@ class Site:
             return t.float(), torch.ones((), device=t.device)
         scale = self.scale(t, role, observe) if scale is None else scale
         return scaled(t, fmt, scale), scale
-
-    def keep(self, t: torch.Tensor, role: str, observe: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """What a product keeps of operand `role` to take it along any axis (`take`), and its
-        per-tensor scale: under a per-tensor scale, t * s rounded to the format, held in BF16 where
-        that is exact (formats of 8 bits or fewer), so that the backward's products take the
-        forward's values with one division instead of rounding again; under block scales, whose
-        blocks run along each product's own axis, t itself."""
-        fmt = self.recipe.format(role)
-        if isinstance(fmt, BlockFormat):
-            return t, None
-        if t.numel() == 0:
-            return t.float(), torch.ones((), device=t.device)
-        scale = self.scale(t, role, observe)
-        return round_to(t.float() * scale, fmt).to(held_dtype(fmt)), scale
-
-    def take(self, kept: torch.Tensor, role: str, axis: int, scale: Optional[torch.Tensor]) -> torch.Tensor:
-        """A kept operand's FP32 values for a product reducing along `axis`: operand()'s values."""
-        fmt = self.recipe.format(role)
-        if isinstance(fmt, BlockFormat):
-            return round_blocks(kept, fmt, axis)
-        return kept.float() / scale
 
     def scale(self, t: torch.Tensor, role: str, observe: bool = False) -> torch.Tensor:
         """The per-tensor scale of t as operand `role`: its own (tensor) or its role's (delayed)."""

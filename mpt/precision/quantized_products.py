@@ -44,11 +44,11 @@ def out_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
 
 
-def _through(grad: torch.Tensor, dtype: torch.dtype, operand_dtype: torch.dtype) -> torch.Tensor:
+def _through(grad: torch.Tensor, dtype: torch.dtype, operand: torch.Tensor) -> torch.Tensor:
     """An operand's gradient as autocast gives it: computed in the product's dtype (autocast's casts
     are differentiable, so an FP32 operand receives the gradient of its low-precision copy), then
     in the operand's own."""
-    return grad.to(dtype).to(operand_dtype)
+    return grad.to(dtype).to(operand.dtype)
 
 
 def _fp32(device: torch.device) -> contextlib.AbstractContextManager:
@@ -82,7 +82,7 @@ def _scaled_gemm(a: torch.Tensor, sa: torch.Tensor, fa: FloatFormat, b_t: torch.
 class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, b, site: Site, observe: bool):
-        dtype, dtypes = out_dtype(x), (x.dtype, w.dtype)
+        dtype = out_dtype(x)
         x2 = x.reshape(-1, x.shape[-1])
         fast = _on_scaled_mm(site, x.device, *x2.shape, w.shape[0])
         site.paths.add("scaled_mm" if fast else "emulated")
@@ -91,15 +91,14 @@ class _Linear(torch.autograd.Function):
                 f = site.recipe.forward
                 sx, sw = site.scale(x, "input", observe), site.scale(w, "weight", observe)
                 out = _scaled_gemm(x2, sx, f, w, sw, f, dtype).reshape(*x.shape[:-1], -1)
-                kept = (x, w)
             else:
-                (kx, sx), (kw, sw) = site.keep(x, "input", observe), site.keep(w, "weight", observe)
-                out = F.linear(site.take(kx, "input", -1, sx), site.take(kw, "weight", 1, sw)).to(dtype)
-                kept = (kx, kw)
+                qx, sx = site.operand(x, "input", -1, observe=observe)
+                qw, sw = site.operand(w, "weight", 1, observe=observe)
+                out = F.linear(qx, qw).to(dtype)
             if b is not None:
                 out = out + b.to(dtype)
-        ctx.save_for_backward(*kept)
-        ctx.site, ctx.scales, ctx.has_bias, ctx.dtype, ctx.fast, ctx.dtypes = site, (sx, sw), b is not None, dtype, fast, dtypes
+        ctx.save_for_backward(x, w)
+        ctx.site, ctx.scales, ctx.has_bias, ctx.dtype, ctx.fast = site, (sx, sw), b is not None, dtype, fast
         return out
 
     @staticmethod
@@ -113,18 +112,18 @@ class _Linear(torch.autograd.Function):
                 f, fg = site.recipe.forward, site.recipe.backward
                 sg = site.scale(g, "grad_output", observe=True)
                 if ctx.needs_input_grad[0]:
-                    gx = _through(_scaled_gemm(g2, sg, fg, w.t(), sw, f, ctx.dtype).reshape(x.shape), ctx.dtype, ctx.dtypes[0])
+                    gx = _through(_scaled_gemm(g2, sg, fg, w.t(), sw, f, ctx.dtype).reshape(x.shape), ctx.dtype, x)
                 if ctx.needs_input_grad[1]:
-                    gw = _through(_scaled_gemm(g2.t(), sg, fg, x2.t(), sx, f, ctx.dtype), ctx.dtype, ctx.dtypes[1])
+                    gw = _through(_scaled_gemm(g2.t(), sg, fg, x2.t(), sx, f, ctx.dtype), ctx.dtype, w)
             else:
                 qg, sg = site.operand(g, "grad_output", -1, observe=True)  # the input gradient reduces over outputs
                 if ctx.needs_input_grad[0]:
-                    gx = _through(qg @ site.take(w, "weight", 0, sw), ctx.dtype, ctx.dtypes[0])
+                    gx = _through(qg @ site.operand(w, "weight", 0, scale=sw)[0], ctx.dtype, x)
                 if ctx.needs_input_grad[1]:
                     qg2 = site.operand(g2, "grad_output", 0, scale=sg)[0] if sg is None else qg.reshape(g2.shape)
-                    gw = _through(qg2.t() @ site.take(x2, "input", 0, sx), ctx.dtype, ctx.dtypes[1])  # the weight gradient reduces over rows
+                    gw = _through(qg2.t() @ site.operand(x2, "input", 0, scale=sx)[0], ctx.dtype, w)  # the weight gradient reduces over rows
             if ctx.has_bias and ctx.needs_input_grad[2]:
-                gb = _through(g2.float().sum(0), ctx.dtype, ctx.dtypes[1])
+                gb = _through(g2.float().sum(0), ctx.dtype, w)
         return gx, gw, gb, None, None
 
 
@@ -135,38 +134,38 @@ class _Convolution(torch.autograd.Function):
     def forward(ctx, x, w, b, site: Site, observe: bool, stride, padding, dilation, transposed, output_padding, groups):
         site.paths.add("emulated")
         dtype = out_dtype(x)
-        (kx, sx), (kw, sw) = site.keep(x, "input", observe), site.keep(w, "weight", observe)
+        # A convolution reduces over input channels: axis 1 of a weight, axis 0 of a transposed one's.
+        qx, sx = site.operand(x, "input", 1, observe=observe)
+        qw, sw = site.operand(w, "weight", 0 if transposed else 1, observe=observe)
         args = (stride, padding, dilation, transposed, output_padding, groups)
         with _fp32(x.device):
-            # A convolution reduces over input channels: axis 1 of a weight, axis 0 of a transposed one's.
-            qx, qw = site.take(kx, "input", 1, sx), site.take(kw, "weight", 0 if transposed else 1, sw)
             out = torch.ops.aten.convolution(qx, qw, None, *args).to(dtype)
             if b is not None:
                 out = out + b.to(dtype).reshape(1, -1, *[1] * (out.dim() - 2))
-        ctx.save_for_backward(kx, kw)
-        ctx.site, ctx.scales, ctx.args, ctx.has_bias, ctx.dtype, ctx.dtypes = site, (sx, sw), args, b is not None, dtype, (x.dtype, w.dtype)
+        ctx.save_for_backward(x, w)
+        ctx.site, ctx.scales, ctx.args, ctx.has_bias, ctx.dtype = site, (sx, sw), args, b is not None, dtype
         return out
 
     @staticmethod
     def backward(ctx, g):
-        kx, kw = ctx.saved_tensors
+        x, w = ctx.saved_tensors
         site, (sx, sw), args = ctx.site, ctx.scales, ctx.args
         transposed = args[3]
         gx = gw = gb = None
         with _fp32(g.device):
             # The input gradient reduces over output channels; the weight gradient over the batch.
-            # Each call reads the other's operand for its shape only.
             qg, sg = site.operand(g, "grad_output", 1, observe=True)
-            qx, qw = site.take(kx, "input", 0, sx), site.take(kw, "weight", 1 if transposed else 0, sw)
             if ctx.needs_input_grad[0]:
-                gx = torch.ops.aten.convolution_backward(qg, qx, qw, None, *args, [True, False, False])[0]
-                gx = _through(gx, ctx.dtype, ctx.dtypes[0])
+                qw = site.operand(w, "weight", 1 if transposed else 0, scale=sw)[0]
+                gx = torch.ops.aten.convolution_backward(qg, x.float(), qw, None, *args, [True, False, False])[0]
+                gx = _through(gx, ctx.dtype, x)
             if ctx.needs_input_grad[1]:
                 qg0 = site.operand(g, "grad_output", 0, scale=sg)[0] if sg is None else qg
-                gw = torch.ops.aten.convolution_backward(qg0, qx, qw, None, *args, [False, True, False])[1]
-                gw = _through(gw, ctx.dtype, ctx.dtypes[1])
+                qx = site.operand(x, "input", 0, scale=sx)[0]
+                gw = torch.ops.aten.convolution_backward(qg0, qx, w.float(), None, *args, [False, True, False])[1]
+                gw = _through(gw, ctx.dtype, w)
             if ctx.has_bias and ctx.needs_input_grad[2]:
-                gb = _through(g.float().sum([d for d in range(g.dim()) if d != 1]), ctx.dtype, ctx.dtypes[1])
+                gb = _through(g.float().sum([d for d in range(g.dim()) if d != 1]), ctx.dtype, w)
         return gx, gw, gb, None, None, None, None, None, None, None, None
 
 
@@ -177,25 +176,26 @@ class _Matmul(torch.autograd.Function):
     def forward(ctx, a, b, site: Site, observe: bool):
         site.paths.add("emulated")
         dtype = out_dtype(a)
-        (ka, sa), (kb, sb) = site.keep(a, "input", observe), site.keep(b, "weight", observe)
+        qa, sa = site.operand(a, "input", -1, observe=observe)
+        qb, sb = site.operand(b, "weight", -2, observe=observe)
         with _fp32(a.device):
-            out = torch.matmul(site.take(ka, "input", -1, sa), site.take(kb, "weight", -2, sb)).to(dtype)
-        ctx.save_for_backward(ka, kb)
-        ctx.site, ctx.scales, ctx.dtype, ctx.dtypes = site, (sa, sb), dtype, (a.dtype, b.dtype)
+            out = torch.matmul(qa, qb).to(dtype)
+        ctx.save_for_backward(a, b)
+        ctx.site, ctx.scales, ctx.dtype = site, (sa, sb), dtype
         return out
 
     @staticmethod
     def backward(ctx, g):
-        ka, kb = ctx.saved_tensors
+        a, b = ctx.saved_tensors
         site, (sa, sb) = ctx.site, ctx.scales
         ga = gb = None
         with _fp32(g.device):
             qg, sg = site.operand(g, "grad_output", -1, observe=True)
             if ctx.needs_input_grad[0]:
-                ga = _through(qg @ site.take(kb, "weight", -1, sb).transpose(-1, -2), ctx.dtype, ctx.dtypes[0])
+                ga = _through(qg @ site.operand(b, "weight", -1, scale=sb)[0].transpose(-1, -2), ctx.dtype, a)
             if ctx.needs_input_grad[1]:
                 qg1 = site.operand(g, "grad_output", -2, scale=sg)[0] if sg is None else qg
-                gb = _through(site.take(ka, "input", -2, sa).transpose(-1, -2) @ qg1, ctx.dtype, ctx.dtypes[1])
+                gb = _through(site.operand(a, "input", -2, scale=sa)[0].transpose(-1, -2) @ qg1, ctx.dtype, b)
         return ga, gb, None, None
 
 
