@@ -27,7 +27,7 @@
 #              suite's tests that failed or did not finish, the LSTM probe, fp8 against bf16 for GNMT
 #              and bigLSTM (issue 24), ResNet-50 beside DLE again and the speed options, each part
 #              under its own time limit (PART_SECONDS), each leaving its own tarball
-#   others     the second call after `next`, at most 5 minutes (carry .whl): bench for the five models
+#   others     the second call after `next`, at most 5 minutes (carry as for next; extra arguments go to mpt-run): bench for the five models
 #              besides ResNet-50 in tf32, bf16 and fp16, the cells of step 3 the loans so far left
 #
 # PART_SECONDS=N: the part stops its commands N seconds after it starts (runs get SIGTERM, stop
@@ -44,7 +44,7 @@ if [ "$part" = next ]; then
   exit 0
 fi
 if [ "$part" = others ]; then
-  PART_SECONDS=280 MODELS=alexnet,ssd,gnmt,biglstm,dcgan PRECISIONS=tf32,bf16,fp16 bash "$0" bench schedule.steps=60
+  PART_SECONDS=280 MODELS=alexnet,ssd,gnmt,biglstm,dcgan PRECISIONS=tf32,bf16,fp16 bash "$0" bench schedule.steps=60 "$@"
   exit 0
 fi
 deadline=$(($(date +%s) + ${PART_SECONDS:-86400}))
@@ -152,6 +152,6 @@ case $part in
     root=$(dirname "$(find /tmp/utk -name '*.jpg' | head -1)")
     run -m model=dcgan64 data=image_dir data.root="$root" schedule.batch_size=128 schedule.steps=2000 schedule.eval_every=500 \
         precision=fp32,mixed scale=none checkpoint=false $seeds hydra.sweep.dir="$W/dcgan" "$@" ;;
-  *) echo "device_session.sh: PART=$part: expected one of suite, arithmetic, bench, options, peer, next, cifar, ssd, gnmt, biglstm, dcgan" >&2; exit 2 ;;
+  *) echo "device_session.sh: PART=$part: expected one of suite, arithmetic, bench, options, peer, next, others, cifar, ssd, gnmt, biglstm, dcgan" >&2; exit 2 ;;
 esac
 exit $rc

@@ -50,13 +50,23 @@ def every_tie(fmt) -> torch.Tensor:
     return torch.cat([near, -near])
 
 
-@pytest.mark.parametrize("fmt", [E4M3, E5M2, *(get_format(n) for n in ("e3m2", "e2m3", "e2m1"))], ids=lambda f: f.name)
-def test_the_fast_rounding_rounds_as_the_formats_module(fmt):
+SCALAR_FORMATS = [E4M3, E5M2, *(get_format(n) for n in ("e3m2", "e2m3", "e2m1"))]
+
+
+@pytest.mark.parametrize("fmt", SCALAR_FORMATS, ids=lambda f: f.name)
+def test_the_fast_rounding_rounds_as_the_formats_module(fmt, device="cpu"):
     edges = torch.tensor([fmt.max * 1.03, -fmt.max * 1.1, fmt.min_subnormal / 2, fmt.min_subnormal * 1.5, fmt.min_subnormal * 2.5, 0.0, -0.0])
-    x = torch.cat([every_fp32_exponent(512), every_tie(fmt), edges])
+    x = torch.cat([every_fp32_exponent(512), every_tie(fmt), edges]).to(device)
     assert same(ops.round_to(x, fmt), quantize(x, fmt))
     if fmt.name in ops.TORCH_FP8:  # torch's own cast after a clamp, which the GPU path takes, too
         assert same(ops.to_fp8(x, fmt).float(), quantize(x, fmt))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", SCALAR_FORMATS, ids=lambda f: f.name)
+def test_the_fast_rounding_rounds_as_the_formats_module_on_cuda(fmt):
+    """Emulated products round on the GPU too (all but linear layers on torch._scaled_mm)."""
+    test_the_fast_rounding_rounds_as_the_formats_module(fmt, device="cuda")
 
 
 @pytest.mark.parametrize("name", ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e3m2", "mxfp6_e2m3", "mxfp4"])
@@ -252,9 +262,17 @@ def test_a_batched_product_and_an_fp8_convolution_take_their_operands_as_quantiz
     conv = nn.Conv2d(6, 8, 3, padding=1, bias=False)
     w = conv.weight.detach().clone()
     qp.QuantizedProducts(conv, FP8)
-    x = torch.randn(2, 6, 5, 5) * 50
-    ref = F.conv2d(ops.scaled(x, E4M3, ops.tensor_scale(x, E4M3)), ops.scaled(w, E4M3, ops.tensor_scale(w, E4M3)), padding=1)
-    assert torch.allclose(conv(x), ref, rtol=1e-6, atol=1e-5)
+    x = (torch.randn(2, 6, 5, 5) * 50).requires_grad_()
+    y = conv(x)
+    g = torch.randn_like(y)
+    y.backward(g)
+    # Autograd's convolution of the quantized operands, given the quantized gradient: the output
+    # and both gradients.
+    qx, qw = (ops.scaled(t, E4M3, ops.tensor_scale(t, E4M3)).requires_grad_() for t in (x.detach(), w))
+    ref = F.conv2d(qx, qw, padding=1)
+    ref.backward(ops.scaled(g, E5M2, ops.tensor_scale(g, E5M2)))
+    for ours, theirs in ((y, ref), (x.grad, qx.grad), (conv.weight.grad, qw.grad)):
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-5)
 
 
 def test_the_written_out_lstm_computes_what_nn_lstm_computes(monkeypatch):

@@ -114,7 +114,9 @@ def round_blocks(x: torch.Tensor, fmt: BlockFormat, axis: int) -> torch.Tensor:
     below the element's smallest subnormal, where both round to zero."""
     moved = x.float().movedim(axis, -1)
     n, pad = moved.shape[-1], (-moved.shape[-1]) % fmt.block
-    blocks = (F.pad(moved, (0, pad)) if pad else moved).unflatten(-1, (-1, fmt.block))
+    # Contiguous along the axis: the result keeps that layout (channels-last for a convolution's
+    # channels), which the product's kernel sums in.
+    blocks = (F.pad(moved, (0, pad)) if pad else moved).contiguous().unflatten(-1, (-1, fmt.block))
     amax = blocks.abs().amax(-1, keepdim=True)  # NaN where a block holds one
     exps = amax_exponents(amax, fmt)
     values = round_to(blocks * _exp2(-exps), fmt.element).mul_(_exp2(exps))
