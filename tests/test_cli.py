@@ -46,6 +46,7 @@ def test_record_is_complete(sweep, precision, scale):
     assert 0 <= rec["metrics"]["top1"] <= 1 and rec["metrics"]["step"] == 3
     assert rec["throughput"]["unit"] == "images/s" and rec["throughput"]["pipeline"] > 0 and rec["throughput"]["compute"] > 0
     assert rec["memory"]["peak_bytes"] > 0 and rec["memory"]["kind"] == "cpu_peak_rss"
+    assert 0 < rec["memory"]["steady_peak_bytes"] <= rec["memory"]["peak_bytes"]
     assert rec["environment"]["torch"] and rec["environment"]["device_type"] == "cpu"
     assert rec["config"]["precision"]["name"] == precision and rec["config"]["seed"] == 0
     scale_summary = rec["loss_scale"]["model"]

@@ -217,6 +217,7 @@ def test_the_record_fills_memory_throughput_and_mfu_on_cuda(tmp_path, in_process
     assert build_run(tmp_path, *args).execute().status == "ok"
     rec = read_record(tmp_path)
     assert rec["memory"]["kind"] == "cuda_max_memory_allocated" and rec["memory"]["peak_bytes"] > 2**30  # ResNet-50 at batch 256
+    assert 2**30 < rec["memory"]["steady_peak_bytes"] <= rec["memory"]["peak_bytes"]  # from the end of the 10 warm-up steps
     assert rec["throughput"]["unit"] == "images/s" and rec["throughput"]["windows"] == 3 and rec["throughput"]["pipeline"] > 0
     assert rec["flops"]["per_sample"] == pytest.approx(3 * 2 * 4.1e9, rel=0.1)  # forward and backward (twice the forward) of 4.1 G multiply-adds
     assert 0 < rec["mfu"]["value"] < 1 and rec["mfu"]["math"] == "fp16"

@@ -64,7 +64,7 @@ def test_asking_for_cuda_without_one_is_one_line(tmp_path, in_process):
 
 
 def test_cpu_peak_memory_is_per_run_not_per_process():
-    from mpt.runner.throughput import peak_memory, reset_peak_memory
+    from mpt.runner.memory import peak_memory, reset_peak_memory
 
     cpu = torch.device("cpu")
     big = torch.ones(64 * 2**20, dtype=torch.float32)  # 256 MiB resident
@@ -74,6 +74,39 @@ def test_cpu_peak_memory_is_per_run_not_per_process():
     after = peak_memory(cpu)
     assert after["kind"] == "cpu_peak_rss"
     assert after["peak_bytes"] < before - 200 * 2**20  # the earlier run's peak does not carry over
+
+
+def test_the_steady_peak_leaves_out_what_only_the_warm_up_allocated(monkeypatch):
+    """A fake device whose counter behaves as CUDA's: the warm-up's spike stays in the run's peak only."""
+    from mpt.runner import memory
+
+    counter = {"peak": 0, "now": 0}
+
+    def use(nbytes):
+        counter["now"] = nbytes
+        counter["peak"] = max(counter["peak"], nbytes)
+
+    monkeypatch.setattr(memory, "peak_memory", lambda device: {"peak_bytes": counter["peak"], "kind": "cuda_max_memory_allocated"})
+    monkeypatch.setattr(memory, "reset_peak_memory", lambda device: counter.update(peak=counter["now"]))
+    peaks = memory.MemoryPeaks(torch.device("cpu"))
+    peaks.start()
+    use(900)  # the warm-up: a benchmark's workspace
+    use(300)
+    assert "steady_peak_bytes" not in peaks.summary()  # no steady state yet
+    peaks.steady_from_now()
+    use(400)
+    use(350)
+    peaks.steady_from_now()  # later calls change nothing
+    assert peaks.summary() == {"peak_bytes": 900, "steady_peak_bytes": 400, "kind": "cuda_max_memory_allocated"}
+    resumed = memory.MemoryPeaks(torch.device("cpu"))  # a new process, from the checkpoint's state
+    resumed.load_state_dict(peaks.state_dict())
+    counter.update(peak=0, now=0)
+    resumed.start()
+    use(500)
+    assert resumed.summary() == {"peak_bytes": 900, "steady_peak_bytes": 400, "kind": "cuda_max_memory_allocated"}  # still warming up
+    resumed.steady_from_now()
+    use(450)
+    assert resumed.summary()["steady_peak_bytes"] == 500  # a reset leaves the counter at what is in use, as CUDA's does
 
 
 @pytest.mark.parametrize(

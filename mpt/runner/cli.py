@@ -112,7 +112,8 @@ def summary_lines(rec: RunRecord) -> list[str]:
             f"  mfu:        {rec.mfu['value'] * 100:.1f}% of {rec.mfu['peak_tflops']:g} TFLOP/s ({rec.mfu['math']}; {rec.flops['per_sample'] / 1e9:.4g} GFLOP per {rec.flops['sample_unit'].removesuffix('s')})"
         )
     mem = rec.memory or {}
-    lines.append(f"  memory:     {_fmt_bytes(mem.get('peak_bytes'))} peak ({mem.get('kind')}) on {rec.environment['device_name']}")
+    steady = f", {_fmt_bytes(mem['steady_peak_bytes'])} after the warm-up" if mem.get("steady_peak_bytes") else ""
+    lines.append(f"  memory:     {_fmt_bytes(mem.get('peak_bytes'))} peak{steady} ({mem.get('kind')}) on {rec.environment['device_name']}")
     for name, s in (rec.loss_scale or {}).items():
         lines.append(f"  loss scale: [{name}] final {s['final']:g}, min {s['min']:g}, skipped {s['skipped_steps']}/{s['steps']} steps{explain_skips(s)}")
     lines.append(f"  record:     {Path(rec.run_dir) / 'result.json'}")

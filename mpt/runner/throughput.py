@@ -1,4 +1,4 @@
-"""Throughput and peak memory.
+"""Throughput.
 
 Throughput is samples per second in steady state: the first `warmup` steps are excluded, the
 device is synchronized at the edges of each window of `window` steps, and the figure is the median
@@ -18,12 +18,8 @@ synchronized wall time is subtracted and its samples are not counted.
 
 from __future__ import annotations
 
-import re
-import resource
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -57,6 +53,11 @@ class ThroughputMeter:
         event = torch.cuda.Event(enable_timing=True)
         event.record(torch.cuda.current_stream(self.device))  # the run's device, whichever is current
         return event
+
+    @property
+    def warmed_up(self) -> bool:
+        """Whether this process's warm-up steps are behind it (the first window opens as the last ends)."""
+        return self.steps_seen >= max(self.warmup, 1)
 
     def batch_ready(self) -> None:
         """Call when the step's batch is in hand, before the step runs."""
@@ -124,34 +125,3 @@ class ThroughputMeter:
         else:
             out.update(pipeline=statistics.median(self.pipeline), compute=statistics.median(self.compute))
         return out
-
-
-def _high_water_mark_kib() -> int | None:
-    """Linux's resettable peak resident set size of this process (VmHWM)."""
-    try:
-        match = re.search(r"VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text())
-    except OSError:
-        return None
-    return int(match.group(1)) if match else None
-
-
-def reset_peak_memory(device: torch.device) -> None:
-    """Start a run's peak from now: the runs of a sweep share one process."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return
-    try:
-        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM (Linux >= 4.0)
-    except OSError:
-        pass
-
-
-def peak_memory(device: torch.device) -> dict:
-    if device.type == "cuda":
-        return {"peak_bytes": torch.cuda.max_memory_allocated(device), "kind": "cuda_max_memory_allocated"}
-    hwm = _high_water_mark_kib()
-    if hwm is not None:
-        return {"peak_bytes": hwm * 1024, "kind": "cpu_peak_rss"}
-    # Elsewhere only the process-lifetime peak exists, which runs earlier in a sweep inflate.
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"peak_bytes": rss if sys.platform == "darwin" else rss * 1024, "kind": "cpu_process_lifetime_peak_rss"}

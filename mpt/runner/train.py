@@ -40,11 +40,12 @@ from ..precision.scaler import Diverged, build_scaler
 from . import checkpoint, determinism, identity
 from .flops import counting_flops, flops_record, mfu
 from .grad_collector import GradStatsCollector
+from .memory import MemoryPeaks
 from .overflow_trace import OverflowTracer
 from .progress import Progress
 from .record import MetricsLog, NullLog, RunRecord, environment, git_commit, now_iso
 from .tensorboard_log import NullBoard, open_board
-from .throughput import ThroughputMeter, peak_memory, reset_peak_memory
+from .throughput import ThroughputMeter
 
 log = logging.getLogger("mpt")
 
@@ -146,7 +147,7 @@ class Run:
         self.step, self.last_loss, self.last_finite_loss = 0, None, None
         self.samples, self.samples_before_resume = 0, 0  # this process's since it started; the whole run's before it
         self.epoch, self.batch_in_epoch = 0, 0  # the data position
-        self.peak_before_resume = 0
+        self.peaks = MemoryPeaks(self.device)
         self.pending: list[dict[str, Any]] = []  # per-step rows whose tensors are not yet on the host
         self.steps_before: dict[str, int] = {}  # each engine's steps_taken as the current step began
         self.checkpoint_every = s.checkpoint_every
@@ -196,7 +197,7 @@ class Run:
             "nondeterministic_ops": self.record.nondeterministic_ops,
             "git": self.record.git,
             "throughput": self.meter.state_dict(),
-            "peak_memory_bytes": int(self.dist.largest(max(peak_memory(self.device)["peak_bytes"], self.peak_before_resume), self.device)),
+            "memory": {k: int(self.dist.largest(v, self.device)) for k, v in self.peaks.state_dict().items()},
             "grad_stats": self.grad_stats.state_dict(),
             "overflow_trace": self.tracer.state_dict(),
         }
@@ -221,7 +222,7 @@ class Run:
                 f"mpt-run: warning: the checkpoint was written by commit {saved['git'].get('commit')}, this is {self.record['git'].get('commit')}", flush=True
             )
         self.meter.load_state_dict(saved["throughput"])
-        self.peak_before_resume = saved["peak_memory_bytes"]
+        self.peaks.load_state_dict(saved.get("memory") or {"peak_bytes": saved["peak_memory_bytes"]})  # older checkpoints: the peak alone
         if saved.get("grad_stats"):  # checkpoints before gradient statistics have none
             self.grad_stats.load_state_dict(saved["grad_stats"])
         if saved.get("overflow_trace"):  # nor before overflow tracing
@@ -382,7 +383,7 @@ class Run:
         rec = self.record
         self.save_record()
         t_start = time.perf_counter()
-        reset_peak_memory(self.device)
+        self.peaks.start()
         # Under torchrun the ranks end together (finishing, or diverging on a shared decision) and
         # meet in the collectives below; a rank leaving on an exception is alone and skips them.
         together = False
@@ -425,9 +426,10 @@ class Run:
                     "graph_breaks": int(sum(counters["graph_break"].values())),
                 }
             rec.mfu = mfu(rec.flops, rec.throughput, self.cfg.precision, self.device, rec.environment["device_name"])
-            rec.memory = peak_memory(self.device)
-            peak = max(rec.memory["peak_bytes"], self.peak_before_resume)
-            rec.memory["peak_bytes"] = int(self.dist.largest(peak, self.device)) if together else peak
+            rec.memory = self.peaks.summary()
+            for key in ("peak_bytes", "steady_peak_bytes"):
+                if together and key in rec.memory:
+                    rec.memory[key] = int(self.dist.largest(rec.memory[key], self.device))
             if self.dist.enabled:
                 rec.memory["over"] = f"the largest of {self.dist.world_size} processes"
             if self.grad_stats.sampled_steps:
@@ -496,6 +498,8 @@ class Run:
             # step again to trace it is.
             excluded = None if stats_step["seconds"] is None else stats_step["seconds"] + wait
             self.meter.step(n, wait, excluded_s=excluded, untimed_s=traced)
+            if self.meter.warmed_up:
+                self.peaks.steady_from_now()
             if self.step % self.cfg.schedule.log_every == 0 or self.step == self.total_steps:
                 self._flush()
             if self.step % self.eval_every == 0 or self.step == self.total_steps:
