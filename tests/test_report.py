@@ -148,6 +148,15 @@ def test_throughput_speedup_is_over_fp32_on_the_same_device(report, swept):
     assert not tp.variant.fillna("").str.contains("optim.lr").any()  # the diverged run times nothing
 
 
+def test_the_steady_peak_table_holds_each_cells_median_steady_peak(report, swept):
+    mem = pd.read_csv(report / "tables" / "memory_steady.csv", dtype={"variant": "string"})
+    recs = [r for r in records(swept).values() if r["status"] == "ok" and not r["variant"]]
+    fp16 = mem[(mem.precision == "fp16") & (mem.scale == "none") & mem.variant.isna()]
+    steady = [r["memory"]["steady_peak_bytes"] for r in recs if r["choices"]["precision"] == "fp16" and r["choices"]["scale"] == "none"]
+    assert fp16.steady_peak_memory_bytes.item() == pytest.approx(statistics.median(steady))
+    assert "after the warm-up" in (report / "report.md").read_text()
+
+
 def test_paper_comparison_puts_our_cells_next_to_the_published_ones(report):
     paper = pd.read_csv(report / "tables" / "paper_comparison.csv")
     acc = pd.read_csv(report / "tables" / "accuracy.csv").fillna({"variant": ""})

@@ -54,6 +54,7 @@ def build_report(paths: list[Path], out: Path, published_path: Path | None) -> l
     acc = tables.accuracy(runs)
     tp = tables.throughput(runs)
     mem = tables.memory(runs)
+    steady = tables.memory(runs, "steady_peak_memory_bytes")
     ls = tables.loss_scaling(runs)
     util = tables.mfu(runs)
     gs = tables.gradient_stats(runs)
@@ -74,6 +75,12 @@ def build_report(paths: list[Path], out: Path, published_path: Path | None) -> l
             "memory",
             mem,
             tables.render_relative(mem, "peak_memory_bytes", "ratio_to_fp32", lambda v: f"{v / 2**20:.0f}", "memory_kind"),
+        ),
+        (
+            "Peak memory after the warm-up (MiB; ratio to fp32): without what only the first steps allocated, such as cuDNN's benchmark workspaces",
+            "memory_steady",
+            steady,
+            tables.render_relative(steady, "steady_peak_memory_bytes", "ratio_to_fp32", lambda v: f"{v / 2**20:.0f}", "memory_kind"),
         ),
         ("Model FLOPs utilization (model FLOPs per sample x samples/s over the GPU's dense peak for the mode's math)", "mfu", util, tables.render_mfu(util)),
         ("Loss scaling", "loss_scaling", ls, tables.render_loss_scaling(ls)),

@@ -150,6 +150,7 @@ def record_row(rec: RunRecord, path: Path) -> dict:
         "mfu": _number((rec.mfu or {}).get("value")),
         "mfu_math": (rec.mfu or {}).get("math"),
         "peak_memory_bytes": mem.get("peak_bytes"),
+        "steady_peak_memory_bytes": mem.get("steady_peak_bytes"),
         "memory_kind": mem.get("kind"),
         "skipped_steps": sum(s.get("skipped_steps", 0) for s in (rec.loss_scale or {}).values()),
         "device_type": env.get("device_type"),

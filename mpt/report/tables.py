@@ -102,9 +102,13 @@ def throughput(runs: pd.DataFrame) -> pd.DataFrame:
     return _relative_to_fp32(finished, "throughput", "speedup_vs_fp32", extra=["throughput_unit"])
 
 
-def memory(runs: pd.DataFrame) -> pd.DataFrame:
-    finished = runs[runs.status == "ok"].dropna(subset=["peak_memory_bytes"])
-    return _relative_to_fp32(finished, "peak_memory_bytes", "ratio_to_fp32", extra=["memory_kind"])
+def memory(runs: pd.DataFrame, column: str = "peak_memory_bytes") -> pd.DataFrame:
+    """Median peak memory per (setup, mode), and its ratio to `fp32`'s; `column`: the run's peak or
+    its steady-state one."""
+    if column not in runs.columns:  # records from before the steady-state peak
+        return pd.DataFrame()
+    finished = runs[runs.status == "ok"].dropna(subset=[column])
+    return _relative_to_fp32(finished, column, "ratio_to_fp32", extra=["memory_kind"])
 
 
 def mfu(runs: pd.DataFrame) -> pd.DataFrame:
