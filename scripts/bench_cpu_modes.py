@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """What each precision mode costs on a CPU: the step time of fp16, mixed, fp16_modmom, amp and bf16
-as a ratio to fp32, for one model, all six runs alive in one process.
+(or the modes --modes names, issue 24's FP8 and MX ones among them) as a ratio to fp32, for one
+model, all the runs alive in one process.
 
 Each run is the runner's own (`Run.steps()`), on synthetic data, from the same seed. After the
 warm-up steps, the runs advance one window at a time in rotating order, so that whatever else the
@@ -13,6 +14,7 @@ The goal (issue 20) is every ratio at most 1.5.
     python scripts/bench_cpu_modes.py --model resnet50 --out results/cpu-modes
     python scripts/bench_cpu_modes.py --all --out results/cpu-modes
     python scripts/bench_cpu_modes.py --model gnmt --override schedule.batch_size=32 --out results/cpu-modes-batch32
+    python scripts/bench_cpu_modes.py --model resnet50 --modes fp32 bf16 fp8 mxfp8 mxfp4 --out results/cpu-modes-fp8
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ from mpt.runner.train import Run, resolve_device  # noqa: E402
 from mpt.runner.validation import validate  # noqa: E402
 
 MODES = {"fp32": "none", "fp16": "static", "mixed": "static", "fp16_modmom": "static", "amp": "dynamic", "bf16": "none"}
+# Issue 24's modes (--modes): quantized products, everything else in BF16, no loss scaling.
+MODES.update({m: "none" for m in ("fp8", "fp8_delayed", "mxfp8", "mxfp6", "mxfp4")})
+PAPER_MODES = ("fp32", "fp16", "mixed", "fp16_modmom", "amp", "bf16")
 # The paper's six models at the sizes of this project's reduced-scale runs (schedule=smoke's batch).
 # The FP16 updates are momentum SGD, so the models trained with Adam or Adagrad (GNMT, bigLSTM,
 # DCGAN) take SGD here in every mode: each model's six runs differ in their precision only.
@@ -80,15 +85,15 @@ def bench(model: str, args) -> dict:
     device = resolve_device("cpu")
     with tempfile.TemporaryDirectory() as tmp:
         runs, overrides, held = {}, {}, {}
-        for mode in MODES:
+        for mode in args.modes:
             cfg, overrides[mode] = compose(model, mode, total, tuple(args.override))
             (Path(tmp) / mode).mkdir()
             runs[mode] = Run(cfg, Path(tmp) / mode).steps()
             held[mode] = lambda cfg=cfg: held_for_the_run(cfg.precision, device, cfg.emulate_tensor_cores)
         for mode, steps in runs.items():
             time_window(steps, args.warmup, device, held[mode]())
-        times: dict[str, list[float]] = {mode: [] for mode in MODES}
-        order = list(MODES)
+        times: dict[str, list[float]] = {mode: [] for mode in args.modes}
+        order = list(args.modes)
         for i in range(args.windows):
             for mode in order[i % len(order) :] + order[: i % len(order)]:
                 times[mode].append(time_window(runs[mode], args.window, device, held[mode]()))
@@ -104,7 +109,7 @@ def bench(model: str, args) -> dict:
         "unit": "seconds per training step (median over windows)",
         "step_s": times,
         "median_step_s": median,
-        "ratio_to_fp32": {mode: median[mode] / median["fp32"] for mode in MODES},
+        "ratio_to_fp32": {mode: median[mode] / median["fp32"] for mode in args.modes},
         "environment": environment(resolve_device("cpu")),
         "commit": git_commit(ROOT),
         "finished_at": now_iso(),
@@ -118,11 +123,16 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2, help="steps of each run before timing")
     ap.add_argument("--window", type=int, default=2, help="steps per timed window")
     ap.add_argument("--windows", type=int, default=9, help="timed windows per run")
+    ap.add_argument(
+        "--modes", nargs="+", choices=list(MODES), default=list(PAPER_MODES), help="precision modes to time (fp32 among them: the ratios are to it)"
+    )
     ap.add_argument("--out", type=Path, default=None, help="folder for the JSON records")
     ap.add_argument("--override", nargs="*", default=[], help="Hydra overrides for every run, after the model's (e.g. schedule.batch_size=32)")
     args = ap.parse_args()
     if not args.all and args.model is None:
         ap.error("give --model or --all")
+    if "fp32" not in args.modes:
+        ap.error(f"--modes {' '.join(args.modes)}: include fp32, which the ratios are to")
     for model in MODELS if args.all else args.model:
         record = bench(model, args)
         print(model, " ".join(f"{m} {r:.2f}" for m, r in record["ratio_to_fp32"].items()), flush=True)
