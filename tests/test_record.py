@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import fields
 from pathlib import Path
 
@@ -74,6 +75,21 @@ def test_cpu_peak_memory_is_per_run_not_per_process():
     after = peak_memory(cpu)
     assert after["kind"] == "cpu_peak_rss"
     assert after["peak_bytes"] < before - 200 * 2**20  # the earlier run's peak does not carry over
+
+
+@pytest.mark.parametrize("precision", ["fp32", "mixed", "fp16"])
+def test_non_finite_weights_diverge_naming_the_tensor(tmp_path, precision):
+    from mpt.precision.scaler import Diverged
+
+    run = build_run(tmp_path, TINY, f"precision={precision}", "schedule=smoke", "device=cpu")
+    model = run.engines["model"].model
+    bn = next(n for n, m in model.named_modules() if isinstance(m, torch.nn.BatchNorm2d))
+    model.get_submodule(bn).running_var[0] = math.inf  # an FP16 statistic past 65504
+    with pytest.raises(Diverged, match=rf"in model by step 7 \({bn}.running_var \(buffer\)\)$"):
+        run._check_weights(7)
+    next(model.parameters()).data[0] = math.nan
+    with pytest.raises(Diverged, match=r"\(features\.0\.0\.weight \(weight\) and 1 more\)$"):
+        run._check_weights(7)
 
 
 def test_the_steady_peak_leaves_out_what_only_the_warm_up_allocated(monkeypatch):

@@ -87,6 +87,19 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def _non_finite(engine: PrecisionEngine) -> str:
+    """Which of a network's tensors are not finite, named, for a divergence's message."""
+    named = [
+        *((n, "weight") for n, t in engine.model.named_parameters() if not torch.isfinite(t).all()),
+        *((n, "buffer") for n, t in engine.model.named_buffers() if t.is_floating_point() and not torch.isfinite(t).all()),
+    ]
+    masters = sum(not torch.isfinite(m).all() for m in engine.master_weights())
+    if not named and not masters:
+        return "all finite on this process: another process's"
+    parts = [f"{named[0][0]} ({named[0][1]})" + (f" and {len(named) - 1} more" if len(named) > 1 else "")] if named else []
+    return "; ".join(parts + ([f"{masters} FP32 master weight{'s' * (masters != 1)}"] if masters else []))
+
+
 class Run:
     """One training run: built from a validated config, writing into `run_dir`."""
 
@@ -607,7 +620,7 @@ class Run:
             finite = torch.stack([torch.isfinite(t).all() for t in tensors]).all()
             # Buffers can differ between ranks (batch-norm statistics, per-stream state): one decision for all.
             if self.dist.reduce_max((~finite).float().reshape(1)).item():
-                raise Diverged(f"non-finite weights or batch-norm statistics in {name} by step {step}", step=step)
+                raise Diverged(f"non-finite weights or batch-norm statistics in {name} by step {step} ({_non_finite(engine)})", step=step)
 
     def _evaluate(self, step: int) -> None:
         # Weights are checked here, off the timed path: between evaluations a non-finite weight
