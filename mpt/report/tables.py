@@ -105,8 +105,6 @@ def throughput(runs: pd.DataFrame) -> pd.DataFrame:
 def memory(runs: pd.DataFrame, column: str = "peak_memory_bytes") -> pd.DataFrame:
     """Median peak memory per (setup, mode), and its ratio to `fp32`'s; `column`: the run's peak or
     its steady-state one."""
-    if column not in runs.columns:  # records from before the steady-state peak
-        return pd.DataFrame()
     finished = runs[runs.status == "ok"].dropna(subset=[column])
     return _relative_to_fp32(finished, column, "ratio_to_fp32", extra=["memory_kind"])
 

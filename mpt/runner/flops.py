@@ -24,8 +24,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ..config import DType
 from ..precision.formats import BlockFormat, get_format
-
-FP8_ELEMENTS = ("e4m3", "e5m2")  # the element formats of Hopper's and Ada's FP8 tensor cores
+from ..precision.product_operands import TORCH_FP8
 
 # (a substring of torch.cuda.get_device_name(), dense peak TFLOP/s per math), most specific first.
 # Sources: NVIDIA's H100 and H200 datasheets (their tensor-core figures are "with sparsity", halved
@@ -49,10 +48,9 @@ def math_of(p: DictConfig) -> str:
     """What the mode's matmuls and convolutions compute in, from the precision fields (not the name).
     Quantized products are measured against what they ask of the hardware, even where they run
     emulated: FP8 operands against the FP8 peak, MX operands against their format's (none here has one)."""
-    forward = p.get("products", {}).get("forward")
-    if forward is not None:
-        fmt = get_format(forward)
-        return fmt.name if isinstance(fmt, BlockFormat) or fmt.name not in FP8_ELEMENTS else "fp8"
+    if p.products.forward is not None:
+        fmt = get_format(p.products.forward)
+        return "fp8" if not isinstance(fmt, BlockFormat) and fmt.name in TORCH_FP8 else fmt.name
     if p.autocast is not None:
         return {DType.float16: "fp16", DType.bfloat16: "bf16"}[DType(p.autocast)]
     dtype = DType(p.param_dtype)
