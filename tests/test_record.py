@@ -204,6 +204,31 @@ def test_a_tree_copied_without_git_names_the_commit_it_was_packed_from(tmp_path,
     assert git_commit(ROOT)["commit"] != "abc123"  # a real checkout answers for itself
 
 
+def test_configs_from_another_checkout_are_named_and_make_the_record_dirty(tmp_path, monkeypatch):
+    import subprocess
+
+    from mpt.runner.record import code_identity, git_commit
+
+    monkeypatch.delenv("MPT_GIT_COMMIT", raising=False)
+
+    def checkout(name: str, text: str) -> Path:
+        repo = tmp_path / name
+        (repo / "configs").mkdir(parents=True)
+        (repo / "configs" / "config.yaml").write_text(text)
+        for args in (["init", "-q"], ["add", "."], ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", name]):
+            subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True)
+        return repo
+
+    here, there = checkout("here", "seed: 0\n"), checkout("there", "seed: 1\n")
+    git_commit.cache_clear()
+    same = code_identity(here, here / "configs")
+    assert same == {"commit": git_commit(here)["commit"], "dirty": False}
+    mixed = code_identity(here, there / "configs")
+    assert mixed["commit"] == same["commit"] and mixed["dirty"] is True
+    assert mixed["configs"] == {"path": str(there / "configs"), "commit": git_commit(there)["commit"], "dirty": False}
+    assert mixed["configs"]["commit"] != mixed["commit"]
+
+
 COMMITTED = sorted((ROOT / "results").rglob("result.json"))
 
 

@@ -213,6 +213,19 @@ def git_commit(start: Path) -> dict:
     return {"commit": None, "dirty": None}
 
 
+def code_identity(code: Path, configs: Path) -> dict:
+    """`git_commit` of the code, with the configs' own where they come from another checkout or
+    commit. An editable install serves `mpt.configs` from the tree it was installed from, so a clone
+    run with `python -m` imports its own `mpt/` and another tree's configs: the record then names
+    both, and is dirty, since the code's commit alone no longer reproduces the run."""
+    identity = dict(git_commit(code))
+    other = git_commit(configs)
+    if other != identity:
+        identity["configs"] = {"path": str(configs), **other}
+        identity["dirty"] = True
+    return identity
+
+
 def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -11,6 +11,7 @@ import random
 import signal
 import sys
 import time
+from importlib import resources
 from itertools import islice
 from pathlib import Path
 from typing import Any, Iterator
@@ -43,7 +44,7 @@ from .grad_collector import GradStatsCollector
 from .memory import MemoryPeaks
 from .overflow_trace import OverflowTracer
 from .progress import Progress
-from .record import MetricsLog, NullLog, RunRecord, environment, git_commit, now_iso
+from .record import MetricsLog, NullLog, RunRecord, code_identity, environment, now_iso
 from .tensorboard_log import NullBoard, open_board
 from .throughput import ThroughputMeter
 
@@ -370,7 +371,7 @@ class Run:
             evaluation=self.task.evaluation_info,
             sample_grids=[] if self.task.saves_samples else None,
             environment=environment(self.device),
-            git=git_commit(Path(__file__).resolve().parent),
+            git=code_identity(Path(__file__).resolve().parent, Path(str(resources.files("mpt.configs")))),
             started_at=now_iso(),
             nondeterministic_ops=[] if cfg.deterministic else None,
         )
