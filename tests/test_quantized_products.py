@@ -311,6 +311,39 @@ def test_an_fp8_lstm_quantizes_every_gate_product():
 
 
 @pytest.mark.parametrize(
+    "recipe",
+    [ops.Recipe(E4M3, E5M2, "tensor", 1, 0, "max"), ops.Recipe(E4M3, E5M2, "delayed", 4, 0, "max"),
+     ops.Recipe(get_format("mxfp8_e4m3"), get_format("mxfp8_e5m2"), "block", 1, 0, "max"),
+     ops.Recipe(get_format("mxfp4"), get_format("mxfp6_e3m2"), "block", 1, 0, "max")],
+    ids=["tensor", "delayed", "mxfp8", "mxfp4"],
+)  # fmt: skip
+def test_recurrent_weights_quantized_once_per_forward_give_each_steps_own_values(monkeypatch, recipe):
+    """The LSTM's recurrent weights' operands made once per forward (ReusedWeight) against each
+    step's product quantizing them anew: outputs, gradients and delayed histories bit for bit,
+    over two training steps (the second with the scales the first's histories gave)."""
+
+    def run(reuse: bool):
+        torch.manual_seed(0)
+        lstm = nn.LSTM(40, 48, num_layers=2, proj_size=36, bidirectional=True)
+        products = qp.QuantizedProducts(lstm, recipe)
+        results = []
+        with monkeypatch.context() as m:
+            if not reuse:
+                m.setattr(ops.Site, "reused", lambda self: self)  # every call quantizes its weight itself
+            for _ in range(2):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    out, (h, c) = lstm(torch.randn(6, 3, 40))
+                (out.float().square().sum() + h.float().sum()).backward()
+                results += [out, h, c, *(p.grad.clone() for p in lstm.parameters())]
+                products.end_step()
+        results += [s.history for site in products.sites.values() for s in site.delayed.values()]
+        return results
+
+    for ours, theirs in zip(run(reuse=True), run(reuse=False), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
     "override,message",
     [("precision.products.scaling=block", "scaling=block needs MX block formats for both operands"),
      ("precision.products.backward=mxfp8_e5m2", "scaling=tensor needs scalar formats for both operands"),

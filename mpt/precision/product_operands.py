@@ -191,6 +191,9 @@ class Site:
         scale = self.scale(t, role, observe) if scale is None else scale
         return scaled(t, fmt, scale), scale
 
+    def reused(self) -> "ReusedWeight":
+        return ReusedWeight(self)
+
     def scale(self, t: torch.Tensor, role: str, observe: bool = False) -> torch.Tensor:
         """The per-tensor scale of t as operand `role`: its own (tensor) or its role's (delayed)."""
         r = self.recipe
@@ -204,3 +207,25 @@ class Site:
     def end_step(self) -> None:
         for role, state in self.delayed.items():
             state.update(self.recipe.format(role), self.recipe.margin, self.recipe.reduction)
+
+
+class ReusedWeight:
+    """One weight's operands for a series of products that all take it unchanged: an LSTM's
+    recurrent products, one per time step of a forward, and their backwards. Each form (the weight
+    along each reduction axis, as the products quantize it) is made once, at its first use, and
+    reused. The values are each call's own: a weight's scale and blocks depend on the weight alone,
+    a backward reuses its forward's scale, and a delayed history keeps the largest amax its step saw,
+    which repeating the same weight does not change."""
+
+    def __init__(self, site: Site):
+        self.site = site
+        self.forms: dict[tuple, tuple[torch.Tensor, Optional[torch.Tensor]]] = {}
+
+    def operand(
+        self, t: torch.Tensor, role: str, axis: int, scale: Optional[torch.Tensor] = None, observe: bool = False
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        # A per-tensor scale makes one form for every axis; blocks lie along the axis.
+        key = (role, axis % t.dim() if isinstance(self.site.recipe.format(role), BlockFormat) else None)
+        if key not in self.forms:
+            self.forms[key] = self.site.operand(t, role, axis, scale=scale, observe=observe)
+        return self.forms[key]

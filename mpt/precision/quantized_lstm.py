@@ -83,15 +83,18 @@ class QuantizedLSTM(nn.LSTM):
         bias = (w("bias_ih") + w("bias_hh")) if self.bias else None
         pre = linear(x, w("weight_ih"), bias, sites[f"ih{sfx}"], observe)  # (B, T, 4H): every step's input product at once
         h, c = h.to(dtype), c.to(dtype)
+        # The recurrent weights' operands, quantized once for all the steps' products.
+        w_hh = sites[f"hh{sfx}"].reused()
+        w_hr = sites[f"hr{sfx}"].reused() if self.proj_size else None
         outs: list[torch.Tensor] = [None] * x.shape[1]  # type: ignore[list-item]
         order = range(x.shape[1] - 1, -1, -1) if d else range(x.shape[1])
         for t in order:
-            gates = pre[:, t].float() + linear(h, w("weight_hh"), None, sites[f"hh{sfx}"], observe).float()
+            gates = pre[:, t].float() + linear(h, w("weight_hh"), None, sites[f"hh{sfx}"], observe, w_hh).float()
             i, f, g, o = gates.chunk(4, 1)
             c_new = torch.sigmoid(f) * c.float() + torch.sigmoid(i) * torch.tanh(g)
             h_new = (torch.sigmoid(o) * torch.tanh(c_new)).to(dtype)
             if self.proj_size:
-                h_new = linear(h_new, w("weight_hr"), None, sites[f"hr{sfx}"], observe)
+                h_new = linear(h_new, w("weight_hr"), None, sites[f"hr{sfx}"], observe, w_hr)
             c_new = c_new.to(dtype)
             if valid is None:
                 h, c, outs[t] = h_new, c_new, h_new

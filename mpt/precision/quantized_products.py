@@ -29,7 +29,7 @@ from torch import nn
 
 from ..config import ConfigError
 from .formats import FloatFormat
-from .product_operands import TORCH_FP8, Recipe, Site, recipe, to_fp8
+from .product_operands import TORCH_FP8, Recipe, ReusedWeight, Site, recipe, to_fp8
 
 
 class BatchMatmul(nn.Module):
@@ -81,8 +81,9 @@ def _scaled_gemm(a: torch.Tensor, sa: torch.Tensor, fa: FloatFormat, b_t: torch.
 
 class _Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, b, site: Site, observe: bool):
+    def forward(ctx, x, w, b, site: Site, observe: bool, weights: Optional[ReusedWeight]):
         dtype = out_dtype(x)
+        weights = weights or site
         x2 = x.reshape(-1, x.shape[-1])
         fast = _on_scaled_mm(site, x.device, *x2.shape, w.shape[0])
         site.paths.add("scaled_mm" if fast else "emulated")
@@ -93,12 +94,12 @@ class _Linear(torch.autograd.Function):
                 out = _scaled_gemm(x2, sx, f, w, sw, f, dtype).reshape(*x.shape[:-1], -1)
             else:
                 qx, sx = site.operand(x, "input", -1, observe=observe)
-                qw, sw = site.operand(w, "weight", 1, observe=observe)
+                qw, sw = weights.operand(w, "weight", 1, observe=observe)
                 out = F.linear(qx, qw).to(dtype)
             if b is not None:
                 out = out + b.to(dtype)
         ctx.save_for_backward(x, w)
-        ctx.site, ctx.scales, ctx.has_bias, ctx.dtype, ctx.fast = site, (sx, sw), b is not None, dtype, fast
+        ctx.site, ctx.weights, ctx.scales, ctx.has_bias, ctx.dtype, ctx.fast = site, weights, (sx, sw), b is not None, dtype, fast
         return out
 
     @staticmethod
@@ -118,13 +119,13 @@ class _Linear(torch.autograd.Function):
             else:
                 qg, sg = site.operand(g, "grad_output", -1, observe=True)  # the input gradient reduces over outputs
                 if ctx.needs_input_grad[0]:
-                    gx = _through(qg @ site.operand(w, "weight", 0, scale=sw)[0], ctx.dtype, x)
+                    gx = _through(qg @ ctx.weights.operand(w, "weight", 0, scale=sw)[0], ctx.dtype, x)
                 if ctx.needs_input_grad[1]:
                     qg2 = site.operand(g2, "grad_output", 0, scale=sg)[0] if sg is None else qg.reshape(g2.shape)
                     gw = _through(qg2.t() @ site.operand(x2, "input", 0, scale=sx)[0], ctx.dtype, w)  # the weight gradient reduces over rows
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 gb = _through(g2.float().sum(0), ctx.dtype, w)
-        return gx, gw, gb, None, None
+        return gx, gw, gb, None, None, None
 
 
 class _Convolution(torch.autograd.Function):
@@ -199,8 +200,9 @@ class _Matmul(torch.autograd.Function):
         return ga, gb, None, None
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], site: Site, observe: bool) -> torch.Tensor:
-    return _Linear.apply(x, w, b, site, observe)
+def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], site: Site, observe: bool, weights: Optional[ReusedWeight] = None) -> torch.Tensor:
+    """x @ w.T + b with quantized operands; `weights`: w's operands made once for a series of calls."""
+    return _Linear.apply(x, w, b, site, observe, weights)
 
 
 def observing(module: nn.Module) -> bool:
@@ -210,7 +212,7 @@ def observing(module: nn.Module) -> bool:
 
 class QuantizedLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Linear.apply(x, self.weight, self.bias, self.products_site, observing(self))
+        return _Linear.apply(x, self.weight, self.bias, self.products_site, observing(self), None)
 
 
 class _QuantizedConv:
