@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from mpt.config import register_configs  # noqa: E402
 from mpt.precision.engine import held_for_the_run  # noqa: E402
-from mpt.runner.record import environment, git_commit, now_iso, write_json_atomic  # noqa: E402
+from mpt.runner.record import code_identity, environment, now_iso, write_json_atomic  # noqa: E402
 from mpt.runner.throughput import synchronize  # noqa: E402
 from mpt.runner.train import Run, resolve_device  # noqa: E402
 from mpt.runner.validation import validate  # noqa: E402
@@ -111,7 +111,7 @@ def bench(model: str, args) -> dict:
         "median_step_s": median,
         "ratio_to_fp32": {mode: median[mode] / median["fp32"] for mode in args.modes},
         "environment": environment(resolve_device("cpu")),
-        "commit": git_commit(ROOT),
+        "commit": code_identity(),
         "finished_at": now_iso(),
     }
 

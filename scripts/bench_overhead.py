@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 from mpt.config import register_configs  # noqa: E402
 from mpt.datasets.synthetic import SyntheticImages  # noqa: E402
 from mpt.precision.engine import set_fp32_math  # noqa: E402
-from mpt.runner.record import environment, git_commit, now_iso, write_json_atomic  # noqa: E402
+from mpt.runner.record import code_identity, environment, now_iso, write_json_atomic  # noqa: E402
 from mpt.runner.throughput import synchronize  # noqa: E402
 from mpt.runner.train import Run, resolve_device  # noqa: E402
 from mpt.runner.validation import validate  # noqa: E402
@@ -203,7 +203,7 @@ def main() -> None:
         "median_pair_ratio": statistics.median(pair_ratios),
         "method": "median step time over windows of window_steps steps, warm-up excluded, device synchronized at window edges; runner and hand loop alive in one process, windows interleaved ABBA",
         "environment": environment(device),
-        "git": git_commit(ROOT),
+        "git": code_identity(),
         "finished_at": now_iso(),
     }
     print(f"runner/hand step time ratio: {ratio:.3f} (goal <= 1.03) on {record['environment']['device_name']}")

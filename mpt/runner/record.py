@@ -16,6 +16,7 @@ import socket
 import subprocess
 import time
 from dataclasses import dataclass, field, fields
+from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, TextIO
 
@@ -213,12 +214,13 @@ def git_commit(start: Path) -> dict:
     return {"commit": None, "dirty": None}
 
 
-def code_identity(code: Path, configs: Path) -> dict:
+def code_identity(code: Optional[Path] = None, configs: Optional[Path] = None) -> dict:
     """`git_commit` of the code, with the configs' own where they come from another checkout or
     commit. An editable install serves `mpt.configs` from the tree it was installed from, so a clone
     run with `python -m` imports its own `mpt/` and another tree's configs: the record then names
     both, and is dirty, since the code's commit alone no longer reproduces the run."""
-    identity = dict(git_commit(code))
+    identity = dict(git_commit(code or Path(__file__).resolve().parent))
+    configs = configs or Path(str(resources.files("mpt.configs")))
     other = git_commit(configs)
     if other != identity:
         identity["configs"] = {"path": str(configs), **other}

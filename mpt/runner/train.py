@@ -11,7 +11,6 @@ import random
 import signal
 import sys
 import time
-from importlib import resources
 from itertools import islice
 from pathlib import Path
 from typing import Any, Iterator
@@ -371,7 +370,7 @@ class Run:
             evaluation=self.task.evaluation_info,
             sample_grids=[] if self.task.saves_samples else None,
             environment=environment(self.device),
-            git=code_identity(Path(__file__).resolve().parent, Path(str(resources.files("mpt.configs")))),
+            git=code_identity(),
             started_at=now_iso(),
             nondeterministic_ops=[] if cfg.deterministic else None,
         )
