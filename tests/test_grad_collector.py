@@ -211,18 +211,19 @@ def test_a_sampled_step_is_left_out_of_its_throughput_window(monkeypatch):
     assert meter.pipeline == [10.0, 10.0]  # without the exclusion the first window would read 20 images in 7 s
 
 
-def engine_for(model: nn.Module, precision: str) -> PrecisionEngine:
+def engine_for(model: nn.Module, precision: str, lr_milestones: tuple[int, ...] = ()) -> PrecisionEngine:
     cfg = compose_cfg(f"precision={precision}", "schedule.batch_size=256", "optim.lr=0.1", "optim.momentum=0", "optim.weight_decay=0")
-    return PrecisionEngine(model, cfg, build_scaler(cfg), [], CPU)
+    return PrecisionEngine(model, cfg, build_scaler(cfg), list(lr_milestones), CPU)
 
 
 def test_lost_updates_are_counted_per_layer_on_sampled_steps_only():
     """Per layer, per sampled step with its lr, nothing on other steps, against numpy: an FP32
     network's updates (after minus before) added in FP32 to the weights' FP16 rounding and rounded
     to FP16; an FP16 network's (updated in place, momentum 0) -lr*g computed in FP32, lost where
-    the stored weight did not change."""
+    the stored weight did not change. The lr falls 10x right after the sampled step's update: the
+    step is labelled with the lr it ran with."""
     nets = {"model": net(), "fp16": net()}
-    engines = {name: engine_for(m, precision) for (name, m), precision in zip(nets.items(), ["fp32", "fp16"])}
+    engines = {name: engine_for(m, precision, (2,)) for (name, m), precision in zip(nets.items(), ["fp32", "fp16"])}
     c = GradStatsCollector(OmegaConf.create({"grad_hist": False, "lost_updates": True, "every": 2, "keep": 0.999}), nets, CPU)
     g = torch.Generator().manual_seed(3)
     oracle = {name: {} for name in nets}
@@ -245,6 +246,7 @@ def test_lost_updates_are_counted_per_layer_on_sampled_steps_only():
                     oracle[name][layer] = (prev[0] + int((u != 0).sum()), prev[1] + int(lost.sum()))
     s = c.summary()
     assert s["networks"] == {} and s["sampled_steps"] == [1]
+    assert [e.lr for e in engines.values()] == [pytest.approx(0.01)] * 2  # the schedule has moved on
     for name, counted in [("model", "would_be_lost"), ("fp16", "lost")]:
         lost = s["lost_updates"]["networks"][name]
         assert lost["counted"] == counted

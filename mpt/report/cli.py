@@ -124,7 +124,7 @@ def build_report(paths: list[Path], out: Path, published_path: Path | None) -> l
     curves = load_curves(runs)
     figs = figures.loss_curves(curves, out / "figures") + figures.loss_scale_curves(curves, out / "figures") + figures.throughput_bars(tp, out / "figures")
     figs += figures.sample_grids(runs, out / "figures") + figures.gradient_histograms(runs, out / "figures")
-    figs += figures.gradient_histograms_over_training(runs, out / "figures") + figures.lost_update_curves(runs, out / "figures")
+    figs += figures.gradient_histograms_over_training(runs, out / "figures") + figures.lost_update_curves(runs, curves, out / "figures")
     figs += figures.atlas_heatmaps(atlas_rows, out / "figures") + figures.atlas_histograms(runs, out / "figures")
     written += figs
     # figures/ is the report's own: a figure an earlier report drew for a cell that no longer exists

@@ -270,11 +270,15 @@ def gradient_histograms(runs: pd.DataFrame, out: Path) -> list[Path]:
     return written
 
 
-def lost_update_curves(runs: pd.DataFrame, out: Path) -> list[Path]:
+def lost_update_curves(runs: pd.DataFrame, curves: pd.DataFrame, out: Path) -> list[Path]:
     """For each model: the share of updates lost in FP16 at each sampled step, one line per mode
-    and network (mean over seeds), above the learning rate those steps ran with. The paper's case
+    and network (mean over seeds), above the learning rate every step ran with. The paper's case
     for a master copy (Section 3.1) is that this share grows as the learning rate falls. FP16
-    weights updated in place count what they lost; the others what an FP16 weight would lose."""
+    weights updated in place count what they lost; the others what an FP16 weight would lose.
+
+    The learning rate comes from the training log (`curves`), not from the record's sampled steps:
+    older records label a sampled step just before a drop with the lr after it (the collector read
+    it after the step's update had advanced the schedule)."""
     written = []
     counted = [c for c in runs.columns if c.startswith("lost.") and c.endswith(".updated")]
     if not counted:
@@ -290,7 +294,7 @@ def lost_update_curves(runs: pd.DataFrame, out: Path) -> list[Path]:
                         **{k: run[k] for k in [*CELL_KEYS, "mode", "precision_order", "scale_order", "seed"]},
                         "group": net,
                         "counted": lost.get("counted", "would_be_lost"),
-                        **{k: s[k] for k in ("step", "lr", "share_lost_fp16")},
+                        **{k: s[k] for k in ("step", "share_lost_fp16")},
                     }
                 )
     if not rows:
@@ -304,7 +308,9 @@ def lost_update_curves(runs: pd.DataFrame, out: Path) -> list[Path]:
             ax.plot(
                 per_step.index, per_step.values, label=f"{label}: {'lost' if lost_in_place else 'would be lost'}", lw=1.2, ls="-" if lost_in_place else "--"
             )
-            lr = lines.groupby("step")["lr"].median()
+        logged = curves if curves.empty else curves[(curves[CELL_KEYS].fillna({"variant": ""}) == pd.Series(keys, index=CELL_KEYS)).all(axis=1)]
+        for label, rows in _lines(logged) if not logged.empty else []:
+            lr = rows.groupby("step")["lr"].median()
             ax_lr.step(lr.index, lr.values, where="post", lw=1, label=label)
         ax.set(ylabel="% of updates lost in FP16\n(mean over seeds)", title=f"updates lost in FP16 weights: {title}")
         ax.legend(fontsize=8)

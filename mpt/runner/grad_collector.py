@@ -184,13 +184,14 @@ class GradStatsCollector:
             yield
             return
         self.lost_counted[network] = engine.lost_counted
+        lr = float(engine.lr)  # the step's own: its update advances the schedule
         with engine.counting_lost() as counts:
             yield
         step = LostUpdates(self.device)
         for p, c in counts.items():
             self.lost[network].setdefault(self.layer_of[network].get(id(p), "(other)"), LostUpdates(self.device)).merge(c)
             step.merge(c)
-        self.lost_steps[network].append({"step": self._sampled_step, "lr": float(engine.lr), **step.summary()})
+        self.lost_steps[network].append({"step": self._sampled_step, "lr": lr, **step.summary()})
 
     def _install(self) -> None:
         # First among the hooks: a network's boundary hook casts FP16 outputs to FP32 (precision.py).
