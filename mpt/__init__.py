@@ -7,3 +7,25 @@ import os
 # optimizer temporaries) that the OS otherwise faults in 4 KiB at a time, which can cost more than
 # the arithmetic done on them. Set THP_MEM_ALLOC_ENABLE=0 to keep torch's default.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+
+def _use_the_checkouts_configs() -> None:
+    """In a source checkout, `mpt.configs` is the `configs/` beside this `mpt/`. An editable install
+    maps the name to the tree it was installed from, so another checkout run with `python -m` would
+    otherwise compose its runs from that tree's configs. Installed packages hold `mpt/configs`."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parent
+    configs = package.parent / "configs"
+    if (package / "configs").exists() or not (configs / "config.yaml").is_file() or not (configs / "__init__.py").is_file():
+        return
+    spec = importlib.util.spec_from_file_location(__name__ + ".configs", configs / "__init__.py", submodule_search_locations=[str(configs)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    globals()["configs"] = module
+
+
+_use_the_checkouts_configs()

@@ -229,6 +229,36 @@ def test_configs_from_another_checkout_are_named_and_make_the_record_dirty(tmp_p
     assert mixed["configs"]["commit"] != mixed["commit"]
 
 
+def test_a_checkout_run_with_python_m_composes_from_its_own_configs(tmp_path):
+    """A second checkout of the code, run from its root with `python -m` while the editable install
+    points at this one, reads the configs beside its own `mpt/`: here one whose smoke schedule has 7
+    steps where this checkout's has 3."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    other = tmp_path / "other"
+    shutil.copytree(ROOT / "mpt", other / "mpt", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "configs", other / "configs", ignore=shutil.ignore_patterns("__pycache__"))
+    smoke = other / "configs" / "schedule" / "smoke.yaml"
+    assert "\nsteps: 3\n" in smoke.read_text()
+    smoke.write_text(smoke.read_text().replace("\nsteps: 3\n", "\nsteps: 7\n"))
+    probe = (
+        "from importlib import resources\n"
+        "from hydra import compose, initialize_config_module\n"
+        "from mpt.config import register_configs\n"
+        "register_configs()\n"
+        "with initialize_config_module(config_module='mpt.configs', version_base='1.3'):\n"
+        "    cfg = compose(config_name='config', overrides=['schedule=smoke'])\n"
+        "print(resources.files('mpt.configs'), cfg.schedule.steps)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", probe], cwd=other, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == [str(other / "configs"), "7"]
+
+
 COMMITTED = sorted((ROOT / "results").rglob("result.json"))
 
 

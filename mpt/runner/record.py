@@ -216,9 +216,9 @@ def git_commit(start: Path) -> dict:
 
 def code_identity(code: Optional[Path] = None, configs: Optional[Path] = None) -> dict:
     """`git_commit` of the code, with the configs' own where they come from another checkout or
-    commit. An editable install serves `mpt.configs` from the tree it was installed from, so a clone
-    run with `python -m` imports its own `mpt/` and another tree's configs: the record then names
-    both, and is dirty, since the code's commit alone no longer reproduces the run."""
+    commit (a checkout reads the configs beside its `mpt/`, mpt/__init__.py, but code and configs
+    can still part, e.g. an installed package's configs under a checkout's code): the record then
+    names both, and is dirty, since the code's commit alone no longer reproduces the run."""
     identity = dict(git_commit(code or Path(__file__).resolve().parent))
     configs = configs or Path(str(resources.files("mpt.configs")))
     other = git_commit(configs)
