@@ -71,10 +71,10 @@ lm)
 detection)
   # Multibox SSD300 (VGG-16, random init: no ImageNet weights here) on the raccoon set (160
   # training images, 40 test), batch 8, 48 steps (2.4 epochs), the recipe's SGD at 2.5e-4 (8e-3 per
-  # 256 images) falling 10x at steps 24 and 36. SSD300 trains at about half an image per second on
-  # 2 cores (results/cpu-grad-stats/), so this is what 9 runs afford: its mAP is noise, and what it
-  # can show is where the gradients lie (sampled every 8th step, start to end) and whether mixed
-  # without scaling breaks.
+  # 256 images) falling 10x at steps 24 and 36. SSD300 trains at under an image per second on 2
+  # cores (0.86-0.87 alone, the records of mixed + 8 seeds 1 and 2), so this is what 9 runs afford:
+  # its mAP is noise, and what it can show is where the gradients lie (sampled every 8th step, start
+  # to end) and whether mixed without scaling breaks.
   common=(model=ssd data=voc data.root=$data/raccoon 'data.train_sets=[train_labels.csv]' 'data.val_sets=[test_labels.csv]' 'data.class_names=[raccoon]'
     schedule=smoke schedule.batch_size=8 schedule.steps=48 'schedule.lr_milestones=[24,36]' schedule.eval_batches=null schedule.log_every=4
     schedule.throughput_warmup=2 schedule.throughput_window=4 stats.grad_hist=true stats.lost_updates=true stats.every=8)
