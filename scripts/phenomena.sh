@@ -103,6 +103,8 @@ fp8)
   seeds=0 sweep "${common[@]}" precision=fp8 scale=none stats.every=300 'stats.formats=[e4m3,e5m2,mxfp8_e4m3,mxfp8_e5m2,mxfp4,mxfp6_e3m2]'
   language_model
   sweep "${common[@]}" precision=bf16,fp8,fp8_delayed,mxfp8,mxfp4 scale=none
+  # And the language model's (seed 0), at the start, middle and end of its 4,356 steps.
+  seeds=0 sweep "${common[@]}" precision=fp8 scale=none stats.every=1452 'stats.formats=[e4m3,e5m2,mxfp8_e4m3,mxfp8_e5m2,mxfp4,mxfp6_e3m2]'
   shopt -s nullglob  # a baseline not run yet is left out, not passed as a pattern
   also=(results/phenomena/classifiers/resnet50_fp32_none_* results/phenomena/classifiers/resnet50_mixed_none_*
     results/phenomena/lm/biglstm_tiny_fp32_none_* results/phenomena/lm/biglstm_tiny_mixed_none_*)
