@@ -299,6 +299,7 @@ def lost_update_curves(runs: pd.DataFrame, curves: pd.DataFrame, out: Path) -> l
                 )
     if not rows:
         return written
+    logged = dict(iter(curves.fillna({"variant": ""}).groupby(CELL_KEYS))) if not curves.empty else {}
     for keys, df in pd.DataFrame(rows).groupby(CELL_KEYS):
         stem, title = _cell_name(keys)
         fig, (ax, ax_lr) = plt.subplots(2, 1, sharex=True, figsize=(7, 5.5), height_ratios=[3, 1], layout="constrained")
@@ -308,8 +309,7 @@ def lost_update_curves(runs: pd.DataFrame, curves: pd.DataFrame, out: Path) -> l
             ax.plot(
                 per_step.index, per_step.values, label=f"{label}: {'lost' if lost_in_place else 'would be lost'}", lw=1.2, ls="-" if lost_in_place else "--"
             )
-        logged = curves if curves.empty else curves[(curves[CELL_KEYS].fillna({"variant": ""}) == pd.Series(keys, index=CELL_KEYS)).all(axis=1)]
-        for label, rows in _lines(logged) if not logged.empty else []:
+        for label, rows in _lines(logged[keys]) if keys in logged else []:
             lr = rows.groupby("step")["lr"].median()
             ax_lr.step(lr.index, lr.values, where="post", lw=1, label=label)
         ax.set(ylabel="% of updates lost in FP16\n(mean over seeds)", title=f"updates lost in FP16 weights: {title}")
