@@ -42,6 +42,35 @@ def test_a_convolutions_forward_and_weight_gradient_are_counted():
     assert counter.get_total_flops() == 2 * forward  # the input needs no gradient: forward and weight gradient
 
 
+def test_a_compiled_network_is_counted_eager_and_compiles_after(monkeypatch):
+    """Dynamo skips a frame met under a dispatch mode such as the counter, and older torch marks its
+    code skipped for the rest of the run (an H100 run with torch 2.11 compiled nothing): the counted
+    step must not reach dynamo at all, and the network must compile on the next step."""
+    import torch._dynamo.convert_frame as convert_frame
+
+    wrapper = getattr(convert_frame, "CatchErrorsWrapper", None)
+    if wrapper is None:
+        pytest.skip("this torch has no CatchErrorsWrapper, dynamo's frame callback, to watch")
+    reached, graphs = [], []
+    called = wrapper.__call__
+    monkeypatch.setattr(wrapper, "__call__", lambda self, frame, *a, **k: reached.append(frame) or called(self, frame, *a, **k))
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    conv, x = nn.Conv2d(3, 8, 3, bias=False), torch.randn(2, 3, 10, 10)
+    compiled = torch.compile(conv, backend=backend)
+    with counting_flops([conv]) as counter:
+        compiled(x).sum().backward()
+    assert counter.get_total_flops() == 2 * 2 * 2 * 8 * 8 * 8 * 3 * 3 * 3  # forward and weight gradient, eager
+    assert reached == [] and graphs == []
+    compiled(x)
+    assert len(graphs) == 1
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize(
     "precision, math",
     [

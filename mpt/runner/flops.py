@@ -75,10 +75,16 @@ def counting_flops(networks: list[nn.Module]) -> Iterator[FlopCounterMode]:
     has_rnn = any(isinstance(m, nn.RNNBase) for net in networks for m in net.modules())
     saved = torch.backends.cudnn.enabled, torch.backends.mkldnn.enabled
     counter = FlopCounterMode(display=False)
+    # torch.compile'd networks run eager in the counted step. Dynamo skips a frame it meets under a
+    # dispatch mode such as this counter; torch 2.14 skips only that call, older releases may mark the
+    # code skipped for good (on an H100 with torch 2.11, runs that counted FLOPs compiled no graph:
+    # results/gpu-h100-loan3/options). force_eager keeps dynamo out of the step (torch >= 2.6).
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    eager = set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
     try:
         if has_rnn:
             torch.backends.cudnn.enabled = torch.backends.mkldnn.enabled = False
-        with counter:
+        with counter, eager:
             yield counter
     finally:
         torch.backends.cudnn.enabled, torch.backends.mkldnn.enabled = saved
