@@ -132,6 +132,11 @@ class LanguageModelConfig(ModelConfig):
     dropout: float = 0.1
     num_sampled: int = 8192  # negatives per step, log-uniform over frequency-ranked ids
     bptt: int = 20  # time steps per batch; the state carries over from one batch to the next
+    # The sampled softmax's true-word logit: "dot", an elementwise product and sum as TensorFlow's
+    # sampled_softmax_loss computes it (outside any matrix product, so FP8 and MX modes leave it
+    # unquantized while the sampled logits are); "product", a batched product of its own, which
+    # those modes quantize as they do the sampled logits'.
+    true_logit: str = "dot"
 
 
 @dataclass

@@ -17,7 +17,10 @@ from mpt.datasets import build_data
 from mpt.datasets.text_corpus import EOS, UNK, MarkovSource, Sentences, rows_of
 from mpt.models import biglstm
 from mpt.models.biglstm import BigLSTM, LanguageModel, log_uniform_log_prob, log_uniform_sample, sampled_softmax_loss
+from mpt.precision import product_operands as ops
+from mpt.precision import quantized_products as qp
 from mpt.precision.engine import PrecisionEngine
+from mpt.precision.formats import get_format
 from mpt.precision.scaler import build_scaler
 from mpt.runner.validation import validate
 
@@ -139,6 +142,33 @@ def test_the_state_carries_from_one_window_to_the_next():
         biglstm.EVAL_LOGITS = saved
 
 
+def test_the_true_logit_as_a_product_is_the_diagonal_of_the_quantized_logits():
+    """model.true_logit=product puts the true word's logit through a product that MXFP4 quantizes:
+    it is the diagonal of the full quantized product of the outputs and the targets' softmax rows.
+    The default, TensorFlow's elementwise dot product, stays unquantized beside quantized negatives."""
+    mxfp4 = ops.Recipe(get_format("mxfp4"), get_format("mxfp6_e3m2"), "block", 1, 0, "max")
+    nets = {}
+    for true_logit in ("dot", "product"):
+        torch.manual_seed(0)
+        nets[true_logit] = BigLSTM(tiny_cfg("model.dropout=0", f"model.true_logit={true_logit}").model, vocab=40, batch_size=3)
+    x, y = torch.randint(0, 40, (3, 5)), torch.randint(0, 40, (3, 5))
+    flat = y.reshape(-1)  # the targets as the candidates: the sampled logits are the full (N x N) product
+
+    def logits(net):
+        net.carry_h.zero_(), net.carry_c.zero_()
+        with torch.no_grad():
+            return net("train", x, y, flat)
+
+    (dot, _), (product, _) = logits(nets["dot"]), logits(nets["product"])
+    assert torch.allclose(product, dot, rtol=1e-5, atol=1e-6)  # unquantized, one logit either way
+    for net in nets.values():
+        qp.QuantizedProducts(net, mxfp4)
+    (dot, dot_full), (product, product_full) = logits(nets["dot"]), logits(nets["product"])
+    assert torch.equal(dot_full, product_full)
+    assert torch.allclose(product, product_full.diagonal(), rtol=1e-6, atol=1e-6)
+    assert (dot - dot_full.diagonal()).abs().max() > 0.05 * dot.abs().max()  # FP4's rounding, which the dot product escapes
+
+
 def test_paper_size_is_jozefowicz_big_lstm():
     m = compose_cfg("model=biglstm").model
     with torch.device("meta"):
@@ -243,6 +273,7 @@ def test_bad_text_corpus_is_one_line_naming_the_problem(overrides, named):
     "overrides,named",
     [
         (["model.proj_size=64"], "model.proj_size=64: must be smaller than model.hidden_size=32"),
+        (["model.true_logit=matmul"], "model.true_logit=matmul: expected dot or product"),
         (["precision=fp16"], "cannot run optim.name=adagrad; use optim.name=sgd, or precision=mixed"),
         (["data=text_corpus"], "data.root is not set"),
         (["data.sentence_end_prob=1.5"], "data.sentence_end_prob=1.5"),

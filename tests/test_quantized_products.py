@@ -375,7 +375,7 @@ def test_each_fp8_and_mx_mode_trains_and_records_its_products(tmp_path, in_proce
     assert p["products"]["paths"] == {"emulated": layers}
 
 
-@pytest.mark.parametrize("model,extra", [("gnmt", SMALL_NMT), ("biglstm_tiny", SMALL_LM)])
+@pytest.mark.parametrize("model,extra", [("gnmt", SMALL_NMT), ("biglstm_tiny", SMALL_LM), ("biglstm_tiny", [*SMALL_LM, "model.true_logit=product"])])
 def test_an_lstm_model_trains_with_every_gate_attention_and_softmax_product_quantized(tmp_path, in_process, model, extra):
     job = build_run(tmp_path, f"model={model}", *extra, "schedule=smoke", "schedule.steps=2", "precision=fp8_delayed", "logger=none", "checkpoint=false")
     (engine,) = job.engines.values()

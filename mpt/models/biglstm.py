@@ -66,6 +66,8 @@ class BigLSTM(nn.Module):
         self.softmax_w = nn.Parameter(torch.empty(vocab, m.proj_size))
         self.softmax_b = nn.Parameter(torch.zeros(vocab))
         self.logits = BatchMatmul()  # the softmax's product, sampled or full: FP8 and MX modes quantize it
+        # model.true_logit=product: its own module, so that a delayed FP8 scale keeps its own history
+        self.true_logits = BatchMatmul() if m.true_logit == "product" else None
         with torch.no_grad():
             bound = 1.0 / math.sqrt(m.proj_size)
             self.embedding.weight.uniform_(-bound, bound)
@@ -92,7 +94,10 @@ class BigLSTM(nn.Module):
         self.carry_h, self.carry_c = h.detach(), c.detach()
         out = self.drop(out).reshape(-1, out.shape[-1])
         flat = targets.reshape(-1)
-        true_logits = (out * self.softmax_w[flat]).sum(-1) + self.softmax_b[flat]
+        if self.true_logits is not None:  # each row's dot product as a (1 x P) @ (P x 1) product
+            true_logits = self.true_logits(out.unsqueeze(1), self.softmax_w[flat].unsqueeze(-1)).view(-1) + self.softmax_b[flat]
+        else:
+            true_logits = (out * self.softmax_w[flat]).sum(-1) + self.softmax_b[flat]
         sampled_logits = self.logits(out, self.softmax_w[candidates].t()) + self.softmax_b[candidates]
         return true_logits, sampled_logits
 
@@ -168,6 +173,8 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"model.proj_size={m.proj_size}: must be smaller than model.hidden_size={m.hidden_size} (nn.LSTM's projection)")
     if not 0 <= m.dropout < 1:
         raise ConfigError(f"model.dropout={m.dropout}: must be in [0, 1)")
+    if m.true_logit not in ("dot", "product"):
+        raise ConfigError(f"model.true_logit={m.true_logit}: expected dot or product")
 
 
 def build(cfg: DictConfig, data_info: dict, shard: Dist = Dist()) -> LanguageModel:
