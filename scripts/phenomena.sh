@@ -105,10 +105,15 @@ fp8)
   sweep "${common[@]}" precision=bf16,fp8,fp8_delayed scale=none
   # And the language model's (seed 0), at the start, middle and end of its 4,356 steps.
   seeds=0 sweep "${common[@]}" precision=fp8 scale=none stats.every=1452 'stats.formats=[e4m3,e5m2,mxfp8_e4m3,mxfp8_e5m2,mxfp4,mxfp6_e3m2]'
-  # The MX modes emulate at 4-6x FP32's cost here (results/cpu-modes-fp8/), the sweep's longest part:
+  # The MX modes emulate at 5.1-5.5x FP32's cost here (results/cpu-modes-fp8/), the sweep's longest part:
   # seed 0 of each first, so that a sitting that ends early still has every mode.
   seeds=0 sweep "${common[@]}" precision=mxfp8,mxfp4 scale=none
+  # MXFP4's lead (docs/reproduction.md): the sampled softmax's true-word logit through a quantized
+  # product as the negatives' are (model.true_logit=product). Seed 0 first, beside seed 0 above.
+  seeds=0 sweep "${common[@]}" precision=mxfp4 scale=none model.true_logit=product
   seeds=1,2 sweep "${common[@]}" precision=mxfp8,mxfp4 scale=none
+  seeds=1,2 sweep "${common[@]}" precision=mxfp4 scale=none model.true_logit=product
+  sweep "${common[@]}" precision=mxfp8 scale=none model.true_logit=product
   shopt -s nullglob  # a baseline not run yet is left out, not passed as a pattern
   also=(results/phenomena/classifiers/resnet50_fp32_none_* results/phenomena/classifiers/resnet50_mixed_none_*
     results/phenomena/lm/biglstm_tiny_fp32_none_* results/phenomena/lm/biglstm_tiny_mixed_none_*)
