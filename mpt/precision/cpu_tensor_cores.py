@@ -5,10 +5,12 @@ result once to the output dtype. Inside `TensorCoreArithmetic`, every matrix pro
 convolution whose floating inputs are all FP16 (or all BF16) runs as torch's own FP32 kernel on
 those same rounded inputs, and its result is rounded once: the GPU's arithmetic up to summation
 order, at the speed of the CPU's FP32 kernels. A convolution's bias is then added in the dtype, as
-torch's cuDNN path adds it. An LSTM in FP16 or BF16 runs with its products so, its cell's sums,
-activations and update in FP32, its h and c stored in the dtype. On an H100, every product but
-`addmm` with a full matrix, biased convolutions included, was as far from its exact sum on CUDA as
-here (results/gpu-h100-loan2/arithmetic); cuDNN's LSTM was not this computation (docs/cpu-arithmetic.md).
+torch's cuDNN path adds it. An LSTM in FP16 or BF16 runs as cuDNN's does: each gate product
+rounded to the dtype, then summed with the biases, the activations and the cell update in FP32,
+its h and c stored in the dtype. On an H100, every product but `addmm` with a full matrix, biased
+convolutions included, was as far from its exact sum on CUDA as here
+(results/gpu-h100-loan2/arithmetic), and that LSTM step was cuDNN's but for FP16's persistent
+kernels (results/gpu-h100-loan3/arithmetic, docs/cpu-arithmetic.md).
 Only torch's cuDNN path adds a bias after rounding: its depthwise and fallback CUDA kernels take it inside.
 
 The products are replaced at the CPU kernels of the aten ops (torch.library, for the context's
@@ -155,8 +157,8 @@ _active = 0  # nested contexts: only the outermost registers
 
 class TensorCoreArithmetic:
     """Within it, on a CPU, FP16 and BF16 matrix products and convolutions accumulate in FP32 and
-    round once, and FP16 and BF16 LSTMs run as we understood cuDNN's to (an H200 disagreed: the
-    module docstring). With emulate=False, torch's own kernels
+    round once, and FP16 and BF16 LSTMs run as cuDNN's (the module docstring says where not).
+    With emulate=False, torch's own kernels
     run, LSTMs on torch's native one (oneDNN off). `counts`: the ops replaced, by name."""
 
     def __init__(self, emulate: bool = True):
@@ -198,7 +200,8 @@ def _per_step(steps: list[int], *tensors: torch.Tensor) -> list[tuple[torch.Tens
 class _Recurrence(torch.autograd.Function):
     """One direction of one layer, from the input's gate products and biases `xw` ((N, 4H) in `math`,
     N the rows of every step: T*B, or a packed batch's total). h and c are stored in `dtype` at each
-    step; each step's sums, activations and cell update run in `math` (a GPU's FP32 registers).
+    step, and so is each step's recurrent product; each step's sums, activations and cell update run
+    in `math` (a GPU's FP32 registers).
 
     The backward is written out, as cuDNN's is, because autograd through a Python step loop costs
     several times the FP32 LSTM: per step, the elementwise gradients and one recurrent product; each
@@ -251,7 +254,8 @@ class _Recurrence(torch.autograd.Function):
             xw_t, hp, cp, a, sig_if, i_t, f_t, g_t, o_t, tc, c_t, out_t = views[t]
             for dst, src in copies:
                 dst.copy_(src)
-            torch.addmm(xw_t, hp, w_hh_t, out=a)
+            torch.mm(hp, w_hh_t, out=a)
+            a.copy_(a.to(dtype)).add_(xw_t)  # the recurrent product stored in the dtype, as cuDNN's
             sig_if.sigmoid_()
             g_t.tanh_()
             o_t.sigmoid_()
@@ -317,10 +321,12 @@ class _Recurrence(torch.autograd.Function):
 
 
 def emulated_lstm(x, batch_sizes, hx, weights, has_biases, num_layers, dropout, train, bidirectional, dtype, math=torch.float32):
-    """_VF.lstm's computation (time-major or packed input, all in `dtype`) with a GPU's arithmetic:
-    every product of FP16/BF16 values accumulated in FP32, the gate sums, activations and cell update
-    in FP32, h and c rounded to `dtype` at each step (cuDNN's FP32 math on FP16/BF16 storage). The
-    input's products for all steps come first, in one product, as cuDNN does. `math=torch.float64`
+    """_VF.lstm's computation (time-major or packed input, all in `dtype`) with cuDNN's arithmetic:
+    every product of FP16/BF16 values accumulated in FP32 and rounded to `dtype` (the input's and
+    the recurrent state's gate products apart), the gate sums, activations and cell update in FP32,
+    h computed from c before c is rounded, h and c rounded to `dtype` at each step. The input's
+    products for all steps come first, in one product, as cuDNN does. Only the forward rounds the
+    gate products: cuDNN's backward was not probed, and it passes their gradients on as they are. `math=torch.float64`
     is the same computation in float64 registers: the tests' oracle. Returns (output, h_n, c_n)."""
     h0, c0 = hx
     directions = 2 if bidirectional else 1
@@ -335,10 +341,10 @@ def emulated_lstm(x, batch_sizes, hx, weights, has_biases, num_layers, dropout, 
             w_ih, w_hh = w[0], w[1]
             w_hr = w[4 if has_biases else 2] if len(w) > (4 if has_biases else 2) else None
             x2 = x32.reshape(-1, x32.shape[-1])
+            xw = x2 @ w_ih.to(math).t()
+            xw = xw + (xw.to(dtype).to(math) - xw).detach()  # stored in the dtype; its gradient as it is
             if has_biases:
-                xw = torch.addmm(w[2].to(math) + w[3].to(math), x2, w_ih.to(math).t())
-            else:
-                xw = x2 @ w_ih.to(math).t()
+                xw = xw + (w[2].to(math) + w[3].to(math))
             steps = batch_sizes.tolist() if batch_sizes is not None else [x.shape[1]] * x.shape[0]
             out, h, c = _Recurrence.apply(xw, h0[k], c0[k], w_hh, w_hr, steps, d == 1, dtype, math)
             if batch_sizes is None:
