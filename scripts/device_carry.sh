@@ -12,7 +12,7 @@ cd "$root"
 shared=${SHARED_DATA:-$root/../shared/data}
 rm -rf .data && mkdir -p .data
 # peer: DLE imports pynvml (nvidia-ml-py), which the device image has; carried too, to be sure.
-../shared/offline/wheels.sh $(case $part in peer|next) echo nvidia-ml-py ;; esac) > /dev/null
+../shared/offline/wheels.sh $(case $part in peer) echo nvidia-ml-py ;; esac) > /dev/null
 # What the records will name: the commit, whether tracked files differ from it, and a hash of the
 # tracked files' content, which device_session.sh recomputes on the copy it runs in. results/ is
 # left out of the hash: the records change nothing a run computes, and they can be left behind
@@ -21,13 +21,13 @@ git ls-files -- . ':!:results' > .data/GIT_FILES
 hash=$(tr '\n' '\0' < .data/GIT_FILES | xargs -0 sha256sum | sha256sum | cut -d' ' -f1)
 echo "$(git rev-parse HEAD) $([ -n "$(git status --porcelain --untracked-files=no -- . ':!:results')" ] && echo 1 || echo 0) $hash" > .data/GIT
 case $part in
-  suite|arithmetic|bench|options|others) ;;
-  peer|next)
+  suite|arithmetic|bench|options) ;;
+  peer)
     mkdir -p .data/peer/ConvNets .data/peer/dllogger
     git --git-dir="${DLE_GIT:?set DLE_GIT}" archive HEAD PyTorch/Classification/ConvNets | tar -x -C .data/peer/ConvNets --strip-components=3
     git --git-dir="${DLLOGGER_GIT:?set DLLOGGER_GIT}" archive HEAD dllogger | tar -x -C .data/peer/dllogger
     git --git-dir="$DLE_GIT" rev-parse HEAD > .data/peer/COMMIT ;;
-  cifar) cp "$shared/cifar10.tar.gz" .data/ ;;
+  cifar|next|others) cp "$shared/cifar10.tar.gz" .data/ ;;  # next and others: one carry for both calls
   ssd) cp -r "$shared/raccoon" .data/ ;;
   gnmt) cp -r "$shared/multi30k" .data/ ;;
   biglstm) cp -r "$shared/ptb" .data/ ;;
