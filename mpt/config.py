@@ -135,7 +135,8 @@ class LanguageModelConfig(ModelConfig):
     # The sampled softmax's true-word logit: "dot", an elementwise product and sum as TensorFlow's
     # sampled_softmax_loss computes it (outside any matrix product, so FP8 and MX modes leave it
     # unquantized while the sampled logits are); "product", a batched product of its own, which
-    # those modes quantize as they do the sampled logits'.
+    # those modes quantize as they do the sampled logits' (and autocast modes run in their dtype,
+    # where the dot product stays FP32).
     true_logit: str = "dot"
 
 
@@ -392,6 +393,11 @@ class Config:
     # as a GPU's tensor cores compute them: FP32 accumulation of the rounded inputs, one rounding, at
     # the speed of FP32 kernels (precision/cpu_tensor_cores.py). false: torch's own CPU kernels.
     emulate_tensor_cores: bool = True
+    # With it, an FP16 or BF16 LSTM's gate products (the input's and the recurrent state's) are each
+    # rounded to the dtype before the FP32 sums, as one step of an H100's cuDNN LSTM computes
+    # (results/gpu-h100-loan3/arithmetic). false: the sums of unrounded products, the emulation
+    # before commit 7fba77d, for comparing the two.
+    emulate_lstm_gate_rounding: bool = True
     deterministic: bool = False
     force: bool = False  # run even if the run folder already holds a record with status ok
     resume: bool = True  # continue from the run folder's checkpoint when there is one
@@ -482,6 +488,14 @@ def validate(cfg: DictConfig) -> None:
         known = list_backends(exclude_tags=())
         if cfg.compile.backend not in known:
             raise ConfigError(f"compile.backend={cfg.compile.backend}: no such torch.compile backend; choose one of {', '.join(known)}")
+    if cfg.compile.backend is not None and cfg.schedule.count_flops:
+        import torch
+
+        if not hasattr(torch.compiler, "set_stance"):  # runner/flops.py: the counted step runs the networks eager
+            raise ConfigError(
+                f"compile.backend={cfg.compile.backend} with schedule.count_flops=true: counting FLOPs beside torch.compile needs torch>=2.6 "
+                f"(torch.compiler.set_stance), this is {torch.__version__}; set schedule.count_flops=false"
+            )
     if cfg.compile.backend is not None and cfg.stats.grad_hist:
         # The histograms come from hooks installed on sampled steps only, which would recompile the graph.
         raise ConfigError(f"compile.backend={cfg.compile.backend} with stats.grad_hist=true: gradient histograms need the eager networks; set one of them off")

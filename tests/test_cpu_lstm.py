@@ -1,7 +1,8 @@
-"""FP16 and BF16 LSTMs on a CPU, as cuDNN runs them: products of the rounded values accumulated in
-FP32, the cell's sums, activations and update in FP32, h and c stored in the dtype. Checked against
-torch's own LSTM in float64 (the computation's structure: packed, bidirectional, projected, layered)
-and against a float64 evaluation of one step (the rounding)."""
+"""FP16 and BF16 LSTMs on a CPU, as one step of an H100's cuDNN LSTM runs: products of the rounded
+values accumulated in FP32, each gate product stored in the dtype, the cell's sums, activations and
+update in FP32, h and c stored in the dtype. Checked against torch's own LSTM in float64 (the
+computation's structure: packed, bidirectional, projected, layered) and against the same roundings
+written out with autograd's gradients (the rounding)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import torch
 from torch import nn
 
 from mpt.precision.cpu_tensor_cores import TensorCoreArithmetic, emulated_lstm
+from mpt.precision.engine import arithmetic
 
-from .conftest import ROOT, mpt_run, read_record
+from .conftest import ROOT, compose_cfg, mpt_run, read_record
 from .test_cpu_tensor_cores import FP32_ACCUMULATION, ulp
 
 LOW = [torch.float16, torch.bfloat16]
@@ -91,9 +93,9 @@ def test_one_step_is_within_one_ulp_of_float64(dtype):
 
 @pytest.mark.parametrize("dtype", LOW, ids=["fp16", "bf16"])
 def test_sequences_keep_fp32_registers_and_round_storage_each_step(dtype):
-    """Over a sequence the only roundings are of h and c at each step (and of h before its
-    projection): the emulation equals itself in float64 registers with the same storage rounding
-    to within one ulp."""
+    """Over a sequence the only roundings are of the gate products, of h and c at each step (and of
+    h before its projection): the emulation equals itself in float64 registers with the same
+    storage rounding to within one ulp."""
     torch.manual_seed(2)
     lstm = nn.LSTM(16, 32, num_layers=2, bidirectional=True, batch_first=True, proj_size=12).to(dtype)
     x = torch.randn(5, 9, 16).to(dtype)
@@ -132,17 +134,18 @@ class GateProduct(torch.autograd.Function):
         return g, None
 
 
-def stored_roundings_by_autograd(x, h, c, w_ih, w_hh, b_ih, b_hh, w_hr, dtype, math):
+def stored_roundings_by_autograd(x, h, c, w_ih, w_hh, b_ih, b_hh, w_hr, dtype, math, round_gates=True):
     """The emulation's forward written out for one layer and direction, its gradients left to
     autograd: each gate product rounded to `dtype` (cuDNN's, results/gpu-h100-loan3/arithmetic),
     every value the emulation stores (h, c, h before its projection) rounded to `dtype`, and the
-    gradient that reaches a stored value rounded once."""
+    gradient that reaches a stored value rounded once. round_gates=False: the products unrounded."""
+    gate = GateProduct.apply if round_gates else lambda t, dtype: t
     x, h, c, w_ih, w_hh, b_ih, b_hh = (t.to(math) for t in (x, h, c, w_ih, w_hh, b_ih, b_hh))
     w_hr = None if w_hr is None else w_hr.to(math)
-    xw = GateProduct.apply(x @ w_ih.t(), dtype) + b_ih + b_hh
+    xw = gate(x @ w_ih.t(), dtype) + b_ih + b_hh
     outs = []
     for t in range(x.shape[0]):
-        i, f, g, o = (xw[t] + GateProduct.apply(h @ w_hh.t(), dtype)).chunk(4, 1)
+        i, f, g, o = (xw[t] + gate(h @ w_hh.t(), dtype)).chunk(4, 1)
         c32 = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
         h = Stored.apply(torch.sigmoid(o) * torch.tanh(c32), dtype)
         if w_hr is not None:
@@ -154,7 +157,8 @@ def stored_roundings_by_autograd(x, h, c, w_ih, w_hh, b_ih, b_hh, w_hr, dtype, m
 
 @pytest.mark.parametrize("dtype", LOW, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("proj_size", [0, 5])
-def test_the_written_out_backward_is_autograds_through_the_stored_values(dtype, proj_size):
+@pytest.mark.parametrize("round_gates", [True, False], ids=["gates-rounded", "gates-unrounded"])
+def test_the_written_out_backward_is_autograds_through_the_stored_values(dtype, proj_size, round_gates):
     """In float64 registers (so that no FP32 summation order can flip a rounding), the emulation's
     outputs and gradients over a sequence are bit for bit those autograd derives from the same
     forward with the same values stored in the dtype."""
@@ -168,14 +172,29 @@ def test_the_written_out_backward_is_autograds_through_the_stored_values(dtype, 
         leaves = [t.detach().requires_grad_() for t in (x, h0, c0, *lstm._flat_weights)]
         xx, hh, cc, *w = leaves
         if ours:
-            out, hn, cn = emulated_lstm(xx, None, (hh, cc), w, True, 1, 0.0, False, False, dtype=dtype, math=torch.float64)
+            out, hn, cn = emulated_lstm(xx, None, (hh, cc), w, True, 1, 0.0, False, False, dtype=dtype, math=torch.float64, round_gates=round_gates)
             hn, cn = hn[0], cn[0]
         else:
-            out, hn, cn = stored_roundings_by_autograd(xx, hh[0], cc[0], *w[:4], w[4] if proj_size else None, dtype, torch.float64)
+            out, hn, cn = stored_roundings_by_autograd(xx, hh[0], cc[0], *w[:4], w[4] if proj_size else None, dtype, torch.float64, round_gates)
         torch.autograd.backward([out, hn, cn], cotangents)
         results.append([out, hn, cn, *(t.grad for t in leaves)])
     for name, a, b in zip(["out", "h_n", "c_n", "x", "h0", "c0", *(n for n, _ in lstm.named_parameters())], *results):
         assert a.dtype == dtype and torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("round_gates", [True, False])
+def test_emulate_lstm_gate_rounding_picks_the_runs_lstm_arithmetic(round_gates):
+    cfg = compose_cfg("precision=mixed", f"emulate_lstm_gate_rounding={round_gates}")
+    torch.manual_seed(3)
+    lstm = nn.LSTM(8, 12).half()
+    x, hx = torch.randn(7, 3, 8).half(), (torch.zeros(1, 3, 12).half(), torch.zeros(1, 3, 12).half())
+    with torch.no_grad():
+        with arithmetic(cfg.precision, torch.device("cpu"), cfg.emulate_tensor_cores, cfg.emulate_lstm_gate_rounding):
+            out = lstm(x, hx)[0]
+        chosen, other = (
+            emulated_lstm(x, None, hx, lstm._flat_weights, True, 1, 0.0, False, False, torch.float16, round_gates=r)[0] for r in (round_gates, not round_gates)
+        )
+    assert torch.equal(out, chosen) and not torch.equal(out, other)
 
 
 def test_packed_sequences_in_any_order_match_each_sequence_alone():

@@ -9,10 +9,12 @@ import torchvision
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from mpt.config import ConfigError
 from mpt.report import tables
 from mpt.report.records import record_row
 from mpt.runner.flops import counting_flops, math_of, mfu, peak_tflops
 from mpt.runner.record import RunRecord
+from mpt.runner.validation import validate
 
 from .conftest import TINY, build_run, compose_cfg, read_record
 
@@ -60,15 +62,26 @@ def test_a_compiled_network_is_counted_eager_and_compiles_after(monkeypatch):
         return gm.forward
 
     torch._dynamo.reset()
-    conv, x = nn.Conv2d(3, 8, 3, bias=False), torch.randn(2, 3, 10, 10)
-    compiled = torch.compile(conv, backend=backend)
-    with counting_flops([conv]) as counter:
-        compiled(x).sum().backward()
-    assert counter.get_total_flops() == 2 * 2 * 2 * 8 * 8 * 8 * 3 * 3 * 3  # forward and weight gradient, eager
-    assert reached == [] and graphs == []
-    compiled(x)
-    assert len(graphs) == 1
-    torch._dynamo.reset()
+    try:
+        conv, x = nn.Conv2d(3, 8, 3, bias=False), torch.randn(2, 3, 10, 10)
+        compiled = torch.compile(conv, backend=backend)
+        with counting_flops([conv]) as counter:
+            compiled(x).sum().backward()
+        assert counter.get_total_flops() == 2 * 2 * 2 * 8 * 8 * 8 * 3 * 3 * 3  # forward and weight gradient, eager
+        assert reached == [] and graphs == []
+        compiled(x)
+        assert len(graphs) == 1
+    finally:
+        torch._dynamo.reset()
+
+
+def test_compile_and_flop_counting_are_refused_on_a_torch_that_cannot_force_eager(monkeypatch):
+    validate(compose_cfg("compile.backend=eager", "schedule.count_flops=true"))
+    monkeypatch.delattr(torch.compiler, "set_stance")  # torch before 2.6
+    with pytest.raises(ConfigError) as e:
+        validate(compose_cfg("compile.backend=eager", "schedule.count_flops=true"))
+    assert "set schedule.count_flops=false" in str(e.value) and "\n" not in str(e.value)
+    validate(compose_cfg("compile.backend=eager", "schedule.count_flops=false"))
 
 
 @pytest.mark.parametrize(

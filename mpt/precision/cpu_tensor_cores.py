@@ -9,8 +9,9 @@ torch's cuDNN path adds it. An LSTM in FP16 or BF16 runs as cuDNN's does: each g
 rounded to the dtype, then summed with the biases, the activations and the cell update in FP32,
 its h and c stored in the dtype. On an H100, every product but `addmm` with a full matrix, biased
 convolutions included, was as far from its exact sum on CUDA as here
-(results/gpu-h100-loan2/arithmetic), and that LSTM step was cuDNN's but for FP16's persistent
-kernels (results/gpu-h100-loan3/arithmetic, docs/cpu-arithmetic.md).
+(results/gpu-h100-loan2/arithmetic), and one forward step of that LSTM was cuDNN's except on
+FP16's persistent kernels (results/gpu-h100-loan3/arithmetic; its backward was not probed:
+docs/cpu-arithmetic.md).
 Only torch's cuDNN path adds a bias after rounding: its depthwise and fallback CUDA kernels take it inside.
 
 The products are replaced at the CPU kernels of the aten ops (torch.library, for the context's
@@ -128,7 +129,7 @@ def _product(original, name: str, counts: dict[str, int], scratch: _Scratch):
     return kernel
 
 
-def _lstm(original, packed: bool, emulate: bool, counts: dict[str, int]):
+def _lstm(original, packed: bool, emulate: bool, round_gates: bool, counts: dict[str, int]):
     def kernel(keyset, *args):
         x, params = args[0], args[3 if packed else 2]
         dtype = x.dtype if x.dtype in LOW_PRECISION and all(p.dtype == x.dtype for p in params) else None
@@ -144,9 +145,10 @@ def _lstm(original, packed: bool, emulate: bool, counts: dict[str, int]):
                 torch._C._set_mkldnn_enabled(was)
         if packed:
             _, batch_sizes, hx, params, has_biases, num_layers, dropout, train, bidirectional = args
-            return emulated_lstm(x, batch_sizes, hx, params, has_biases, num_layers, dropout, train, bidirectional, dtype)
+            return emulated_lstm(x, batch_sizes, hx, params, has_biases, num_layers, dropout, train, bidirectional, dtype, round_gates=round_gates)
         _, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first = args
-        out, h, c = emulated_lstm(x.transpose(0, 1) if batch_first else x, None, hx, params, has_biases, num_layers, dropout, train, bidirectional, dtype)
+        xt = x.transpose(0, 1) if batch_first else x
+        out, h, c = emulated_lstm(xt, None, hx, params, has_biases, num_layers, dropout, train, bidirectional, dtype, round_gates=round_gates)
         return (out.transpose(0, 1) if batch_first else out), h, c
 
     return kernel
@@ -157,12 +159,14 @@ _active = 0  # nested contexts: only the outermost registers
 
 class TensorCoreArithmetic:
     """Within it, on a CPU, FP16 and BF16 matrix products and convolutions accumulate in FP32 and
-    round once, and FP16 and BF16 LSTMs run as cuDNN's (the module docstring says where not).
-    With emulate=False, torch's own kernels
-    run, LSTMs on torch's native one (oneDNN off). `counts`: the ops replaced, by name."""
+    round once, and FP16 and BF16 LSTMs run one step as an H100's cuDNN does (the module docstring
+    says where not; lstm_gate_rounding=False sums their gate products unrounded, as before). With
+    emulate=False, torch's own kernels run, LSTMs on torch's native one (oneDNN off). `counts`: the
+    ops replaced, by name."""
 
-    def __init__(self, emulate: bool = True):
+    def __init__(self, emulate: bool = True, lstm_gate_rounding: bool = True):
         self.emulate = emulate
+        self.lstm_gate_rounding = lstm_gate_rounding
         self.counts: dict[str, int] = {}
         self._lib = None
 
@@ -177,7 +181,8 @@ class TensorCoreArithmetic:
                 self._lib.impl(name, kernel, "CPU", with_keyset=True)
             for name in LSTMS:
                 original = torch.library.get_kernel(f"aten::{name}", "AutogradCPU")
-                self._lib.impl(name, _lstm(original, name == "lstm.data", self.emulate, self.counts), "AutogradCPU", with_keyset=True)
+                kernel = _lstm(original, name == "lstm.data", self.emulate, self.lstm_gate_rounding, self.counts)
+                self._lib.impl(name, kernel, "AutogradCPU", with_keyset=True)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -213,7 +218,7 @@ class _Recurrence(torch.autograd.Function):
     start (reverse)."""
 
     @staticmethod
-    def forward(ctx, xw, h0, c0, w_hh, w_hr, steps: list[int], reverse: bool, dtype, math):
+    def forward(ctx, xw, h0, c0, w_hh, w_hr, steps: list[int], reverse: bool, dtype, math, round_gates: bool):
         n, hidden, size = xw.shape[0], c0.shape[1], h0.shape[1]
         order = list(range(len(steps) - 1, -1, -1) if reverse else range(len(steps)))
         starts = [0]
@@ -254,8 +259,11 @@ class _Recurrence(torch.autograd.Function):
             xw_t, hp, cp, a, sig_if, i_t, f_t, g_t, o_t, tc, c_t, out_t = views[t]
             for dst, src in copies:
                 dst.copy_(src)
-            torch.mm(hp, w_hh_t, out=a)
-            a.copy_(a.to(dtype)).add_(xw_t)  # the recurrent product stored in the dtype, as cuDNN's
+            if round_gates:
+                torch.mm(hp, w_hh_t, out=a)
+                a.copy_(a.to(dtype)).add_(xw_t)  # the recurrent product stored in the dtype, as cuDNN's
+            else:
+                torch.addmm(xw_t, hp, w_hh_t, out=a)
             sig_if.sigmoid_()
             g_t.tanh_()
             o_t.sigmoid_()
@@ -317,16 +325,17 @@ class _Recurrence(torch.autograd.Function):
             torch.mm(dg, w_hh32, out=dh_b)
         d_w_hh = (d_gates.t() @ h_prev).to(dtype)
         d_w_hr = None if w_hr is None else (dh_stored.to(math).t() @ h_pre.to(math)).to(dtype)
-        return d_gates, dh.to(dtype), dc, d_w_hh, d_w_hr, None, None, None, None
+        return d_gates, dh.to(dtype), dc, d_w_hh, d_w_hr, None, None, None, None, None
 
 
-def emulated_lstm(x, batch_sizes, hx, weights, has_biases, num_layers, dropout, train, bidirectional, dtype, math=torch.float32):
+def emulated_lstm(x, batch_sizes, hx, weights, has_biases, num_layers, dropout, train, bidirectional, dtype, math=torch.float32, round_gates=True):
     """_VF.lstm's computation (time-major or packed input, all in `dtype`) with cuDNN's arithmetic:
     every product of FP16/BF16 values accumulated in FP32 and rounded to `dtype` (the input's and
     the recurrent state's gate products apart), the gate sums, activations and cell update in FP32,
     h computed from c before c is rounded, h and c rounded to `dtype` at each step. The input's
     products for all steps come first, in one product, as cuDNN does. Only the forward rounds the
-    gate products: cuDNN's backward was not probed, and it passes their gradients on as they are. `math=torch.float64`
+    gate products: cuDNN's backward was not probed, and it passes their gradients on as they are.
+    round_gates=False sums the gate products unrounded (the emulation before commit 7fba77d). `math=torch.float64`
     is the same computation in float64 registers: the tests' oracle. Returns (output, h_n, c_n)."""
     h0, c0 = hx
     directions = 2 if bidirectional else 1
@@ -341,12 +350,15 @@ def emulated_lstm(x, batch_sizes, hx, weights, has_biases, num_layers, dropout, 
             w_ih, w_hh = w[0], w[1]
             w_hr = w[4 if has_biases else 2] if len(w) > (4 if has_biases else 2) else None
             x2 = x32.reshape(-1, x32.shape[-1])
-            xw = x2 @ w_ih.to(math).t()
-            xw = xw + (xw.to(dtype).to(math) - xw).detach()  # stored in the dtype; its gradient as it is
-            if has_biases:
-                xw = xw + (w[2].to(math) + w[3].to(math))
+            bias = (w[2].to(math) + w[3].to(math)) if has_biases else None
+            if round_gates:
+                xw = x2 @ w_ih.to(math).t()
+                xw = xw + (xw.to(dtype).to(math) - xw).detach()  # stored in the dtype; its gradient as it is
+                xw = xw if bias is None else xw + bias
+            else:
+                xw = x2 @ w_ih.to(math).t() if bias is None else torch.addmm(bias, x2, w_ih.to(math).t())
             steps = batch_sizes.tolist() if batch_sizes is not None else [x.shape[1]] * x.shape[0]
-            out, h, c = _Recurrence.apply(xw, h0[k], c0[k], w_hh, w_hr, steps, d == 1, dtype, math)
+            out, h, c = _Recurrence.apply(xw, h0[k], c0[k], w_hh, w_hr, steps, d == 1, dtype, math, round_gates)
             if batch_sizes is None:
                 out = out.view(x.shape[0], x.shape[1], -1)
             outs.append(out)

@@ -78,13 +78,13 @@ def counting_flops(networks: list[nn.Module]) -> Iterator[FlopCounterMode]:
     # torch.compile'd networks run eager in the counted step. Dynamo skips a frame it meets under a
     # dispatch mode such as this counter; torch 2.14 skips only that call, older releases may mark the
     # code skipped for good (on an H100 with torch 2.11, runs that counted FLOPs compiled no graph:
-    # results/gpu-h100-loan3/options). force_eager keeps dynamo out of the step (torch >= 2.6).
+    # results/gpu-h100-loan3/options). force_eager keeps dynamo out of the step; set_stance switches
+    # when called, so it is called inside the with (torch >= 2.6, which config.py requires with compile).
     set_stance = getattr(torch.compiler, "set_stance", None)
-    eager = set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
     try:
         if has_rnn:
             torch.backends.cudnn.enabled = torch.backends.mkldnn.enabled = False
-        with counter, eager:
+        with counter, set_stance("force_eager") if set_stance is not None else contextlib.nullcontext():
             yield counter
     finally:
         torch.backends.cudnn.enabled, torch.backends.mkldnn.enabled = saved

@@ -34,10 +34,12 @@ NOT_SETTINGS = ("hydra", "experiment")
 # Keys added after records were first written, with the value that reproduces how those runs
 # computed. A key missing from an old config and not listed here takes the current value: its default
 # reproduces the old behaviour. (A bench record without count_flops has no MFU: relaunching redoes it.)
-LEGACY_VALUES = {("emulate_tensor_cores",): False, ("schedule", "count_flops"): False}
+LEGACY_VALUES = {("emulate_tensor_cores",): False, ("schedule", "count_flops"): False, ("emulate_lstm_gate_rounding",): False}
 # Settings an older version had under another meaning. emulate_cpu_fp16_conv=true emulated FP16
 # convolutions only, an arithmetic no current setting gives; false was torch's own kernels.
 RENAMED = {"emulate_cpu_fp16_conv": ("emulate_tensor_cores", {False: False, True: "convolutions only"})}
+
+LSTM_TASKS = ("translation", "language_model")  # GNMT's and bigLSTM's
 
 MAX_NAME = 119  # characters: short enough to read, paste and list; far below file systems' 255 bytes
 
@@ -61,8 +63,10 @@ def computational(plain: dict) -> dict:
         if isinstance(node, dict):
             node.pop(last, None)
     p = out.get("precision", {})
-    if not {"float16", "bfloat16"} & {p.get("param_dtype"), p.get("autocast")}:  # the flag changes FP16/BF16 products only
+    if not {"float16", "bfloat16"} & {p.get("param_dtype"), p.get("autocast")}:  # the flags change FP16/BF16 products only
         out.pop("emulate_tensor_cores", None)
+    if out.get("emulate_tensor_cores") is not True or out.get("model", {}).get("task") not in LSTM_TASKS:
+        out.pop("emulate_lstm_gate_rounding", None)  # it changes emulated LSTMs only
     return out
 
 
