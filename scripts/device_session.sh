@@ -23,14 +23,16 @@
 #   gnmt       Multi30k GNMT (gnmt_small): fp32, mixed without scaling, mixed with static scaling, 3 seeds
 #   biglstm    PTB bigLSTM (biglstm_small): fp32, mixed without scaling, mixed with scale 128, 3 seeds
 #   dcgan      UTKFace DCGAN: fp32 and mixed sample grids, 3 seeds
-#   next       what the loans so far left, in one call of at most 8 minutes (carry as for next): the
+#   next       what the loans so far left, in one call of at most 8 minutes (scripts/device_carry.sh next): the
 #              LSTM comparisons against the emulation that now rounds each gate product and the
 #              CUDA-graphs test that now asserts a compiled graph, the torch.compile rows of the
 #              speed options (the third loan's compiled nothing) beside eager, and DCGAN's FP32
 #              peak after the warm-up, each part under its own time limit (PART_SECONDS), each
 #              leaving its own tarball
-#   others     the second call after `next`, at most 5 minutes (the same carry): the CIFAR-10
-#              classifier phenomena of issue 15 for ResNet-50, seed 0, at the CPU sweep's 10 epochs
+#   classifier what `others` runs
+#   others     the second call after `next`, at most 5 minutes (the same carry): ResNet-50's cells of
+#              the CPU classifier sweep (scripts/phenomena.sh classifiers: CIFAR-10 at 32 px, batch
+#              64, 600 steps, its overrides below), seed 0, on CUDA's own kernels
 #
 # PART_SECONDS=N: the part stops its commands N seconds after it starts (runs get SIGTERM, stop
 # after a step and record `preempted`; the suite gets SIGINT, so pytest reports), and still packs.
@@ -44,7 +46,7 @@ if [ "$part" = next ]; then
   exit 0
 fi
 if [ "$part" = others ]; then
-  PART_SECONDS=280 MODELS=resnet50 SEEDS=0 bash "$0" cifar "$@"
+  PART_SECONDS=280 bash "$0" classifier "$@"
   exit 0
 fi
 deadline=$(($(date +%s) + ${PART_SECONDS:-86400}))
@@ -111,7 +113,8 @@ case $part in
   options)
     base=(-m experiment=throughput model=resnet50 precision=amp)
     if [ -n "${COMPILE_ONLY:-}" ]; then  # eager beside the compiled rows, in the same call
-      run "${base[@]}" compile.backend=null,inductor hydra.sweep.dir="$W/options" "$@"
+      run "${base[@]}" compile.backend=null hydra.sweep.dir="$W/options" "$@"
+      run "${base[@]}" compile.backend=inductor compile.mode=default hydra.sweep.dir="$W/options" "$@"
       run "${base[@]}" compile.backend=inductor compile.mode=reduce-overhead hydra.sweep.dir="$W/options" "$@"
       pack
       exit $rc
@@ -124,6 +127,14 @@ case $part in
     limited python3 scripts/peer_resnet50.py --peer "$D/peer/ConvNets" --peer-commit "$(cat "$D/peer/COMMIT")" \
         --pythonpath "$D/peer/dllogger" --out "$W/peer" "$@" 2>&1 | tee -a "$W/$part.log" || rc=$?
     pack ;;
+  classifier)  # scripts/phenomena.sh's classifier() for ResNet-50, seed 0
+    mkdir -p /tmp/cifar && tar -xzf "$D/cifar10.tar.gz" -C /tmp/cifar
+    root=$(dirname "$(find /tmp/cifar -maxdepth 3 -type d -name train | head -1)")
+    common=(model=resnet50 data=imagefolder data.root="$root" data.val_split=test data.resize_ratio=1.0 schedule.batch_size=64
+            schedule.image_size=32 schedule.steps=600 'schedule.lr_milestones=[300,450]' schedule.eval_every=150 schedule.eval_batches=null
+            schedule.log_every=25 stats.lost_updates=true stats.every=50 seed=0 checkpoint=false hydra.sweep.dir="$W/classifier")
+    run -m precision=fp32,mixed,fp16 scale=none "${common[@]}" "$@"
+    run -m precision=fp16,fp16_modmom scale=static "${common[@]}" "$@" ;;
   cifar)
     MODELS=${MODELS:-alexnet,resnet50}
     mkdir -p /tmp/cifar && tar -xzf "$D/cifar10.tar.gz" -C /tmp/cifar
@@ -158,6 +169,6 @@ case $part in
     root=$(dirname "$(find /tmp/utk -name '*.jpg' | head -1)")
     run -m model=dcgan64 data=image_dir data.root="$root" schedule.batch_size=128 schedule.steps=2000 schedule.eval_every=500 \
         precision=fp32,mixed scale=none checkpoint=false $seeds hydra.sweep.dir="$W/dcgan" "$@" ;;
-  *) echo "device_session.sh: PART=$part: expected one of suite, arithmetic, bench, options, peer, next, others, cifar, ssd, gnmt, biglstm, dcgan" >&2; exit 2 ;;
+  *) echo "device_session.sh: PART=$part: expected one of suite, arithmetic, bench, options, peer, next, others, classifier, cifar, ssd, gnmt, biglstm, dcgan" >&2; exit 2 ;;
 esac
 exit $rc
