@@ -89,7 +89,7 @@ def bench(model: str, args) -> dict:
             cfg, overrides[mode] = compose(model, mode, total, tuple(args.override))
             (Path(tmp) / mode).mkdir()
             runs[mode] = Run(cfg, Path(tmp) / mode).steps()
-            held[mode] = lambda cfg=cfg: held_for_the_run(cfg.precision, device, cfg.emulate_tensor_cores)
+            held[mode] = lambda cfg=cfg: held_for_the_run(cfg, device)
         for mode, steps in runs.items():
             time_window(steps, args.warmup, device, held[mode]())
         times: dict[str, list[float]] = {mode: [] for mode in args.modes}

@@ -88,6 +88,10 @@ run() { limited python3 -m mpt.runner.cli "$@" 2>&1 | tee -a "$W/$part.log" || r
 packer=$!
 trap 'kill $packer 2>/dev/null' EXIT
 seeds="seed=${SEEDS:-0,1,2}"
+cifar_root() {  # CIFAR-10 unpacked once; the folder that holds its train/ and test/
+  [ -d /tmp/cifar ] || { mkdir -p /tmp/cifar && tar -xzf "$D/cifar10.tar.gz" -C /tmp/cifar; }
+  dirname "$(find /tmp/cifar -maxdepth 3 -type d -name train | head -1)"
+}
 D=$PWD/.data
 
 case $part in
@@ -128,8 +132,7 @@ case $part in
         --pythonpath "$D/peer/dllogger" --out "$W/peer" "$@" 2>&1 | tee -a "$W/$part.log" || rc=$?
     pack ;;
   classifier)  # scripts/phenomena.sh's classifier() for ResNet-50, seed 0
-    mkdir -p /tmp/cifar && tar -xzf "$D/cifar10.tar.gz" -C /tmp/cifar
-    root=$(dirname "$(find /tmp/cifar -maxdepth 3 -type d -name train | head -1)")
+    root=$(cifar_root)
     common=(model=resnet50 data=imagefolder data.root="$root" data.val_split=test data.resize_ratio=1.0 schedule.batch_size=64
             schedule.image_size=32 schedule.steps=600 'schedule.lr_milestones=[300,450]' schedule.eval_every=150 schedule.eval_batches=null
             schedule.log_every=25 stats.lost_updates=true stats.every=50 seed=0 checkpoint=false hydra.sweep.dir="$W/classifier")
@@ -137,8 +140,7 @@ case $part in
     run -m precision=fp16,fp16_modmom scale=static "${common[@]}" "$@" ;;
   cifar)
     MODELS=${MODELS:-alexnet,resnet50}
-    mkdir -p /tmp/cifar && tar -xzf "$D/cifar10.tar.gz" -C /tmp/cifar
-    root=$(dirname "$(find /tmp/cifar -maxdepth 3 -type d -name train | head -1)")
+    root=$(cifar_root)
     common=(data=imagefolder data.root="$root" data.val_split=test schedule=short schedule.steps=null schedule.epochs=10
             schedule.eval_every=null schedule.eval_batches=null checkpoint=false $seeds hydra.sweep.dir="$W/cifar")
     for model in ${MODELS//,/ }; do

@@ -189,7 +189,7 @@ def test_emulate_lstm_gate_rounding_picks_the_runs_lstm_arithmetic(round_gates):
     lstm = nn.LSTM(8, 12).half()
     x, hx = torch.randn(7, 3, 8).half(), (torch.zeros(1, 3, 12).half(), torch.zeros(1, 3, 12).half())
     with torch.no_grad():
-        with arithmetic(cfg.precision, torch.device("cpu"), cfg.emulate_tensor_cores, cfg.emulate_lstm_gate_rounding):
+        with arithmetic(cfg, torch.device("cpu")):
             out = lstm(x, hx)[0]
         chosen, other = (
             emulated_lstm(x, None, hx, lstm._flat_weights, True, 1, 0.0, False, False, torch.float16, round_gates=r)[0] for r in (round_gates, not round_gates)

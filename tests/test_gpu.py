@@ -177,7 +177,7 @@ def test_the_dynamic_scaler_matches_torchs_gradscaler_on_cuda_step_by_step():
     skipped = []
     for i in range(30):
         x, y = torch.randn(32, 64, device=CUDA), torch.randint(0, 10, (32,), device=CUDA)
-        with forward_context(cfg.precision, CUDA, False):
+        with forward_context(cfg, CUDA):
             loss = F.cross_entropy(engine.model(x), y)
         scale = engine.scaler.scale
         engine.backward(loss)

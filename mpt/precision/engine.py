@@ -100,12 +100,13 @@ def computes_low_precision_on_cpu(mode: DictConfig, device: torch.device) -> boo
     return device.type == "cpu" and any(d in (DType.float16, DType.bfloat16) for d in (mode.param_dtype, mode.autocast))
 
 
-def arithmetic(mode: DictConfig, device: torch.device, emulate_tensor_cores: bool, lstm_gate_rounding: bool = True) -> contextlib.AbstractContextManager:
-    """How the network's FP16 and BF16 ops run: on a CPU, as a GPU's (emulated) or on torch's own
-    kernels, LSTMs on CUDA's path either way (cpu_tensor_cores.py); on a GPU, as they do."""
-    if not computes_low_precision_on_cpu(mode, device):
+def arithmetic(cfg: DictConfig, device: torch.device) -> contextlib.AbstractContextManager:
+    """How the network's FP16 and BF16 ops run: on a CPU, as a GPU's (emulated, as the run's
+    emulate_* settings say) or on torch's own kernels, LSTMs on CUDA's path either way
+    (cpu_tensor_cores.py); on a GPU, as they do."""
+    if not computes_low_precision_on_cpu(cfg.precision, device):
         return contextlib.nullcontext()
-    return TensorCoreArithmetic(emulate_tensor_cores, lstm_gate_rounding)
+    return TensorCoreArithmetic(cfg.emulate_tensor_cores, cfg.emulate_lstm_gate_rounding)
 
 
 def prepare_model(model: nn.Module, mode: DictConfig, device: torch.device, channels_last: bool) -> nn.Module:
@@ -144,21 +145,21 @@ def autocast(mode: DictConfig, device: torch.device) -> contextlib.AbstractConte
 
 
 @contextlib.contextmanager
-def held_for_the_run(mode: DictConfig, device: torch.device, emulate_tensor_cores: bool, lstm_gate_rounding: bool = True) -> Iterator[None]:
+def held_for_the_run(cfg: DictConfig, device: torch.device) -> Iterator[None]:
     """What a run holds while it trains: on a CPU, autocast's CUDA lists and the mode's arithmetic,
     registered once rather than at every forward and backward (and the arithmetic's widened
     weights kept from a forward to its backward)."""
     with contextlib.ExitStack() as held:
-        if device.type == "cpu" and mode.autocast is not None:
+        if device.type == "cpu" and cfg.precision.autocast is not None:
             held.enter_context(cuda_lists())
-        held.enter_context(arithmetic(mode, device, emulate_tensor_cores, lstm_gate_rounding))
+        held.enter_context(arithmetic(cfg, device))
         yield
 
 
 @contextlib.contextmanager
-def forward_context(mode: DictConfig, device: torch.device, emulate_tensor_cores: bool, lstm_gate_rounding: bool = True) -> Iterator[None]:
+def forward_context(cfg: DictConfig, device: torch.device) -> Iterator[None]:
     """What a network's forward runs under: the mode's autocast, in the mode's arithmetic."""
-    with arithmetic(mode, device, emulate_tensor_cores, lstm_gate_rounding), autocast(mode, device):
+    with arithmetic(cfg, device), autocast(cfg.precision, device):
         yield
 
 
@@ -271,7 +272,7 @@ class PrecisionEngine:
         self.model = prepare_model(model, cfg.precision, device, channels_last)
         # FP8 and MX modes: the network's products quantize their operands (None: they do not)
         self.products = quantized_products.install(self.model, cfg.precision)
-        self.arithmetic = lambda: arithmetic(cfg.precision, device, cfg.emulate_tensor_cores, cfg.emulate_lstm_gate_rounding)
+        self.arithmetic = lambda: arithmetic(cfg, device)
         # Under torchrun: the maximum over processes, so that every rank skips the same steps and
         # keeps the same scale even where the gradients it holds are not averaged yet.
         self.reduce_max = reduce_max

@@ -149,7 +149,7 @@ class Run:
             self._wrap_for_data_parallel()
         if cfg.compile.backend is not None:
             self._compile_networks()
-        self.forward_context = lambda: forward_context(cfg.precision, self.device, cfg.emulate_tensor_cores, cfg.emulate_lstm_gate_rounding)
+        self.forward_context = lambda: forward_context(cfg, self.device)
         self.grad_stats = GradStatsCollector(cfg.stats, {name: e.model for name, e in self.engines.items()}, self.device, s.throughput_warmup)
         # Not under torchrun: a re-run's backward would enter data parallelism's collectives alone;
         # nor for compiled networks, whose leaves run inside their graphs, out of the hooks' reach.
@@ -407,7 +407,7 @@ class Run:
                 self.progress = Progress(self.label, self.total_steps, self.step, skipped, unit)
             with (
                 preemption.catching(),
-                held_for_the_run(self.cfg.precision, self.device, self.cfg.emulate_tensor_cores, self.cfg.emulate_lstm_gate_rounding),
+                held_for_the_run(self.cfg, self.device),
                 determinism.noting(rec.nondeterministic_ops),
             ):
                 for _ in self.steps():
