@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The paper's phenomena at reduced scale on the real data in ../shared/data (issue 21), one sweep per
 # phenomenon, 3 seeds per cell, into results/phenomena/<name>/ with its report:
-#   scripts/phenomena.sh classifiers|detection|translation|lm|gan|fp8 [--report-only]
+#   scripts/phenomena.sh classifiers|detection|translation|lm|gan|fp8|lstm_rounding [--report-only]
 # Run from the project root of a clean checkout: each record names the commit it ran. A relaunch
 # skips the runs already finished (their folders are named from their choices), so a sweep can be
 # spread over several sittings. Tarred data is unpacked once into the ignored .data/. Sizes and
@@ -9,7 +9,7 @@
 # learning rate falls 100x (two drops of 10x, at 1/2 and 3/4 of the run, or at epochs), since
 # updates are lost only once it is small. README, "What we reproduced", says what each one shows.
 set -euo pipefail
-name=${1:?usage: scripts/phenomena.sh classifiers|detection|translation|lm|gan|fp8 [--report-only]}
+name=${1:?usage: scripts/phenomena.sh classifiers|detection|translation|lm|gan|fp8|lstm_rounding [--report-only]}
 report_only=${2:-}
 data=../shared/data
 out=results/phenomena/$name
@@ -39,6 +39,15 @@ language_model() {  # the language-model setting's overrides, into `common`
     'data.test_split=ptb.test.txt*' data.min_count=1 schedule.batch_size=32 schedule.steps=null schedule.epochs=3
     'schedule.lr_milestones=[1.5,2.5]' schedule.eval_every=null schedule.eval_batches=null schedule.log_every=50
     stats.lost_updates=true stats.every=100)
+}
+
+translation_model() {  # the translation setting's overrides, into `common`
+  # GNMT at 128 units on Multi30k en-de (29,000 pairs; an 8,000-piece sentencepiece vocabulary
+  # trained on them), 2 epochs of batch 64 (906 steps), Adam 5e-3 falling 10x at epoch 1 and again
+  # at 1.5; BLEU on test_2016_flickr (1,000 sentences), validation on 512 of val's.
+  common=(model=gnmt_small data=parallel_text data.root=$data/multi30k data.val_split=val data.test_split=test_2016_flickr data.vocab_size=8000
+    schedule.batch_size=64 schedule.steps=null schedule.epochs=2 'schedule.lr_milestones=[1.0,1.5]' schedule.eval_every=null schedule.eval_batches=8
+    schedule.log_every=50 stats.grad_hist=true stats.lost_updates=true stats.every=50)
 }
 
 case $name in
@@ -82,12 +91,7 @@ detection)
   sweep "${common[@]}" precision=mixed scale=static  # the model's static scale, the paper's 8
   ;;
 translation)
-  # GNMT at 128 units on Multi30k en-de (29,000 pairs; an 8,000-piece sentencepiece vocabulary
-  # trained on them), 2 epochs of batch 64 (906 steps), Adam 5e-3 falling 10x at epoch 1 and again
-  # at 1.5; BLEU on test_2016_flickr (1,000 sentences), validation on 512 of val's.
-  common=(model=gnmt_small data=parallel_text data.root=$data/multi30k data.val_split=val data.test_split=test_2016_flickr data.vocab_size=8000
-    schedule.batch_size=64 schedule.steps=null schedule.epochs=2 'schedule.lr_milestones=[1.0,1.5]' schedule.eval_every=null schedule.eval_batches=8
-    schedule.log_every=50 stats.grad_hist=true stats.lost_updates=true stats.every=50)
+  translation_model
   sweep "${common[@]}" precision=fp32,mixed scale=none
   sweep "${common[@]}" precision=mixed scale=static scale.value=1024
   sweep "${common[@]}" precision=mixed scale=none model.loss_reduction=sum
@@ -118,6 +122,21 @@ fp8)
   also=(results/phenomena/classifiers/resnet50_fp32_none_* results/phenomena/classifiers/resnet50_mixed_none_*
     results/phenomena/lm/biglstm_tiny_fp32_none_* results/phenomena/lm/biglstm_tiny_mixed_none_*)
   ;;
+lstm_rounding)
+  # The LSTM cells of `lm`, `translation` and `fp8` that compute in FP16 or BF16, again under the
+  # emulation that rounds each gate product as an H100's cuDNN does (7fba77d; those sweeps ran with
+  # the unrounded sums), against the same FP32 runs, which it does not change. bigLSTM first: it is
+  # the cheaper half.
+  language_model
+  sweep "${common[@]}" precision=mixed scale=none
+  sweep "${common[@]}" precision=mixed scale=static scale.value=128
+  sweep "${common[@]}" precision=bf16 scale=none
+  translation_model
+  sweep "${common[@]}" precision=mixed scale=none
+  sweep "${common[@]}" precision=mixed scale=static scale.value=1024
+  shopt -s nullglob
+  also=(results/phenomena/lm/biglstm_tiny_fp32_none_* results/phenomena/translation/gnmt_small_fp32_none_*)
+  ;;
 gan)
   # Radford's 64x64 DCGAN at half width (ngf = ndf = 32) on the 4,741 UTKFace faces, 1,200 steps of
   # batch 64 (16 epochs), Adam 2e-4 falling 10x at steps 600 and 900; a fixed-noise grid every 300.
@@ -127,7 +146,7 @@ gan)
     stats.lost_updates=true stats.every=50 precision=fp32,mixed scale=none
   ;;
 *)
-  echo "scripts/phenomena.sh: no phenomenon '$name' (expected classifiers, detection, translation, lm, gan or fp8)" >&2
+  echo "scripts/phenomena.sh: no phenomenon '$name' (expected classifiers, detection, translation, lm, gan, fp8 or lstm_rounding)" >&2
   exit 2
   ;;
 esac
