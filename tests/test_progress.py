@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import logging
 import sys
 
 import pytest
@@ -36,6 +37,27 @@ def test_on_a_terminal_one_tqdm_line_per_run_and_each_network_of_a_gan(monkeypat
     p.close()
     text = err.getvalue()
     assert "7/10" in text and "discriminator loss 1.5, scale 8, skipped 0; generator loss 0.7, scale 8, skipped 1; 50 images/s" in text
+
+
+def test_on_a_terminal_a_log_line_gets_its_own_line_and_the_console_handler_is_put_back(monkeypatch):
+    tty = io.StringIO()  # stdout and stderr on one terminal: the log's handler and the bar
+    monkeypatch.setattr(sys, "stdout", tty)
+    monkeypatch.setattr(sys, "stderr", tty)
+    console = logging.StreamHandler(sys.stdout)
+    console.setFormatter(logging.Formatter("%(message)s"))
+    root = logging.getLogger()
+    root.addHandler(console)
+    try:
+        p = Progress("mpt-run", total=10, start=0, skipped={}, unit="images/s", interactive=True)
+        p.update(7, rows(6, 1.5, 8.0, False), rate=50.0)
+        logging.getLogger("mpt").warning("diverged at step 7")
+        p.close()
+        assert console in root.handlers
+    finally:
+        root.removeHandler(console)
+    lines = tty.getvalue().splitlines()  # \r ends a line too: the bar redraws over itself
+    assert "diverged at step 7" in lines, lines
+    assert any("7/10" in line for line in lines)
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ read what the flush already brought to the host, so showing progress costs no de
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
@@ -37,10 +38,15 @@ class Progress:
         self.printed_at = self.t0
         self.interactive = sys.stderr.isatty() if interactive is None else interactive
         self.bar = None
+        self._redirect = contextlib.ExitStack()
         if self.interactive:
             from tqdm import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
 
             self.bar = tqdm(total=total, initial=start, desc=label, unit="step", file=sys.stderr, dynamic_ncols=True, leave=True)
+            # The console log shares the terminal with the bar: a line logged mid-bar (an evaluation,
+            # a divergence) would be glued to the bar's text. tqdm clears the bar around it instead.
+            self._redirect.enter_context(logging_redirect_tqdm())
 
     def update(self, step: int, rows: list[dict], rate: float | None) -> None:
         """`step` steps done; `rows` the train rows just flushed; `rate` the last timing window's
@@ -74,5 +80,6 @@ class Progress:
         return "; ".join(parts)
 
     def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
+        with self._redirect:  # the console handlers back, after the bar's last line
+            if self.bar is not None:
+                self.bar.close()
