@@ -2,9 +2,10 @@
 
 Each layer and direction makes three kinds of product: the input's (all steps in one), the
 recurrent state's (one per step) and, with a projection, the cell output's (one per step). Each is
-a quantized linear product with its own site, so a delayed scale is kept per weight. The cell runs
-its gates, activations and update in FP32, h and c stored in the output dtype (what we understood
-cuDNN's to do; an H200's FP16/BF16 LSTM disagreed with cpu_tensor_cores.py's, which does the same).
+a quantized linear product with its own site, so a delayed scale is kept per weight. Each product's
+result is rounded to the output dtype and the cell sums them and runs its gates, activations and
+update in FP32, h and c stored in the output dtype: what an H100's cuDNN was found to do in BF16
+(docs/cpu-arithmetic.md), and what cpu_tensor_cores.py emulates for the 16-bit modes.
 Packed sequences run padded, each sequence's state held past its end (and, in the reverse
 direction, at its initial value until its last element), which is what packing computes.
 """
