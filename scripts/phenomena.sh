@@ -43,7 +43,7 @@ language_model() {  # the language-model setting's overrides, into `common`
 
 translation_model() {  # the translation setting's overrides, into `common`
   # GNMT at 128 units on Multi30k en-de (29,000 pairs; an 8,000-piece sentencepiece vocabulary
-  # trained on them), 2 epochs of batch 64 (906 steps), Adam 5e-3 falling 10x at epoch 1 and again
+  # trained on them), 2 epochs of batch 64 (900 steps), Adam 5e-3 falling 10x at epoch 1 and again
   # at 1.5; BLEU on test_2016_flickr (1,000 sentences), validation on 512 of val's.
   common=(model=gnmt_small data=parallel_text data.root=$data/multi30k data.val_split=val data.test_split=test_2016_flickr data.vocab_size=8000
     schedule.batch_size=64 schedule.steps=null schedule.epochs=2 'schedule.lr_milestones=[1.0,1.5]' schedule.eval_every=null schedule.eval_batches=8
