@@ -442,12 +442,16 @@ def positive(cfg: DictConfig, key: str, allow_none: bool = False) -> None:
 
 
 LOGGERS = ("tensorboard", "none")
+MAX_SEED = 2**32 - 1
 
 
 def validate(cfg: DictConfig) -> None:
     """Range and combination checks of the settings every run has, run before anything is built.
     Raises ConfigError naming the key. Each task and data source checks its own settings beside its
     builder (models.validate, datasets.validate)."""
+    if not 0 <= cfg.seed <= MAX_SEED:  # an int: the schema types it
+        # the run seeds random, numpy and torch with it; numpy's is the narrowest range of the three
+        raise ConfigError(f"seed={cfg.seed}: must be an integer from 0 to 2**32 - 1 = {MAX_SEED} (numpy's seed range)")
     for key in ["schedule.batch_size", "schedule.log_every", "schedule.throughput_window", "optim.lr", "optim.eps"]:
         positive(cfg, key)
     for key in [

@@ -109,6 +109,8 @@ def test_static_scale_defaults_to_the_models_value():
         (["schedule.steps=null"], "schedule.steps"),
         (["model=alexnet", "schedule.image_size=32"], "schedule.image_size=32"),
         (["precision=mixed", "precision.param_dtype=float32"], "master_weights"),
+        (["seed=-1"], "seed=-1: must be an integer from 0 to"),
+        (["seed=4294967296"], "seed=4294967296: must be"),
     ],
 )
 def test_out_of_range_values_are_rejected_naming_the_key(overrides, named):
@@ -143,6 +145,8 @@ def test_out_of_range_values_are_rejected_naming_the_key(overrides, named):
             "precision=fp4: no such option; choose one of amp, bf16, fp16, fp16_modmom, fp32, fp8, fp8_delayed, mixed, mxfp4, mxfp6, mxfp8, tf32",
         ),
         (["-m", "optim.lr=0.1,-1"], "optim.lr=-1.0: must be a positive number"),
+        (["seed=-1"], "seed=-1: must be an integer from 0 to 2**32 - 1 = 4294967295 (numpy's seed range)"),
+        (["-m", "seed=0,1,-1"], "seed=-1: must be an integer from 0 to 2**32 - 1 = 4294967295 (numpy's seed range)"),
     ],
 )
 def test_bad_input_on_the_command_line_is_one_line_naming_it(args, line):
@@ -164,6 +168,12 @@ def preflight_line(args: list[str]) -> str:
     from mpt.runner.cli import preflight
 
     return preflight(args)
+
+
+def test_the_ends_of_the_seed_range_pass():
+    """0 and 2**32 - 1 are seeds random, numpy and torch all take."""
+    for seed in (0, 2**32 - 1):
+        validate(compose_cfg(f"seed={seed}"))
 
 
 def test_missing_data_root_names_the_path(tmp_path, in_process):
