@@ -6,6 +6,9 @@ data-loader workers it forks do not hold it after it dies (flock's would). The f
 deleted (a process waiting on a deleted file would lock a different one than the next process
 creates). On NFS the server keeps the lock, and a dead client's lease releases it. A file system
 that has no locks at all runs the run unlocked, saying so.
+
+`held` asks, from another process, whether a live process holds a folder's lock (mpt-report tells a
+run that died without writing its final status from a live one by it).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import fcntl
 import json
 import os
 import socket
+import struct
 import sys
 from pathlib import Path
 
@@ -67,3 +71,69 @@ class RunLock:
         fcntl.lockf(self._fd, fcntl.LOCK_UN)
         os.close(self._fd)
         self._fd = None
+
+
+def held(run_dir: Path) -> bool | None:
+    """Whether a live process holds `run_dir`'s lock: True; False where none does (also where the
+    folder has no `.lock`: no process ever locked it here); None where nothing can tell (the file
+    system has no locks, or the file cannot be opened).
+
+    Never call it from the process that holds the lock. POSIX record locks belong to a process: its
+    own lock never conflicts with its own probe (the answer would be False), and closing ANY
+    descriptor of the file, such as the one the probe opens, drops every lock the process holds on
+    it. On Linux the probe refuses (RuntimeError) in a process that has the file open; elsewhere
+    nothing stops it.
+
+    It does not take the lock on Linux (F_GETLK only asks). Elsewhere it takes a shared lock for an
+    instant and drops it: a run starting at that instant would find its folder held.
+    """
+    path = run_dir / FILENAME
+    if _open_in_this_process(path):
+        raise RuntimeError(f"{path}: this process has the lock file open; probing it would drop its lock")
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return None
+    try:
+        return _conflicts(fd)
+    except OSError as e:
+        if e.errno in (errno.EACCES, errno.EAGAIN):  # the shared-lock probe met the holder's lock
+            return True
+        return None  # ENOLCK, EOPNOTSUPP, ...: no locks here
+    finally:
+        os.close(fd)
+
+
+# struct flock on Linux: l_type, l_whence, l_start, l_len, l_pid (native alignment); the buffer is
+# padded beyond the kernel's struct, which writes only its own size back.
+_FLOCK_LINUX = "@hhqqi"
+
+
+def _conflicts(fd: int) -> bool:
+    """Whether another process's lock would conflict with an exclusive lock of the whole file."""
+    if sys.platform.startswith("linux"):
+        query = struct.pack(_FLOCK_LINUX, fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0).ljust(64, b"\0")
+        answer = fcntl.fcntl(fd, fcntl.F_GETLK, query)
+        return struct.unpack_from(_FLOCK_LINUX, answer)[0] != fcntl.F_UNLCK
+    # struct flock's layout differs between systems: a shared lock, taken and dropped at once.
+    fcntl.lockf(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # raises EACCES or EAGAIN while held
+    fcntl.lockf(fd, fcntl.LOCK_UN)
+    return False
+
+
+def _open_in_this_process(path: Path) -> bool:
+    """Whether this process has `path` open (Linux: /proc/self/fd; False where that is missing)."""
+    try:
+        target = os.stat(path)
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.path.samestat(os.stat(f"/proc/self/fd/{fd}"), target):
+                return True
+        except OSError:
+            continue  # closed since the listing (the listing's own descriptor)
+    return False
