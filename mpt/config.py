@@ -257,6 +257,9 @@ class VOCDataConfig(FileDataConfig):
     val_sets: list[str] = field(default_factory=list)
     class_names: list[str] = field(default_factory=list)
     keep_difficult: bool = True  # train on objects marked difficult too, as SSD did (evaluation always ignores them)
+    # a box reaching outside its image: false stops the run naming it; true clips it to the image
+    # (dropping it if nothing is inside) and counts both in the record (data.clipped_boxes, data.dropped_boxes)
+    clip_boxes: bool = False
 
 
 @dataclass
