@@ -221,3 +221,107 @@ def test_ssd_trains_in_the_papers_mode_on_voc_files_and_scores_map(tmp_path, in_
     assert rec.scale_config["value"] == 8 and rec.precision["master_weights"] is True
     assert 0 <= rec.metrics["map"] <= 1 and rec.metrics["val_samples"] == 2
     assert rec.loss_scale["model"]["steps"] == rec.steps == 1
+
+
+def annotation_xml(image: str, size: tuple[int, int] | None, boxes: list[tuple[int, int, int, int]]) -> str:
+    """A VOC annotation of `image` with `<size>` width x height (none if None) and one raccoon per box."""
+    objects = "".join(
+        f"<object><name>raccoon</name><difficult>0</difficult><bndbox><xmin>{x1}</xmin><ymin>{y1}</ymin><xmax>{x2}</xmax><ymax>{y2}</ymax></bndbox></object>"
+        for x1, y1, x2, y2 in boxes
+    )
+    dims = "" if size is None else f"<size><width>{size[0]}</width><height>{size[1]}</height><depth>3</depth></size>"
+    return f"<annotation><filename>{image}</filename>{dims}{objects}</annotation>"
+
+
+def flat_set(tmp_path: Path, victim_boxes: list[tuple[int, int, int, int]], size: tuple[int, int] | None = (400, 533)) -> tuple[Path, Path]:
+    """A flat VOC folder of four raccoon images whose split files train.txt and val.txt both list all
+    four; raccoon-119 (400x533) gets `victim_boxes`. Returns (root, the victim's annotation)."""
+    raccoon = shared_data("raccoon")
+    root = tmp_path / "flat"
+    (root / "annotations").mkdir(parents=True)
+    (root / "images").symlink_to(raccoon / "images")
+    ids = ["raccoon-1", "raccoon-10", "raccoon-11", "raccoon-119"]
+    for i in ids[:3]:
+        shutil.copy(raccoon / "annotations" / f"{i}.xml", root / "annotations" / f"{i}.xml")
+    victim = root / "annotations" / "raccoon-119.xml"
+    victim.write_text(annotation_xml("raccoon-119.jpg", size, victim_boxes))
+    for split in ("train.txt", "val.txt"):
+        (root / split).write_text("\n".join(ids) + "\n")
+    return root, victim
+
+
+def flat_cfg(root: Path, *extra: str):
+    return voc_cfg(root, "data.train_sets=[train.txt]", "data.val_sets=[val.txt]", *extra)
+
+
+@pytest.mark.parametrize(
+    "box",
+    [(16, 62, 401, 353), (0, 62, 362, 353), (16, 0, 362, 353), (16, 62, 362, 534), (450, 62, 480, 353)],
+    ids=["xmax-past-width", "xmin-0", "ymin-0", "ymax-past-height", "wholly-right"],
+)
+def test_a_box_outside_its_image_is_a_corrupt_annotation_naming_file_and_box(tmp_path, box):
+    root, victim = flat_set(tmp_path, [(211, 359, 277, 402), box])
+    x1, y1, x2, y2 = box
+    line = f"corrupt annotation {victim}: box 2 (raccoon) xmin={x1}, ymin={y1}, xmax={x2}, ymax={y2} lies outside its 400x533 image; "
+    with pytest.raises(CorruptAnnotation) as caught:
+        build_data(flat_cfg(root), CPU)
+    assert str(caught.value) == line + "fix it, or set data.clip_boxes=true to clip such boxes"
+
+
+def test_a_box_on_the_border_is_accepted(tmp_path):
+    """VOC's corners are 1-based inclusive pixels: 1..width and 1..height cover the whole image."""
+    root, _ = flat_set(tmp_path, [(1, 1, 400, 533)])
+    data = build_data(flat_cfg(root), CPU)
+    victim = next(a for a in data.val_loader.dataset.annotations if a.image.stem == "raccoon-119")
+    assert victim.boxes == [[0, 0, 400, 533]] and data.info["clipped_boxes"] == data.info["dropped_boxes"] == 0
+
+
+def test_without_a_size_the_box_is_checked_against_the_image_file(tmp_path):
+    root, victim = flat_set(tmp_path, [(16, 62, 401, 353)], size=None)
+    with pytest.raises(CorruptAnnotation, match="lies outside its 400x533 image"):
+        build_data(flat_cfg(root), CPU)
+    victim.write_text(annotation_xml("raccoon-119.jpg", None, [(16, 62, 400, 353)]))
+    build_data(flat_cfg(root), CPU)
+
+
+def test_swapped_corners_are_refused_even_with_clipping(tmp_path):
+    root, victim = flat_set(tmp_path, [(362, 62, 16, 353)])
+    with pytest.raises(CorruptAnnotation, match=f"corrupt annotation {victim}: box 1 \\(raccoon\\) xmin=362, .* has its corners swapped"):
+        build_data(flat_cfg(root, "data.clip_boxes=true"), CPU)
+
+
+def test_clip_boxes_clips_drops_and_counts_and_train_and_eval_see_the_same_boxes(tmp_path):
+    # box 1 inside, box 2 past the right and bottom edges, box 3 wholly below the image
+    root, _ = flat_set(tmp_path, [(211, 359, 277, 402), (-5, 392, 480, 600), (198, 540, 280, 560)])
+    data = build_data(flat_cfg(root, "data.clip_boxes=true"), CPU)
+    # each of train.txt and val.txt lists the victim once: one clipped and one dropped box in each
+    assert data.info["clipped_boxes"] == 2 and data.info["dropped_boxes"] == 2
+    expected = torch.tensor([[210, 358, 277, 402], [0, 391, 400, 533]], dtype=torch.float32)  # continuous x1 - 1, y1 - 1, x2, y2
+
+    train, val = data.train_loader.dataset.dataset, data.val_loader.dataset  # SeededSamples wraps the training set
+    k = next(i for i, a in enumerate(train.annotations) if a.image.stem == "raccoon-119")
+    j = next(i for i, a in enumerate(val.annotations) if a.image.stem == "raccoon-119")
+    _, evaluated = val[j]  # the evaluation's own transform: resized to 300x300
+    assert torch.allclose(evaluated["boxes"], expected * torch.tensor([300 / 400, 300 / 533] * 2), atol=1e-3)
+    assert evaluated["labels"].tolist() == [1, 1]
+    train.transform = val.transform = lambda image, target: (image, target)  # no augmentation, no resize
+    assert torch.equal(train[k][1]["boxes"], expected) and torch.equal(val[j][1]["boxes"], expected)
+    assert torch.equal(train[k][1]["labels"], val[j][1]["labels"])
+
+
+def test_clip_boxes_counts_are_zero_on_the_real_raccoon_set():
+    """The real sample's 217 boxes all lie in their images: none is refused, none clipped."""
+    data = build_data(voc_cfg(shared_data("raccoon"), "data.clip_boxes=true"), CPU)
+    assert data.info["clipped_boxes"] == 0 and data.info["dropped_boxes"] == 0
+
+
+@pytest.mark.slow
+def test_a_run_meeting_a_box_outside_its_image_leaves_an_error_record_naming_it(tmp_path):
+    root, victim = flat_set(tmp_path, [(16, 62, 401, 353)])
+    args = ["model=ssd", *RACCOON, f"data.root={root}", "data.train_sets=[train.txt]", "data.val_sets=[val.txt]", "schedule=smoke", "device=cpu"]
+    r = mpt_run(*args, "checkpoint=false", f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
+    assert r.returncode == 1, r.stderr[-2000:]
+    rec = read_record(tmp_path / "run")
+    assert rec["status"] == "error"
+    assert rec["message"].startswith(f"CorruptAnnotation: corrupt annotation {victim}: box 1 (raccoon) xmin=16, ymin=62, xmax=401, ymax=353 lies outside")
+    assert "\n" not in rec["message"]

@@ -9,7 +9,11 @@
 
 Every annotation of a set is parsed when the data is built, so a missing or corrupt file, or a
 class not in `data.class_names`, stops the run before training, naming the file. Box corners are
-VOC's 1-based inclusive pixels; they become continuous coordinates (x1 - 1, y1 - 1, x2, y2).
+VOC's 1-based inclusive pixels; they become continuous coordinates (x1 - 1, y1 - 1, x2, y2). A box
+must lie in its image (1 <= xmin <= xmax <= width, 1 <= ymin <= ymax <= height, the size from
+<size>, or from the image file where <size> is missing or zero): one that does not is a
+CorruptAnnotation, or, with `data.clip_boxes=true`, is clipped to the image (dropped if nothing of it
+is inside) and counted. Training and evaluation both read the boxes so checked.
 
 Training augmentation is SSD's, as torchvision's references implement it: photometric distortion,
 zoom-out onto a canvas of the mean colour (expand), an IoU-constrained random crop, horizontal flip,
@@ -22,6 +26,7 @@ flagged, and ignores them as VOC does.
 from __future__ import annotations
 
 import csv
+import math
 import os
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
@@ -30,13 +35,14 @@ from typing import Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 from torchvision import tv_tensors
 from torchvision.transforms import v2
 
 from ..config import ConfigError
 from ..distributed import Dist
-from .imagefolder import load_image
+from .imagefolder import CorruptImage, load_image
 from .sampling import EpochBatches, LoaderData, SeededSamples, shielded_worker
 
 # Caffe's input convention, which torchvision's SSD and its VGG16_Weights.IMAGENET1K_FEATURES use:
@@ -45,7 +51,8 @@ MEAN_PIXEL_01 = (0.48235, 0.45882, 0.40784)
 
 
 class CorruptAnnotation(RuntimeError):
-    """A VOC XML file that cannot be read as an annotation."""
+    """A VOC XML file that cannot be read as an annotation, or one with a box outside its image
+    (which no detection could match: evaluation would lose it silently). The run fails naming it."""
 
 
 @dataclass
@@ -54,6 +61,8 @@ class Annotation:
     boxes: list[list[float]]  # continuous x1 y1 x2 y2
     labels: list[int]  # 1..C
     difficult: list[bool]
+    clipped: int = 0  # boxes that data.clip_boxes cut to the image
+    dropped: int = 0  # boxes that data.clip_boxes dropped, wholly outside the image
 
 
 def _number(node: ET.Element, tag: str, file: Path) -> float:
@@ -64,7 +73,26 @@ def _number(node: ET.Element, tag: str, file: Path) -> float:
         raise CorruptAnnotation(f"corrupt annotation {file}: <{tag}> is {text!r}, not a number") from None
 
 
-def parse_annotation(file: Path, image_dir: Path, class_index: dict[str, int]) -> Annotation:
+def _image_size(root: ET.Element, file: Path, image: Path) -> tuple[float, float]:
+    """(width, height) from <size>; from the image file's header where <size> is missing or zero
+    (some annotation tools write <width>0</width>)."""
+    size = root.find("size")
+    if size is not None and size.findtext("width") is not None and size.findtext("height") is not None:
+        width, height = _number(size, "width", file), _number(size, "height", file)
+        if width > 0 and height > 0:
+            return width, height
+    try:
+        with Image.open(image) as img:
+            return float(img.width), float(img.height)
+    except (OSError, SyntaxError, ValueError) as e:
+        raise CorruptImage(f"corrupt image {image}: {type(e).__name__}: {e}") from None
+
+
+def _corners(x1: float, y1: float, x2: float, y2: float) -> str:
+    return f"xmin={x1:g}, ymin={y1:g}, xmax={x2:g}, ymax={y2:g}"
+
+
+def parse_annotation(file: Path, image_dir: Path, class_index: dict[str, int], clip_boxes: bool = False) -> Annotation:
     try:
         root = ET.parse(file).getroot()
     except (ET.ParseError, OSError) as e:
@@ -75,8 +103,10 @@ def parse_annotation(file: Path, image_dir: Path, class_index: dict[str, int]) -
         image = image_dir / f"{file.stem}.jpg"  # VOC's <filename> sometimes disagrees with the id
     if not image.is_file():
         raise ConfigError(f"{file}: its image {image} does not exist")
+    width, height = None, None  # read at the first box: a file without objects needs no size
     boxes, labels, difficult = [], [], []
-    for obj in root.iter("object"):
+    clipped = dropped = 0
+    for k, obj in enumerate(root.iter("object"), start=1):
         name = (obj.findtext("name") or "").strip()
         if name not in class_index:
             raise ConfigError(f"{file}: object class '{name}' is not in data.class_names ({', '.join(class_index)})")
@@ -84,12 +114,26 @@ def parse_annotation(file: Path, image_dir: Path, class_index: dict[str, int]) -
         if box is None:
             raise CorruptAnnotation(f"corrupt annotation {file}: an object '{name}' has no <bndbox>")
         x1, y1, x2, y2 = (_number(box, t, file) for t in ("xmin", "ymin", "xmax", "ymax"))
-        if not (x2 >= x1 and y2 >= y1):
-            raise CorruptAnnotation(f"corrupt annotation {file}: box ({x1}, {y1}, {x2}, {y2}) of '{name}' has its corners swapped")
+        where = f"corrupt annotation {file}: box {k} ({name}) {_corners(x1, y1, x2, y2)}"
+        if not all(math.isfinite(v) for v in (x1, y1, x2, y2)):
+            raise CorruptAnnotation(f"{where} is not finite")
+        if not (x2 >= x1 and y2 >= y1):  # clipping cannot say which corner was meant
+            raise CorruptAnnotation(f"{where} has its corners swapped")
+        if width is None:
+            width, height = _image_size(root, file, image)
+        if not (1 <= x1 and x2 <= width and 1 <= y1 and y2 <= height):
+            if not clip_boxes:
+                advice = "fix it, or set data.clip_boxes=true to clip such boxes"
+                raise CorruptAnnotation(f"{where} lies outside its {width:g}x{height:g} image; {advice}")
+            x1, y1, x2, y2 = max(x1, 1), max(y1, 1), min(x2, width), min(y2, height)
+            if x1 > x2 or y1 > y2:  # nothing of it is inside: no pixel to train or score on
+                dropped += 1
+                continue
+            clipped += 1
         boxes.append([x1 - 1, y1 - 1, x2, y2])
         labels.append(class_index[name])
         difficult.append(obj.findtext("difficult", "0").strip() == "1")
-    return Annotation(image, boxes, labels, difficult)
+    return Annotation(image, boxes, labels, difficult, clipped, dropped)
 
 
 def _ids_from_split_file(file: Path) -> list[str]:
@@ -121,7 +165,7 @@ def resolve_set(root: Path, name: str) -> tuple[list[str], Path, Path]:
     raise ConfigError(f"data.root={root}: neither a VOC devkit (VOC2007/Annotations, ...) holding set {name} nor a flat annotations/ + images/ folder pair")
 
 
-def read_sets(root: Path, names: list[str], class_names: list[str]) -> list[Annotation]:
+def read_sets(root: Path, names: list[str], class_names: list[str], clip_boxes: bool = False) -> list[Annotation]:
     class_index = {n: i + 1 for i, n in enumerate(class_names)}
     out = []
     for name in names:
@@ -130,7 +174,7 @@ def read_sets(root: Path, names: list[str], class_names: list[str]) -> list[Anno
             file = ann_dir / f"{i}.xml"
             if not file.is_file():
                 raise ConfigError(f"data set {name}: image '{i}' has no annotation {file}")
-            out.append(parse_annotation(file, image_dir, class_index))
+            out.append(parse_annotation(file, image_dir, class_index, clip_boxes))
     return out
 
 
@@ -197,8 +241,8 @@ class VOCData(LoaderData):
         if not root.is_dir():
             raise ConfigError(f"data.root={root}: no such folder")
         size = schedule.image_size
-        train = read_sets(root, list(data.train_sets), list(data.class_names))
-        val = read_sets(root, list(data.val_sets), list(data.class_names))
+        train = read_sets(root, list(data.train_sets), list(data.class_names), data.clip_boxes)
+        val = read_sets(root, list(data.val_sets), list(data.class_names), data.clip_boxes)
         if len(train) < schedule.batch_size:
             raise ConfigError(f"data.train_sets={list(data.train_sets)}: {len(train)} images, fewer than one batch of {schedule.batch_size}")
         self.device = device
@@ -219,6 +263,9 @@ class VOCData(LoaderData):
             "val_samples": len(val),
             "train_objects": sum(sum(1 for d in a.difficult if data.keep_difficult or not d) for a in train),
             "val_objects": sum(len(a.labels) for a in val),
+            # boxes reaching outside their image, clipped or dropped (data.clip_boxes), in both splits
+            "clipped_boxes": sum(a.clipped for a in train + val),
+            "dropped_boxes": sum(a.dropped for a in train + val),
             "resident": False,
             "num_workers": workers,
         }
