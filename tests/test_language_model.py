@@ -235,6 +235,26 @@ def test_a_vocabulary_file_and_its_markers(tmp_path):
         build_data(tiny_cfg(*base, f"data.vocab_file={tmp_path / 'vocab.txt'}"), CPU)
 
 
+@pytest.mark.parametrize(
+    "split,text",
+    [("train", ""), ("valid", " \t\n\n  \n"), ("test", ""), ("train", None)],
+    ids=["empty-train", "blank-valid", "empty-test", "one-empty-train-shard"],
+)
+def test_an_empty_corpus_file_is_named_as_empty(tmp_path, split, text):
+    """Not as a batch too large for the split: an empty training file would otherwise read
+    'schedule.batch_size=2: 0 training tokens make rows shorter than ...'."""
+    for name in ("train.txt", "valid.txt", "test.txt"):
+        (tmp_path / name).write_text("the cat sat\nthe dog barked\n" * 10)
+    empty = tmp_path / f"{split}.txt" if text is not None else tmp_path / "train.0.txt"  # a shard beside train.txt
+    empty.write_text(text or "")
+    key = {"train": "train_split=train*.txt", "valid": "val_split=valid.txt", "test": "test_split=test.txt"}[split]
+    cfg = tiny_cfg("data=text_corpus", f"data.root={tmp_path}", "data.train_split=train*.txt", "data.val_split=valid.txt",
+                   "data.test_split=test.txt", "schedule.batch_size=2")  # fmt: skip
+    with pytest.raises(ConfigError) as e:
+        build_data(cfg, CPU)
+    assert str(e.value) == f"data.{key}: {empty} is empty (no words on any line)"
+
+
 def ptb(*extra: str):
     root = shared_data("ptb")
     return tiny_cfg("data=text_corpus", f"data.root={root}", "data.train_split=ptb.train.txt*", "data.val_split=ptb.valid.txt*",

@@ -322,7 +322,7 @@ def test_lines_end_at_newlines_only(tmp_path):
             (tmp_path / f"{split}.{lang}").write_bytes(("\r\n".join(lines) + "\r\n").encode())
     from mpt.datasets.parallel_text import read_pairs
 
-    assert read_pairs(tmp_path, "train", "en", "de") == (src, ["eins", "zwei", "vier"])
+    assert read_pairs(tmp_path, "train", "en", "de", "train_split") == (src, ["eins", "zwei", "vier"])
 
 
 def test_a_resume_with_another_tokenizer_is_refused(multi30k):
@@ -343,7 +343,10 @@ def test_a_resume_with_another_tokenizer_is_refused(multi30k):
         ("latin1", [], "not UTF-8 text"),
         ("copy", ["data.tokenizer_model=ROOT/train.en"], "not a sentencepiece model"),
         ("copy", ["data.vocab_size=5000"], "data.vocab_size=5000: sentencepiece cannot train it"),
-        ("empty_test", ["data.test_split=test"], "data.test_split=test: its files in"),
+        ("empty_test", ["data.test_split=test"], "data.test_split=test: ROOT/test.en is empty (no text on any line)"),
+        # an empty training side would be named as a vocabulary too large for the text
+        ("empty_train", [], "data.train_split=train: ROOT/train.de is empty (no text on any line)"),
+        ("blank_val", [], "data.val_split=val: ROOT/val.en is empty (no text on any line)"),
     ],
 )
 def test_bad_parallel_text_is_one_line_naming_the_problem(tmp_path, setup, overrides, named):
@@ -360,6 +363,10 @@ def test_bad_parallel_text_is_one_line_naming_the_problem(tmp_path, setup, overr
     if setup == "empty_test":
         (tmp_path / "test.en").write_text("")
         (tmp_path / "test.de").write_text("")
+    if setup == "empty_train":
+        (tmp_path / "train.de").write_text("")
+    if setup == "blank_val":
+        (tmp_path / "val.en").write_text(" \t \n" * 40)  # whitespace only, the line count of val.de
     if setup == "latin1":
         (tmp_path / "train.de").write_bytes("Stra\xdfe\n".encode("latin-1"))
     overrides = [o.replace("ROOT", str(tmp_path)) for o in overrides]
@@ -367,7 +374,7 @@ def test_bad_parallel_text_is_one_line_naming_the_problem(tmp_path, setup, overr
     with pytest.raises(ConfigError) as e:
         build_data(cfg, CPU)
     message = str(e.value)
-    assert named in message and "\n" not in message
+    assert named.replace("ROOT", str(tmp_path)) in message and "\n" not in message
 
 
 @pytest.mark.parametrize(

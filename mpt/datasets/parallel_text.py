@@ -58,9 +58,19 @@ def read_lines(path: Path) -> list[str]:
     return [line.removesuffix("\r") for line in lines]
 
 
-def read_pairs(root: Path, split: str, src_lang: str, tgt_lang: str) -> tuple[list[str], list[str]]:
+def refuse_empty(path: Path, lines: list[str], setting: str) -> None:
+    """An empty or whitespace-only file is named as such: further on it would surface as a batch too
+    large for the split or a vocabulary too large for the text."""
+    if not any(line.strip() for line in lines):
+        raise ConfigError(f"{setting}: {path} is empty (no text on any line)")
+
+
+def read_pairs(root: Path, split: str, src_lang: str, tgt_lang: str, key: str) -> tuple[list[str], list[str]]:
+    """The split's source and target lines; `key` names its setting (train_split, ...) in errors."""
     src_path, tgt_path = split_file(root, split, src_lang), split_file(root, split, tgt_lang)
     src, tgt = read_lines(src_path), read_lines(tgt_path)
+    for path, lines in [(src_path, src), (tgt_path, tgt)]:
+        refuse_empty(path, lines, f"data.{key}={split}")
     if len(src) != len(tgt):
         raise ConfigError(f"{src_path} has {len(src)} lines but {tgt_path} has {len(tgt)}: parallel files must align line by line")
     return [s.strip() for s in src], [t.strip() for t in tgt]
@@ -117,8 +127,10 @@ def parallel_text(cfg: DictConfig, device: torch.device, workdir: Optional[Path]
     root = Path(d.root).expanduser()
     if not root.is_dir():
         raise ConfigError(f"data.root={d.root}: no such folder")
-    train_src, train_tgt = read_pairs(root, d.train_split, d.src_lang, d.tgt_lang)
-    val_src, val_tgt = read_pairs(root, d.val_split, d.src_lang, d.tgt_lang)
+    train_src, train_tgt = read_pairs(root, d.train_split, d.src_lang, d.tgt_lang, "train_split")
+    val_src, val_tgt = read_pairs(root, d.val_split, d.src_lang, d.tgt_lang, "val_split")
+    # read before the tokenizer trains, so that a bad test file stops the run at once
+    test = read_pairs(root, d.test_split, d.src_lang, d.tgt_lang, "test_split") if d.test_split is not None else None
 
     if d.tokenizer_model is not None:
         path = Path(d.tokenizer_model).expanduser()
@@ -150,9 +162,6 @@ def parallel_text(cfg: DictConfig, device: torch.device, workdir: Optional[Path]
         else:
             dropped += 1
     val = list(zip(encode(val_src), encode(val_tgt)))
-    test = read_pairs(root, d.test_split, d.src_lang, d.tgt_lang) if d.test_split is not None else None
-    if test is not None and not test[0]:
-        raise ConfigError(f"data.test_split={d.test_split}: its files in {root} hold no lines")
 
     def detokenize(ids: list[int]) -> str:
         return sp.decode([i for i in ids if i > EOS])

@@ -203,18 +203,21 @@ def text_corpus(cfg: DictConfig, device: torch.device, workdir: Optional[Path] =
     vocab = read_vocabulary(Path(d.vocab_file).expanduser()) if d.vocab_file else build_vocabulary(count_words(train_files), d.min_count, d.max_vocab)
     index = {w: i for i, w in enumerate(vocab)}
 
-    def ids(files: list[Path]) -> Sentences:
-        return Sentences.join([file_sentences(f, index) for f in files])
+    def ids(files: list[Path], key: str) -> Sentences:
+        parts = [file_sentences(f, index) for f in files]
+        for f, part in zip(files, parts):
+            if len(part) == 0:  # else named further on as a batch too large for the split
+                raise ConfigError(f"data.{key}={d[key]}: {f} is empty (no words on any line)")
+        return Sentences.join(parts)
 
-    train_ids, val_ids = ids(train_files), ids(val_files)
+    train_ids, val_ids = ids(train_files, "train_split"), ids(val_files, "val_split")
     info = {
         "vocab_size": len(vocab),
         "vocabulary": "from " + (str(d.vocab_file) if d.vocab_file else f"training counts (min_count {d.min_count}, max_vocab {d.max_vocab})"),
         "val_oov_rate": float((val_ids.ids == UNK).mean()),
     }
-    return LMData(
-        train_ids, val_ids, ids(test_files) if test_files is not None else None, info, cfg.schedule.batch_size, cfg.model.bptt, cfg.seed, device, shard
-    )
+    test_ids = ids(test_files, "test_split") if test_files is not None else None
+    return LMData(train_ids, val_ids, test_ids, info, cfg.schedule.batch_size, cfg.model.bptt, cfg.seed, device, shard)
 
 
 # --- a Markov source with a known entropy rate
