@@ -248,8 +248,8 @@ def test_an_empty_corpus_file_is_named_as_empty(tmp_path, split, text):
     empty = tmp_path / f"{split}.txt" if text is not None else tmp_path / "train.0.txt"  # a shard beside train.txt
     empty.write_text(text or "")
     key = {"train": "train_split=train*.txt", "valid": "val_split=valid.txt", "test": "test_split=test.txt"}[split]
-    cfg = tiny_cfg("data=text_corpus", f"data.root={tmp_path}", "data.train_split=train*.txt", "data.val_split=valid.txt",
-                   "data.test_split=test.txt", "schedule.batch_size=2")  # fmt: skip
+    splits = ["data.train_split=train*.txt", "data.val_split=valid.txt", "data.test_split=test.txt"]
+    cfg = tiny_cfg("data=text_corpus", f"data.root={tmp_path}", *splits, "schedule.batch_size=2")
     with pytest.raises(ConfigError) as e:
         build_data(cfg, CPU)
     assert str(e.value) == f"data.{key}: {empty} is empty (no words on any line)"
