@@ -190,6 +190,9 @@ class ScaleConfig:
 
     name: str = MISSING
     value: Optional[float] = None  # static: S (null: the model's static_scale)
+    # static: this many skipped steps in a row end the run as diverged: a scale that overflows every
+    # step would otherwise spend the whole schedule training nothing, and end `ok`
+    max_consecutive_skips: int = 100
     init: float = 2.0**16  # dynamic, auto: starting scale
     interval: int = 2000  # dynamic: clean steps before growing
     growth: float = 2.0
@@ -516,6 +519,8 @@ def validate(cfg: DictConfig) -> None:
         value = static_scale_value(cfg)
         if not (value >= 1 and math.isfinite(value)):
             raise ConfigError(f"scale.value={value}: a static loss scale must be a finite number >= 1")
+        if scale.max_consecutive_skips < 1:
+            raise ConfigError(f"scale.max_consecutive_skips={scale.max_consecutive_skips}: must be a positive number of steps")
     if scale.name == "dynamic":
         if not (1 <= scale.min <= scale.init <= scale.max and math.isfinite(scale.max)):
             raise ConfigError(f"scale: need 1 <= scale.min <= scale.init <= scale.max (got min={scale.min}, init={scale.init}, max={scale.max})")

@@ -78,9 +78,32 @@ class LossScaler:
 
 
 class StaticScaler(LossScaler):
-    """A fixed S; an overflowing step is skipped and counted."""
+    """A fixed S; an overflowing step is skipped and counted. `max_consecutive_skips` skipped steps
+    in a row end the run as diverged: nothing changes S, so a scale that overflows that long would
+    overflow to the end of the schedule."""
 
     checks_overflow = True
+
+    def __init__(self, scale: float, max_consecutive_skips: int = 100):
+        super().__init__(scale)
+        self.max_consecutive_skips = int(max_consecutive_skips)
+        self.consecutive_skips = 0
+
+    def update(self, overflow: bool, grad_max: float | None = None) -> None:
+        super().update(overflow)
+        self.consecutive_skips = self.consecutive_skips + 1 if overflow else 0
+        if self.consecutive_skips >= self.max_consecutive_skips:
+            raise Diverged(
+                f"static scale {self.scale:g} overflowed every step for {self.consecutive_skips} steps; lower scale.value "
+                f"(scale.max_consecutive_skips={self.max_consecutive_skips})"
+            )
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "consecutive_skips": self.consecutive_skips}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale = float(state["scale"])
+        self.consecutive_skips = int(state.get("consecutive_skips", 0))  # older checkpoints did not count them
 
 
 class DynamicScaler(LossScaler):
@@ -195,7 +218,7 @@ def build_scaler(cfg: DictConfig) -> LossScaler:
     if s.name == "none":
         return LossScaler(1.0)
     if s.name == "static":
-        return StaticScaler(static_scale_value(cfg))
+        return StaticScaler(static_scale_value(cfg), s.max_consecutive_skips)
     if s.name == "auto":
         return AutoScaler(s.init, s.min, s.max, s.beta1, s.beta2, s.std_devs, s.margin_bits)
     return DynamicScaler(s.init, s.interval, s.growth, s.backoff, s.min, s.max)
