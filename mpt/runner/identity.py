@@ -70,6 +70,28 @@ def computational(plain: dict) -> dict:
     return out
 
 
+# A run's length: a checkpoint made under another one continues the same computation up to the
+# shorter end (no learning rate depends on the length; milestones are their own settings).
+LENGTH = ("schedule.steps", "schedule.epochs")
+
+
+def differences(saved: dict, current: dict) -> list[str]:
+    """The dotted paths whose computational values differ between a config saved by a record or
+    checkpoint (maybe by an older version) and `current`, in `current`'s order."""
+    old = computational(_with_missing_keys(_without_other_sources(_renamed(saved), current), current))
+    return _diff(old, computational(current))
+
+
+def _diff(old: Any, new: Any, path: str = "") -> list[str]:
+    if not (isinstance(old, dict) and isinstance(new, dict)):
+        return [] if old == new else [path]
+    out = []
+    for key in [*new, *(k for k in old if k not in new)]:
+        inner = f"{path}.{key}" if path else str(key)
+        out += _diff(old.get(key), new.get(key), inner) if key in old and key in new else [inner]
+    return out
+
+
 def same_computation(saved: dict, current: dict) -> bool:
     """Whether a config saved by a record or checkpoint (maybe by an older version) computes what
     `current` does."""

@@ -84,6 +84,10 @@ class RunRecord:
     preempted_at_step: Optional[int] = None
     resumed_from_step: Optional[int] = None
     resumed_at: Optional[str] = None
+    checkpoint_step: Optional[int] = None  # the step of the last checkpoint written: where a relaunch resumes
+    # The launches that trained it: steps [from_step, to_step) under a schedule of total_steps, by the
+    # code in `git`. More than one when it resumed; to_step of a launch that died is its last checkpoint.
+    segments: Optional[list] = None
     nondeterministic_ops: Optional[list] = None  # deterministic=true: ops torch ran without a deterministic kernel
     throughput: Optional[dict] = None  # throughput.py
     memory: Optional[dict] = None
@@ -100,7 +104,10 @@ class RunRecord:
     duration_s: Optional[float] = None
     extra: dict = field(default_factory=dict)  # keys of a newer or older version this one does not know
     absent: frozenset = field(
-        default=frozenset({"sample_grids", "epochs", "diverged_at_step", "preempted_at_step", "resumed_from_step", "resumed_at"}), repr=False
+        default=frozenset(
+            {"sample_grids", "epochs", "diverged_at_step", "preempted_at_step", "resumed_from_step", "resumed_at", "checkpoint_step", "segments"}
+        ),
+        repr=False,
     )
 
     @classmethod
@@ -226,6 +233,15 @@ def code_identity(code: Optional[Path] = None, configs: Optional[Path] = None) -
         identity["configs"] = {"path": str(configs), **other}
         identity["dirty"] = True
     return identity
+
+
+def describe_code(git: dict | None) -> str:
+    """`commit 1a2b3c4d5e6f` with ` (with uncommitted changes)` where the tree was dirty: how a
+    warning names the code that ran."""
+    git = git or {}
+    commit = git.get("commit")
+    text = f"commit {commit[:12]}" if commit else "code of no known commit"
+    return text + (" (with uncommitted changes)" if git.get("dirty") else "")
 
 
 def cpu_name() -> str:

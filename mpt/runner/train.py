@@ -22,6 +22,7 @@ from omegaconf import DictConfig
 from .. import preemption
 from ..config import GROUPS, ConfigError, as_plain, static_scale_value
 from ..datasets import build_data
+from ..datasets.fingerprint import fingerprint
 from ..distributed import Dist, allreduce_in, backend, from_env
 from ..distributed import setup as setup_distributed
 from ..models import build_task
@@ -43,7 +44,7 @@ from .grad_collector import GradStatsCollector
 from .memory import MemoryPeaks
 from .overflow_trace import OverflowTracer
 from .progress import Progress
-from .record import MetricsLog, NullLog, RunRecord, code_identity, environment, now_iso
+from .record import MetricsLog, NullLog, RunRecord, code_identity, describe_code, environment, now_iso
 from .tensorboard_log import NullBoard, open_board
 from .throughput import ThroughputMeter
 
@@ -121,8 +122,8 @@ class Run:
         torch.backends.cudnn.benchmark = cfg.cudnn_benchmark and not cfg.deterministic
         self.fp32_math = set_fp32_math(cfg.precision.tf32)
 
-        may_resume = cfg.resume and not cfg.force and cfg.checkpoint
-        self.data = build_data(cfg, self.device, workdir=run_dir, resuming=may_resume and (run_dir / checkpoint.FILENAME).is_file(), shard=self.dist)
+        may_resume = cfg.resume and not cfg.force and cfg.checkpoint and (run_dir / checkpoint.FILENAME).is_file()
+        self.data = build_data(cfg, self.device, workdir=run_dir, resuming=may_resume, shard=self.dist)
         self.task = build_task(cfg, self.data.info, shard=self.dist)
         s = cfg.schedule
         per_epoch = self.data.steps_per_epoch
@@ -167,12 +168,8 @@ class Run:
         self.checkpointed_at: int | None = None
         self.peers_preempted = False  # under torchrun: a rank got a preemption signal (as of the last flush)
         self.record = self._initial_record()
-        saved = checkpoint.load(run_dir) if may_resume else None
-        if saved is not None and not identity.same_computation(saved["config"], self.record.config):
-            print(f"mpt-run: {run_dir} holds a checkpoint of a different config; starting over", flush=True)
-            saved = None
-        if saved is None and self.dist.is_main:  # starting over: a stale checkpoint must not be resumed later
-            (run_dir / checkpoint.FILENAME).unlink(missing_ok=True)
+        self._data_fingerprint: str | None = None  # of data.root, read once, when first saved
+        saved = self._checkpoint_to_resume()
         # Rank 0 writes everything; the other ranks compute the same log rows and drop them.
         self.metrics = MetricsLog(run_dir / "metrics.jsonl", keep_before_step=saved["step"] if saved else None) if self.dist.is_main else NullLog()
         if saved is not None:
@@ -182,6 +179,59 @@ class Run:
             self.board = open_board(cfg.logger, run_dir, saved["step"] if saved else None, self.meter, self.grad_stats, per_process=self.dist.enabled)
             if saved is not None and (self.record.metrics or {}).get("step") == saved["step"]:  # purged with the steps past the checkpoint
                 self.board.write([{"kind": "eval", **self.record.metrics}])
+
+    def _checkpoint_to_resume(self) -> dict | None:
+        """The folder's checkpoint if this run continues it. One it does not continue is moved aside
+        (`checkpoint.pt.stale-<UTC time>`), so no later launch resumes it and no progress is lost;
+        only force=true discards it. An unreadable or unsafe one raises: the run ends `error` and the
+        file stays where it is."""
+        cfg, path = self.cfg, self.run_dir / checkpoint.FILENAME
+        if not path.is_file():
+            return None
+        if cfg.force:
+            if self.dist.is_main:
+                path.unlink()
+                print(f"mpt-run: force=true: discarded {path}; starting over", flush=True)
+            return None
+        why = "resume=false" if not cfg.resume else "checkpoint=false" if not cfg.checkpoint else None
+        saved = None
+        if why is None:
+            saved = checkpoint.load(self.run_dir)
+            why = self._why_not_resumable(saved)
+        if why is None:
+            return saved
+        if self.dist.is_main:
+            aside = checkpoint.set_aside(self.run_dir)
+            print(f"mpt-run: {why}: moved the checkpoint aside to {aside.name if aside else '(gone)'}; starting over", flush=True)
+        return None
+
+    def _why_not_resumable(self, saved: dict) -> str | None:
+        """None if `saved` continues this run's computation. A longer or shorter schedule continues it
+        (up to the new end), as does a data.root moved to a copy of the same files."""
+        current = self.record.config
+        differ = identity.differences(saved["config"], current)
+        if "data.root" in differ and self._same_data(saved):
+            differ.remove("data.root")
+        extends = [k for k in differ if k in identity.LENGTH]
+        if extends and saved["step"] > self.total_steps:
+            return f"the checkpoint is at step {saved['step']}, past this schedule's end at step {self.total_steps}"
+        others = [k for k in differ if k not in identity.LENGTH]
+        if others:
+            shown = ", ".join(others[:4]) + (f" and {len(others) - 4} more" if len(others) > 4 else "")
+            return f"the checkpoint is of a different config ({shown})"
+        return None
+
+    def _same_data(self, saved: dict) -> bool:
+        """Whether this run's data.root holds the files the checkpoint's did (names and sizes)."""
+        return saved.get("data_fingerprint") is not None and saved["data_fingerprint"] == self.data_fingerprint()
+
+    def data_fingerprint(self) -> str | None:
+        root = self.cfg.data.get("root")
+        if root is None:
+            return None
+        if self._data_fingerprint is None:
+            self._data_fingerprint = fingerprint(Path(root))
+        return self._data_fingerprint
 
     def _products_record(self) -> dict | None:
         """The FP8 or MX recipe of the products, and how many layers' products ran on each arithmetic path."""
@@ -209,6 +259,8 @@ class Run:
             "started_at": self.record.started_at,
             "nondeterministic_ops": self.record.nondeterministic_ops,
             "git": self.record.git,
+            "segments": self.record.segments,
+            "data_fingerprint": self.data_fingerprint(),
             "throughput": self.meter.state_dict(),
             "memory": {k: int(self.dist.largest(v, self.device)) for k, v in self.peaks.state_dict().items()},
             "grad_stats": self.grad_stats.state_dict(),
@@ -231,9 +283,10 @@ class Run:
         if saved.get("nondeterministic_ops") and self.record.nondeterministic_ops is not None:  # none before they were noted
             self.record.nondeterministic_ops.extend(op for op in saved["nondeterministic_ops"] if op not in self.record.nondeterministic_ops)
         if saved["git"] != self.record.git:
-            print(
-                f"mpt-run: warning: the checkpoint was written by commit {saved['git'].get('commit')}, this is {self.record['git'].get('commit')}", flush=True
-            )
+            print(f"mpt-run: warning: the checkpoint was written by {describe_code(saved['git'])}; this is {describe_code(self.record.git)}", flush=True)
+        earlier = saved.get("segments") or [{"from_step": 0, "to_step": saved["step"], "total_steps": None, "git": saved["git"]}]
+        self.record.segments = [*earlier, *self.record.segments]
+        self.record.segments[-1]["from_step"] = self.record.segments[-1]["to_step"] = saved["step"]
         self.meter.load_state_dict(saved["throughput"])
         self.peaks.load_state_dict(saved.get("memory") or {"peak_bytes": saved["peak_memory_bytes"]})  # older checkpoints: the peak alone
         if saved.get("grad_stats"):  # checkpoints before gradient statistics have none
@@ -244,7 +297,9 @@ class Run:
         if saved.get("device_rng") is not None and self.device.type == "cuda":
             torch.cuda.set_rng_state(saved["device_rng"], self.device)
         log.info("resuming %s from its checkpoint at step %d of %d", self.run_dir, self.step, self.total_steps)
-        print(f"mpt-run: resuming from the checkpoint at step {self.step} of {self.total_steps} (resume=false starts over)", flush=True)
+        length = earlier[-1].get("total_steps")
+        longer = f", extending the run from {length} steps" if length is not None and length != self.total_steps else ""
+        print(f"mpt-run: resuming from the checkpoint at step {self.step} of {self.total_steps}{longer} (resume=false starts over)", flush=True)
 
     def _wrap_for_data_parallel(self) -> None:
         """Each network in DistributedDataParallel: the task trains through the wrapper, whose
@@ -310,10 +365,15 @@ class Run:
     def save_checkpoint(self) -> None:
         self._flush()  # the log on disk covers every step the checkpoint does
         self.board.flush()
+        self.record.segments[-1]["to_step"] = self.step
         state = self._state()  # on every rank: it gathers what each holds alone
         if self.dist.is_main:
             checkpoint.save(self.run_dir, state)
         self.checkpointed_at = self.step
+        # The record follows the checkpoint: a run that dies now says how far it got, and what a
+        # relaunch keeps.
+        self.record.steps, self.record.samples, self.record.checkpoint_step = self.step, state["samples"], self.step
+        self.save_record()
 
     def _initial_record(self) -> RunRecord:
         cfg = self.cfg
@@ -371,6 +431,7 @@ class Run:
             sample_grids=[] if self.task.saves_samples else None,
             environment=environment(self.device),
             git=code_identity(),
+            segments=[{"from_step": 0, "to_step": 0, "total_steps": self.total_steps, "git": code_identity()}],
             started_at=now_iso(),
             nondeterministic_ops=[] if cfg.deterministic else None,
         )
@@ -399,7 +460,7 @@ class Run:
         self.peaks.start()
         # Under torchrun the ranks end together (finishing, or diverging on a shared decision) and
         # meet in the collectives below; a rank leaving on an exception is alone and skips them.
-        together = False
+        together = interrupted = False
         try:
             if self.dist.is_main:
                 skipped = {name: e.scaler.summary()["skipped_steps"] for name, e in self.engines.items()}
@@ -412,6 +473,7 @@ class Run:
             ):
                 for _ in self.steps():
                     pass
+                self._check_trained()
             rec.status = "ok"
             together = True
         except Diverged as e:
@@ -423,9 +485,15 @@ class Run:
             together = True
             rec.status, rec.message, rec.preempted_at_step = "preempted", str(e), e.step
             log.warning("%s", e)
+        except KeyboardInterrupt:  # a second Ctrl-C: stopped mid-step; the last checkpoint resumes
+            rec.status, rec.preempted_at_step = "preempted", self.step
+            kept = f"the checkpoint at step {self.checkpointed_at} resumes" if self.checkpointed_at is not None else "no checkpoint was written"
+            rec.message = f"SIGINT twice at step {self.step}: stopped at once; {kept}"
+            interrupted = True
         finally:
             together = together or not self.dist.enabled
             rec.steps, rec.samples, rec.epochs = self.step, self._global_samples(together), self.step / self.data.steps_per_epoch
+            rec.segments[-1]["to_step"] = self.step
             rec.final_train_loss = self.last_loss
             rec.last_finite_train_loss = self.last_finite_loss
             rec.throughput = self._over_ranks(self.meter.summary()) if together else self.meter.summary()
@@ -461,7 +529,22 @@ class Run:
                     self.progress.close()
                 self.data.close()
         self.save_record()
+        if interrupted:
+            raise KeyboardInterrupt
         return rec
+
+    def _check_trained(self) -> None:
+        """A run whose every step was skipped trained nothing: it ends `diverged`, never `ok`."""
+        for name, engine in self.engines.items():
+            s = engine.scaler.summary()
+            if s["steps"] and s["skipped_steps"] == s["steps"]:
+                who = f"{name}: " if len(self.engines) > 1 else ""
+                how = (
+                    f"at the static scale {s['final']:g}; lower scale.value"
+                    if self.cfg.scale.name == "static"
+                    else f"at every scale from {s['initial']:g} to {s['min']:g}"
+                )
+                raise Diverged(f"{who}skipped every one of its {s['steps']} steps: the gradients overflowed FP16 {how}", step=self.step)
 
     def execute(self) -> RunRecord:
         """train(), with a failure recorded instead of raised: `oom` naming the batch size, any other
