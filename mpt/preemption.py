@@ -1,5 +1,5 @@
-"""Preemption: SLURM's SIGTERM, or submitit's preemption signal (SIGUSR2 unless
-SUBMITIT_PREEMPT_SIGNAL says otherwise), turned into a clean stop at a step boundary.
+"""Preemption: SLURM's SIGTERM, submitit's preemption signal (SIGUSR2 unless
+SUBMITIT_PREEMPT_SIGNAL says otherwise) or Ctrl-C's SIGINT, turned into a clean stop at a step boundary.
 
 While a run trains (`catching()`), the handler only notes the signal: the loop finishes its step,
 writes a checkpoint and a record with status `preempted`, and the command line then hands the
@@ -27,7 +27,8 @@ def submitit_signal() -> signal.Signals:
 
 
 def signals() -> list[signal.Signals]:
-    return sorted({signal.SIGTERM, submitit_signal()})
+    # SIGINT (Ctrl-C) as SIGTERM: the steps since the last checkpoint are kept, not lost to a traceback.
+    return sorted({signal.SIGINT, signal.SIGTERM, submitit_signal()})
 
 
 def _restore() -> None:
@@ -46,8 +47,9 @@ def _note(signum: int, frame) -> None:
         os.kill(os.getpid(), signum)
         return
     _received.append(signum)
+    again = " (Ctrl-C again stops at once)" if signum == signal.SIGINT else ""
     # os.write: a print could interrupt a print of the main thread's
-    os.write(2, f"mpt-run: {signal.Signals(signum).name} received: stopping after this step, with a checkpoint\n".encode())
+    os.write(2, f"mpt-run: {signal.Signals(signum).name} received: stopping after this step, with a checkpoint{again}\n".encode())
 
 
 @contextlib.contextmanager
@@ -77,7 +79,9 @@ def hand_over(default: int = signal.SIGTERM) -> NoReturn:
     signum = requested() or default
     previous = _previous.get(signum)
     reset()
-    if callable(previous):  # submitit's: requeues the job through the launcher's checkpoint hook, then exits
+    # submitit's: requeues the job through the launcher's checkpoint hook, then exits. Python's own
+    # SIGINT handler would only raise KeyboardInterrupt, a traceback after a clean stop.
+    if callable(previous) and previous is not signal.default_int_handler:
         previous(signum, None)
     sys.exit(128 + signum)
 

@@ -85,6 +85,9 @@ def explain_skips(s: dict) -> str:
     initial = s.get("initial_skips")  # absent from records made before it was counted, as is "initial"
     if not s["skipped_steps"] or initial is None:
         return ""
+    if initial == s["steps"]:  # no step fitted: nothing was found, whatever the scale did
+        tried = f"from {s['initial']:g} down to {s['min']:g}" if s["min"] < s["initial"] else f"at {s['initial']:g}"
+        return f": every one; the gradients never fit FP16 at the scales tried ({tried})"
     later = s["skipped_steps"] - initial
     falls = s["min"] < s["initial"]
     how = f"the scale falling from {s['initial']:g} until the gradients fit FP16" if falls else "until the gradients fit FP16 at this scale"
@@ -133,11 +136,16 @@ def launch(cfg: DictConfig) -> str:
         if multirun and not from_env().enabled:
             return "already running"
         sys.exit(1)
+    except OSError as e:  # writing the holder's name on a full disk: nothing of the run's was touched
+        _cannot_write(e, run_dir / ".lock")
     if took_over:
         print(f"mpt-run: {run_dir}: taking over its lock from {took_over}, which is no longer running", flush=True)
     file_log = None
     try:
-        file_log = _own_the_folder(run_dir) if lock else None
+        try:
+            file_log = _own_the_folder(run_dir) if lock else None
+        except OSError as e:
+            _cannot_write(e, run_dir)
         status, stop = _run_locked(cfg, run_dir, multirun, owner=lock is not None)
     finally:
         if file_log is not None:
@@ -149,6 +157,15 @@ def launch(cfg: DictConfig) -> str:
         teardown()  # under torchrun every rank stopped at the same step and takes this path
         preemption.hand_over()
     return status
+
+
+def _cannot_write(e: OSError, where: Path) -> None:
+    """One line for a run folder that cannot be written before the run starts (a full disk): the
+    record, checkpoint and log already there stay as they were."""
+    cause = e.strerror or str(e)
+    text = str(e) if str(e).startswith("could not write") else f"could not write {getattr(e, 'filename', None) or where}: {cause}"
+    print(f"mpt-run: error: {text}; the run folder's files are as they were", file=sys.stderr, flush=True)
+    sys.exit(1)
 
 
 def _own_the_folder(run_dir: Path) -> logging.Handler:
@@ -184,9 +201,13 @@ def _run_locked(cfg: DictConfig, run_dir: Path, multirun: bool, owner: bool) -> 
         if identity.same_computation(previous.config or {}, as_plain(cfg)):
             print(f"mpt-run: {run_label()}: {run_dir} already has a record with status {previous.status}; skipped (force=true runs it again)", flush=True)
             return "skipped", False
-        print(f"mpt-run: {run_label()}: {run_dir} has a {previous.status} record of a different config (the config files changed); running again", flush=True)
+        changed = ", ".join(identity.differences(previous.config or {}, as_plain(cfg))[:4])
+        print(f"mpt-run: {run_label()}: {run_dir} has a {previous.status} record of a different config ({changed}); running again", flush=True)
     if owner:
-        _save_hydra_files(cfg, run_dir)
+        try:
+            _save_hydra_files(cfg, run_dir)
+        except OSError as e:
+            _cannot_write(e, run_dir)
     try:
         validate(cfg)
         job = Run(cfg, run_dir, variant=identity.variant(overrides()), label=run_label())
@@ -337,7 +358,11 @@ def main() -> None:
         except Exception:  # a sweep this count does not understand still runs, labelled run i
             SWEEP_SIZE = None
     if not from_env().enabled:
-        launch()
+        try:
+            launch()
+        except KeyboardInterrupt:  # Ctrl-C outside training, or twice in it (the record says where it stopped)
+            print("mpt-run: interrupted (SIGINT)", file=sys.stderr, flush=True)
+            sys.exit(128 + 2)
         return
     try:
         launch()
