@@ -146,3 +146,11 @@ def test_the_summary_tells_the_scale_search_from_later_overflows():
     assert clean.summary()["initial_skips"] == 0 and explain_skips(clean.summary()) == ""
     older = {k: v for k, v in s.items() if k not in ("initial", "initial_skips")}  # a record from before they were counted
     assert explain_skips(older) == ""
+    never = StaticScaler(1e9)  # every step skipped: nothing fitted, so nothing says it did
+    for _ in range(8):
+        never.update(True)
+    assert explain_skips(never.summary()) == ": every one; the gradients never fit FP16 at the scales tried (at 1e+09)"
+    falling = DynamicScaler(init=2.0**16, interval=2000, growth=2.0, backoff=0.5, min=1.0, max=2.0**24)
+    for _ in range(3):
+        falling.update(True)
+    assert explain_skips(falling.summary()) == ": every one; the gradients never fit FP16 at the scales tried (from 65536 down to 8192)"

@@ -302,3 +302,70 @@ def test_a_log_that_fills_the_disk_ends_the_run_as_an_error_naming_it(tmp_path, 
     assert rec.status == "error"
     assert rec.message == f"WriteError: could not write {tmp_path / 'metrics.jsonl'}: No space left on device"
     assert read_record(tmp_path)["status"] == "error"
+
+
+# --- Ctrl-C ---------------------------------------------------------------------------------------
+
+
+def test_ctrl_c_finishes_the_step_checkpoints_it_and_resumes(tmp_path, in_process, signals):
+    job = build_run(tmp_path, TINY, "schedule=smoke", "schedule.steps=8", "schedule.checkpoint_every=4")
+    signal_at(job, 5, signal.SIGINT)
+    rec = job.execute()
+    assert rec.status == "preempted" and rec.steps == 6 and checkpoint.load(tmp_path)["step"] == 6
+    assert rec.message.startswith("SIGINT at step 6: stopped after it, with a checkpoint at that step")
+    with pytest.raises(SystemExit) as exit_:  # no KeyboardInterrupt traceback after a clean stop
+        preemption.hand_over()
+    assert exit_.value.code == 128 + signal.SIGINT
+    assert build_run(tmp_path, TINY, "schedule=smoke", "schedule.steps=8", "schedule.checkpoint_every=4").step == 6
+
+
+def test_a_second_ctrl_c_stops_at_once_and_the_record_says_what_resumes(tmp_path, in_process, signals):
+    job = build_run(tmp_path, TINY, "schedule=smoke", "schedule.steps=10", "schedule.checkpoint_every=4")
+    losses = job.task.train_losses
+
+    def twice(batch):
+        if job.step == 5:
+            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(signal.SIGINT)
+        return losses(batch)
+
+    job.task.train_losses = twice
+    with pytest.raises(KeyboardInterrupt):
+        job.execute()
+    rec = read_record(tmp_path)
+    assert rec["status"] == "preempted" and rec["steps"] == 5 and rec["checkpoint_step"] == 4
+    assert rec["message"] == "SIGINT twice at step 5: stopped at once; the checkpoint at step 4 resumes"
+    assert checkpoint.load(tmp_path)["step"] == 4
+
+
+# --- a static scale that never fits ---------------------------------------------------------------
+
+
+def test_a_static_scale_that_overflows_every_step_ends_the_run_as_diverged(tmp_path, in_process):
+    args = [TINY, "precision=mixed", "scale=static", "schedule=smoke", "stats.trace_overflow=false"]
+    rec = build_run(tmp_path / "k", *args, "scale.value=1e9", "schedule.steps=20", "scale.max_consecutive_skips=3").execute()
+    assert rec.status == "diverged" and rec.diverged_at_step == 2 and rec.loss_scale["model"]["skipped_steps"] == 3
+    assert rec.message == "static scale 1e+09 overflowed every step for 3 steps; lower scale.value (scale.max_consecutive_skips=3)"
+    # Fewer steps than the limit, every one skipped: trained nothing, so not `ok` either.
+    rec = build_run(tmp_path / "all", *args, "scale.value=1e9", "schedule.steps=2").execute()
+    assert rec.status == "diverged" and rec.loss_scale["model"]["skipped_steps"] == rec.steps == 2
+    assert rec.message == "skipped every one of its 2 steps: the gradients overflowed FP16 at the static scale 1e+09; lower scale.value"
+    # The control: a scale that fits trains, and the same settings end `ok`.
+    rec = build_run(tmp_path / "fits", *args, "scale.value=8", "schedule.steps=2").execute()
+    assert rec.status == "ok" and rec.loss_scale["model"]["skipped_steps"] == 0
+
+
+# --- a relaunch onto a full disk ------------------------------------------------------------------
+
+
+def test_a_relaunch_that_cannot_write_its_folder_says_so_in_one_line(tmp_path):
+    args = [TINY, "schedule=smoke", "schedule.steps=2", f"hydra.run.dir={tmp_path}"]
+    assert mpt_run(*args, "schedule.steps=1", cwd=ROOT).returncode == 0
+    before = (tmp_path / "result.json").read_bytes()
+    (tmp_path / ".lock").unlink()
+    (tmp_path / ".lock").symlink_to("/dev/full")  # every write to the lock file fails, as on a full disk
+    r = mpt_run(*args, cwd=ROOT)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    (line,) = r.stderr.strip().splitlines()
+    assert line.startswith(f"mpt-run: error: could not write {tmp_path / '.lock'}: ") and line.endswith("; the run folder's files are as they were")
+    assert (tmp_path / "result.json").read_bytes() == before

@@ -190,8 +190,99 @@ def test_resume_false_starts_over(tmp_path, in_process):
     assert again.step == 2 and again.record.resumed_from_step == 2
     fresh = build_run(tmp_path, *args, "resume=false")
     assert fresh.step == 0 and fresh.record.resumed_from_step is None
-    assert not (tmp_path / checkpoint.FILENAME).exists()  # the old checkpoint is gone: it cannot be resumed later
+    assert not (tmp_path / checkpoint.FILENAME).exists()  # it cannot be resumed later, by mistake
+    (aside,) = stale_checkpoints(tmp_path)  # nor is it lost: moved aside, whole
+    assert torch.load(aside, weights_only=True)["step"] == 2
     assert fresh.execute().status == "ok" and checkpoint.load(tmp_path)["step"] == 2
+
+
+def stale_checkpoints(run_dir: Path) -> list[Path]:
+    return sorted(run_dir.glob(checkpoint.FILENAME + checkpoint.STALE + "*"))
+
+
+def test_only_force_discards_a_checkpoint_and_says_so(tmp_path, in_process, capsys):
+    args = [TINY, "schedule=smoke", "schedule.steps=2"]
+    build_run(tmp_path, *args).execute()
+    fresh = build_run(tmp_path, *args, "force=true")
+    assert fresh.step == 0 and not (tmp_path / checkpoint.FILENAME).exists() and not stale_checkpoints(tmp_path)
+    assert f"mpt-run: force=true: discarded {tmp_path / checkpoint.FILENAME}; starting over" in capsys.readouterr().out
+
+
+def test_a_checkpoint_of_another_config_is_moved_aside_naming_what_differs(tmp_path, in_process, capsys):
+    args = [TINY, "schedule=smoke", "schedule.steps=2"]
+    build_run(tmp_path, *args).execute()
+    other = build_run(tmp_path, *args, "optim.lr=0.5")
+    assert other.step == 0
+    (aside,) = stale_checkpoints(tmp_path)
+    out = capsys.readouterr().out
+    assert f"the checkpoint is of a different config (optim.lr): moved the checkpoint aside to {aside.name}; starting over" in out
+    # Twice in one second: the second set-aside does not overwrite the first.
+    assert other.execute().status == "ok"
+    build_run(tmp_path, *args)
+    assert len(stale_checkpoints(tmp_path)) == 2
+
+
+def test_a_longer_schedule_resumes_and_extends_the_run_as_if_it_had_been_that_long(tmp_path, in_process, capsys):
+    args = [TINY, "schedule=smoke", "schedule.log_every=1", "deterministic=true", "device=cpu"]
+    short = tmp_path / "short"
+    assert build_run(short, *args, "schedule.steps=3").execute().status == "ok"
+    longer = build_run(short, *args, "schedule.steps=6")
+    assert longer.step == 3 and "resuming from the checkpoint at step 3 of 6, extending the run from 3 steps" in capsys.readouterr().out
+    rec = longer.execute()
+    assert rec.status == "ok" and rec.steps == 6 and not stale_checkpoints(short)
+    assert [(s["from_step"], s["to_step"], s["total_steps"]) for s in rec.segments] == [(0, 3, 3), (3, 6, 6)]
+    whole = tmp_path / "whole"
+    build_run(whole, *args, "schedule.steps=6").execute()
+    train = [[r for r in log_rows(d) if r["kind"] == "train"] for d in (short, whole)]
+    assert [(r["step"], r["loss"]) for r in train[0]] == [(r["step"], r["loss"]) for r in train[1]]
+    # A schedule that ends before the checkpoint does not continue it: set aside, not lost.
+    assert build_run(short, *args, "schedule.steps=4").step == 0 and len(stale_checkpoints(short)) == 1
+
+
+def test_a_run_resumes_across_a_commit_and_an_uncommitted_change_naming_both(tmp_path, in_process, monkeypatch, capsys):
+    from mpt.runner import train
+
+    args = [TINY, "schedule=smoke", "schedule.steps=4", "schedule.checkpoint_every=2"]
+    codes = iter([{"commit": "a" * 40, "dirty": False}, {"commit": "b" * 40, "dirty": True}])
+    monkeypatch.setattr(train, "code_identity", lambda: code)
+    code = next(codes)
+    first = build_run(tmp_path, *args)
+    stop_at(first, 3)
+    with pytest.raises(Killed):
+        first.execute()
+    code = next(codes)
+    resumed = build_run(tmp_path, *args)
+    warning = "mpt-run: warning: the checkpoint was written by commit aaaaaaaaaaaa; this is commit bbbbbbbbbbbb (with uncommitted changes)"
+    assert resumed.step == 2 and warning in capsys.readouterr().out
+    rec = resumed.execute()
+    assert rec.status == "ok" and rec.git == code and rec.resumed_from_step == 2
+    assert [(s["from_step"], s["to_step"], s["git"]["commit"][0]) for s in rec.segments] == [(0, 2, "a"), (2, 4, "b")]
+
+
+def test_the_record_follows_each_checkpoint(tmp_path, in_process):
+    job = build_run(tmp_path, TINY, "schedule=smoke", "schedule.steps=8", "schedule.checkpoint_every=3")
+    stop_at(job, 7)
+    with pytest.raises(Killed):
+        job.execute()
+    rec = read_record(tmp_path)  # what a kill at step 7 leaves: the record says what a relaunch keeps
+    assert rec["status"] == "running" and rec["steps"] == rec["checkpoint_step"] == 6 and rec["samples"] == 6 * 4
+
+
+def test_a_moved_data_root_with_the_same_files_resumes_and_other_files_do_not(tmp_path, in_process):
+    import shutil
+
+    from .test_imagefolder import make_folder
+
+    root = make_folder(tmp_path / "images", per_class=4, size=32)
+    args = [TINY, "data=imagefolder", "data.num_workers=0", "schedule=smoke", "schedule.batch_size=4", "schedule.steps=2"]
+    run_dir = tmp_path / "run"
+    build_run(run_dir, *args, f"data.root={root}").execute()
+    moved = shutil.copytree(root, tmp_path / "elsewhere")
+    shutil.rmtree(root)
+    assert build_run(run_dir, *args, f"data.root={moved}").step == 2 and not stale_checkpoints(run_dir)
+    image = next(p for p in moved.rglob("*") if p.is_file())
+    (image.parent / f"copy{image.suffix}").write_bytes(image.read_bytes())  # one more image: another dataset
+    assert build_run(run_dir, *args, f"data.root={moved}").step == 0 and len(stale_checkpoints(run_dir)) == 1
 
 
 def test_an_unreadable_checkpoint_is_an_error_record(tmp_path, in_process):
@@ -210,8 +301,13 @@ def test_an_unreadable_checkpoint_is_an_error_record(tmp_path, in_process):
     assert build_run(tmp_path, *args, "resume=false").execute().status == "ok"  # what the message says to do
 
 
+def a_checkpoint(step: int, w: torch.Tensor) -> dict:
+    """The smallest dict with a checkpoint's shape (checkpoint.REQUIRED)."""
+    return {"config": {}, "step": step, "engines": {"model": {"w": w}}, "rng": checkpoint.rng_state(), "data": {}}
+
+
 def test_a_kill_while_writing_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
-    checkpoint.save(tmp_path, {"step": 1, "w": torch.ones(3)})
+    checkpoint.save(tmp_path, a_checkpoint(1, torch.ones(3)))
 
     def dies_midway(obj, f):
         f.write(b"partial")
@@ -219,7 +315,63 @@ def test_a_kill_while_writing_leaves_the_previous_checkpoint(tmp_path, monkeypat
 
     monkeypatch.setattr(torch, "save", dies_midway)
     with pytest.raises(KeyboardInterrupt):
-        checkpoint.save(tmp_path, {"step": 2, "w": torch.zeros(3)})
+        checkpoint.save(tmp_path, a_checkpoint(2, torch.zeros(3)))
     saved = checkpoint.load(tmp_path)
-    assert saved["step"] == 1 and torch.equal(saved["w"], torch.ones(3))
+    assert saved["step"] == 1 and torch.equal(saved["engines"]["model"]["w"], torch.ones(3))
     assert [p.name for p in tmp_path.iterdir()] == [checkpoint.FILENAME]
+
+
+class RunsCode:
+    """What a planted checkpoint carries: unpickling it would call os.system."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_planted_checkpoint_is_refused_in_one_line_with_nothing_run(tmp_path):
+    marker = tmp_path / "ran"
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    torch.save({**a_checkpoint(1, torch.ones(1)), "payload": RunsCode(marker)}, run_dir / checkpoint.FILENAME)
+    r = mpt_run(TINY, "schedule=smoke", "schedule.steps=2", f"hydra.run.dir={run_dir}", cwd=ROOT)
+    assert r.returncode == 1 and not marker.exists()
+    path = run_dir / checkpoint.FILENAME
+    line = f"mpt-run: error: UnsafeCheckpoint: {path} would call posix.system when read, which no mpt checkpoint does: refused, nothing in it was run"
+    assert r.stderr.strip().splitlines()[-1].startswith(line)
+    assert read_record(run_dir)["status"] == "error" and path.exists()  # kept, for whoever looks into it
+
+
+def test_numpys_generator_round_trips_through_a_weights_only_checkpoint(tmp_path):
+    import numpy as np
+
+    np.random.seed(7)
+    np.random.standard_normal()  # a cached Gaussian is part of the state too
+    checkpoint.save(tmp_path, a_checkpoint(1, torch.ones(1)))
+    expected = np.random.standard_normal(5)
+    np.random.seed(0)
+    checkpoint.set_rng_state(checkpoint.load(tmp_path)["rng"])
+    assert np.random.standard_normal(5).tolist() == expected.tolist()
+
+
+def test_a_checkpoint_written_before_weights_only_loading_still_resumes(tmp_path):
+    """Older checkpoints held numpy's state as an array: read with exactly numpy's array globals."""
+    import numpy as np
+
+    state = a_checkpoint(1, torch.ones(1))
+    state["rng"]["numpy"] = np.random.get_state()
+    torch.save(state, tmp_path / checkpoint.FILENAME)
+    expected = np.random.standard_normal(3)
+    checkpoint.set_rng_state(checkpoint.load(tmp_path)["rng"])
+    assert np.random.standard_normal(3).tolist() == expected.tolist()
+
+
+@pytest.mark.parametrize("content", [{"weights": torch.ones(2)}, [1, 2], {**a_checkpoint(1, torch.ones(1)), "config": "x"}])
+def test_a_torch_file_that_is_not_a_checkpoint_is_one_line(tmp_path, content):
+    torch.save(content, tmp_path / checkpoint.FILENAME)
+    with pytest.raises(checkpoint.CorruptCheckpoint) as e:
+        checkpoint.load(tmp_path)
+    assert str(e.value).startswith(f"{tmp_path / checkpoint.FILENAME} ") and "not an mpt checkpoint" in str(e.value)
+    assert "\n" not in str(e.value)
