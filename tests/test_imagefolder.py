@@ -136,3 +136,22 @@ def test_grayscale_and_palette_images_load_as_rgb(tmp_path):
     data = loader(tmp_path, "schedule.image_size=32", "schedule.batch_size=6")
     images, _ = next(iter(data.epoch(0)))
     assert images.shape == (6, 3, 32, 32)
+
+
+def test_the_largest_seed_validation_accepts_draws_its_samples():
+    """Each sample's generator is seeded from (seed, epoch, index): a seed near 2**32 must not
+    overflow torch's 64-bit seeds, and two seeds still draw different samples."""
+    from torch.utils.data import Dataset
+
+    from mpt.datasets.sampling import SeededSamples
+
+    class Noise(Dataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, index):
+            return torch.rand(3)
+
+    largest, small = SeededSamples(Noise(), 2**32 - 1), SeededSamples(Noise(), 7)
+    assert torch.equal(largest[(2, 3)], largest[(2, 3)])  # the same key, the same draw
+    assert not torch.equal(largest[(2, 3)], small[(2, 3)])

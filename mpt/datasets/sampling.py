@@ -48,7 +48,9 @@ class SeededSamples(Dataset):
     def __getitem__(self, key: tuple[int, int]):
         epoch, index = key
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed((self.seed * 1_000_003 + epoch) * 100_000_007 + index)
+            # Folded into torch's 64-bit seeds: unchanged below 2**64 (every seed under about 184,000),
+            # where larger seeds overflowed it.
+            torch.manual_seed(((self.seed * 1_000_003 + epoch) * 100_000_007 + index) % 2**64)
             return self.dataset[index]
 
 
