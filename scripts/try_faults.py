@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -122,8 +123,18 @@ def full_disk(tmp: Path) -> dict:
         run_dir = mount / "run"
         r = cli(run_dir)
         after = state(run_dir)
+        with open(mount / "filler", "wb", buffering=0) as f:  # the disk 100% full, then the same command again
+            try:
+                while True:
+                    f.write(b"\0" * 65536)
+                    f.flush()
+            except OSError:
+                pass
+        again = cli(run_dir)
         return {"tried": True, "disk": "tmpfs of 20 MiB", "exit_code": r.returncode, "after": after,
-                "temporaries_left": [f for f in after["files"] if f.endswith(".tmp")]}  # fmt: skip
+                "temporaries_left": [f for f in after["files"] if f.endswith(".tmp")],
+                "relaunch_onto_a_full_disk": {"exit_code": again.returncode, "stderr": again.stderr.strip().splitlines()[-3:],
+                                              "traceback": "Traceback" in again.stderr, "after": state(run_dir)}}  # fmt: skip
     finally:
         subprocess.run(["umount", str(mount)], capture_output=True)
 
@@ -176,6 +187,125 @@ def corrupt_checkpoint(tmp: Path, reference: Path) -> dict:
             "relaunch_with_resume_false": relaunch(run_dir, reference, "resume=false")}  # fmt: skip
 
 
+def across_a_commit(tmp: Path, reference: Path) -> dict:
+    """Preempted by this checkout, relaunched from a clone one commit ahead with an uncommitted edit."""
+    run_dir, ahead = tmp / "across_a_commit", tmp / "ahead"
+    subprocess.run(["git", "clone", "--quiet", "--local", str(ROOT), str(ahead)], check=True)
+    git = ["git", "-C", str(ahead), "-c", "user.name=drill", "-c", "user.email=drill@localhost"]
+    subprocess.run([*git, "commit", "--quiet", "--allow-empty", "-m", "one commit ahead"], check=True)
+    with open(ahead / "mpt" / "__init__.py", "a") as f:
+        f.write("# an uncommitted edit\n")
+    proc = subprocess.Popen(command(run_dir), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_steps(proc, run_dir, 12)
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=600)
+    after = state(run_dir)
+    r = subprocess.run([sys.executable, "-m", "mpt.runner.cli", *RUN, f"hydra.run.dir={run_dir}"], cwd=ahead, capture_output=True, text=True,
+                       timeout=900, env={**os.environ, "PYTHONPATH": str(ahead)})  # fmt: skip
+    rec = record(run_dir)
+    same = [row["loss"] for row in train_rows(run_dir)] == [row["loss"] for row in train_rows(reference)]
+    return {"preempted": after, "relaunch_exit_code": r.returncode, "status": rec.get("status"), "log_equals_uninterrupted_run": same,
+            "warning": [line for line in r.stdout.splitlines() if "warning" in line],
+            "segments": [(s["from_step"], s["to_step"], s["git"]["commit"][:12], s["git"]["dirty"]) for s in rec.get("segments") or []]}  # fmt: skip
+
+
+class _RunsCode:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def planted_checkpoint(tmp: Path) -> dict:
+    """A checkpoint.pt whose unpickling would run a shell command, left in a run folder."""
+    import torch
+
+    run_dir, marker = tmp / "planted", tmp / "planted_command_ran"
+    run_dir.mkdir()
+    torch.save({"config": {}, "step": 1, "engines": {}, "rng": {}, "data": {}, "payload": _RunsCode(marker)}, run_dir / "checkpoint.pt")
+    r = cli(run_dir)
+    return {"exit_code": r.returncode, "stderr_tail": r.stderr.strip().splitlines()[-1:], "command_ran": marker.exists(), "after": state(run_dir)}
+
+
+def static_scale_never_fits(tmp: Path) -> dict:
+    out = {}
+    for name, extra in [("every step skipped", []), ("10 in a row", ["scale.max_consecutive_skips=10"])]:
+        run_dir = tmp / f"static_{len(out)}"
+        r = cli(run_dir, "precision=mixed", "scale=static", "scale.value=1e9", *extra)
+        rec = record(run_dir)
+        out[name] = {"overrides": ["precision=mixed", "scale=static", "scale.value=1e9", *extra], "exit_code": r.returncode, "status": rec.get("status"),
+                     "message": rec.get("message"), "diverged_at_step": rec.get("diverged_at_step"), "loss_scale": rec.get("loss_scale"),
+                     "summary": [line.strip() for line in r.stdout.splitlines() if line.strip().startswith("loss scale:")]}  # fmt: skip
+    return out
+
+
+def longer_schedule(tmp: Path, reference: Path) -> dict:
+    """A finished 40-step run relaunched with schedule.steps=60, beside an uninterrupted 60-step run;
+    then with another learning rate."""
+    run_dir, whole = tmp / "longer", tmp / "whole60"
+    shutil.copytree(reference, run_dir)
+    (run_dir / ".lock").unlink(missing_ok=True)
+    r = cli(run_dir, "schedule.steps=60")
+    cli(whole, "schedule.steps=60")
+    rec = record(run_dir)
+    same = [(row["step"], row["loss"]) for row in train_rows(run_dir)] == [(row["step"], row["loss"]) for row in train_rows(whole)]
+    other = cli(run_dir, "schedule.steps=60", "optim.lr=0.05")
+    return {"exit_code": r.returncode, "status": rec.get("status"), "steps": rec.get("steps"), "said": [line for line in r.stdout.splitlines() if "resuming" in line],
+            "segments": [(s["from_step"], s["to_step"], s["total_steps"]) for s in rec.get("segments") or []], "log_equals_uninterrupted_60_step_run": same,
+            "another_lr": {"exit_code": other.returncode, "said": [line for line in other.stdout.splitlines() if "aside" in line], "after": state(run_dir)}}  # fmt: skip
+
+
+def ctrl_c_twice(tmp: Path) -> dict:
+    run_dir = tmp / "sigint_twice"
+    proc = subprocess.Popen(command(run_dir), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_steps(proc, run_dir, 12)
+    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=600)
+    return {"exit_code": proc.returncode, "after": state(run_dir), "stderr_tail": err.strip().splitlines()[-2:], "traceback": "Traceback" in err}
+
+
+def dead_run(tmp: Path) -> dict:
+    """What the report makes of a run killed with SIGKILL (its record says `running`)."""
+    from mpt.report.records import load_runs
+
+    dead = tmp / "dead"
+    proc = subprocess.Popen(command(dead), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for_steps(proc, dead, 12)
+    live_view = [(r["status"], r.get("message")) for r in load_runs([dead]).to_dict("records")]
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    rows = load_runs([dead]).to_dict("records")
+    return {"record_status": record(dead).get("status"), "report_while_alive": live_view, "report_after_sigkill": [(r["status"], r.get("message")) for r in rows],
+            "checkpoint_step": checkpoint_step(dead), "record_steps": record(dead).get("steps")}  # fmt: skip
+
+
+def bad_voc_box(tmp: Path) -> dict:
+    """The shared raccoon sample with one box moved past its image's right edge."""
+    import re
+
+    root = tmp / "raccoon"
+    shutil.copytree(ROOT.parent / "shared" / "data" / "raccoon", root)
+    xml = root / "annotations" / "raccoon-17.xml"
+    text = xml.read_text()
+    width = int(re.search(r"<width>(\d+)</width>", text).group(1))
+    xml.write_text(re.sub(r"<xmax>\d+</xmax>", f"<xmax>{width + 38}</xmax>", text, count=1))
+    voc = ["model=ssd", "data=voc", f"data.root={root}", "data.train_sets=[train_labels.csv]", "data.val_sets=[test_labels.csv]",
+           "data.class_names=[raccoon]", "data.num_workers=0", "schedule=smoke", "schedule.steps=1", "schedule.batch_size=2", "device=cpu"]  # fmt: skip
+    out = {}
+    for name, extra in [("refused", []), ("clipped", ["data.clip_boxes=true"])]:
+        run_dir = tmp / f"voc_{name}"
+        r = subprocess.run(
+            [sys.executable, "-m", "mpt.runner.cli", *voc, *extra, f"hydra.run.dir={run_dir}"], cwd=ROOT, capture_output=True, text=True, timeout=900
+        )
+        rec = record(run_dir)
+        data = rec.get("data") or {}
+        out[name] = {"exit_code": r.returncode, "status": rec.get("status"), "message": rec.get("message"),
+                     "clipped_boxes": data.get("clipped_boxes"), "dropped_boxes": data.get("dropped_boxes")}  # fmt: skip
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
@@ -195,6 +325,14 @@ def main() -> None:
             "out of memory": out_of_memory(tmp),
             "corrupt image": corrupt_image(tmp),
             "corrupt checkpoint": corrupt_checkpoint(tmp, reference),
+            "SIGINT": interrupted(tmp, reference, signal.SIGINT),
+            "SIGINT twice": ctrl_c_twice(tmp),
+            "resume across a commit": across_a_commit(tmp, reference),
+            "planted checkpoint": planted_checkpoint(tmp),
+            "static scale that never fits": static_scale_never_fits(tmp),
+            "longer schedule": longer_schedule(tmp, reference),
+            "dead run": dead_run(tmp),
+            "bad VOC box": bad_voc_box(tmp),
         }
         shutil.rmtree(tmp / "images", ignore_errors=True)
     import torch
