@@ -199,10 +199,10 @@ def _run_locked(cfg: DictConfig, run_dir: Path, multirun: bool, owner: bool) -> 
     final = previous is not None and previous.status in ("ok", "diverged")  # results; a failed, preempted or unfinished run is redone
     if final and not cfg.force:
         if identity.same_computation(previous.config or {}, as_plain(cfg)):
-            print(f"mpt-run: {run_label()}: {run_dir} already has a record with status {previous.status}; skipped (force=true runs it again)", flush=True)
+            print(f"{said()}{run_dir} already has a record with status {previous.status}; skipped (force=true runs it again)", flush=True)
             return "skipped", False
         changed = ", ".join(identity.differences(previous.config or {}, as_plain(cfg))[:4])
-        print(f"mpt-run: {run_label()}: {run_dir} has a {previous.status} record of a different config ({changed}); running again", flush=True)
+        print(f"{said()}{run_dir} has a {previous.status} record of a different config ({changed}); running again", flush=True)
     if owner:
         try:
             _save_hydra_files(cfg, run_dir)
@@ -344,6 +344,12 @@ def run_label() -> str:
     if hc.mode != RunMode.MULTIRUN:
         return "mpt-run"
     return f"run {hc.job.num + 1}" + (f"/{SWEEP_SIZE}" if SWEEP_SIZE else "")
+
+
+def said() -> str:
+    """The prefix of a line about this run: `mpt-run: ` and, in a sweep, which run it is."""
+    label = run_label()
+    return "mpt-run: " if label == "mpt-run" else f"mpt-run: {label}: "
 
 
 def main() -> None:
