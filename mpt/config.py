@@ -28,7 +28,7 @@ class Choice(str, Enum):
     def __str__(self) -> str:
         return self.value
 
-    __format__ = str.__format__
+    __format__ = str.__format__  # type: ignore[assignment]  # str's on purpose, which the Enum stub's signature rejects
 
 
 class Task(Choice):

@@ -88,6 +88,7 @@ def allreduce_in(dtype: torch.dtype):
 
     def hook(process_group, bucket):
         group = process_group if process_group is not None else dist.group.WORLD
+        assert group is not None  # a hook runs only inside an initialised process group
         buffer = bucket.buffer()
         t = buffer.to(dtype).div_(group.size())
         future = dist.all_reduce(t, group=group, async_op=True).get_future()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
-from typing import BinaryIO, Callable
+from typing import BinaryIO, Callable, cast
 
 
 class WriteError(OSError):
@@ -29,7 +29,8 @@ class _Recorder:
     "unexpected pos ...", when the disk is full)."""
 
     def __init__(self, f: BinaryIO):
-        self._f, self.error = f, None
+        self._f = f
+        self.error: OSError | None = None
 
     def write(self, data) -> int:
         try:
@@ -55,7 +56,7 @@ def write_atomic(path: Path, write: Callable[[BinaryIO], object]) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             recorder = _Recorder(f)
-            write(recorder)
+            write(cast(BinaryIO, recorder))  # duck-typed: it forwards all but write() to f
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide files from the other users of a shared results folder

@@ -16,10 +16,11 @@ import os
 import signal
 import sys
 import threading
-from typing import Iterator, NoReturn
+from types import FrameType
+from typing import Any, Callable, Iterator, NoReturn
 
 _received: list[int] = []
-_previous: dict[int, object] = {}
+_previous: dict[int, Callable[[int, FrameType | None], Any] | int | signal.Handlers | None] = {}
 
 
 def submitit_signal() -> signal.Signals:

@@ -145,11 +145,14 @@ def parallel_text(cfg: DictConfig, device: torch.device, workdir: Optional[Path]
     else:
         proto, origin = None, "trained on the training text by rank 0"
     if workdir is not None and shard.is_main:
+        assert proto is not None  # the main rank has read or trained it
         write_bytes_atomic(workdir / TOKENIZER_FILE, proto)
     if shard.enabled:
         shard.barrier()  # rank 0's vocabulary is on disk
         if proto is None:
+            assert workdir is not None  # the run passes its folder; the ranks share the tokenizer there
             proto = (workdir / TOKENIZER_FILE).read_bytes()
+    assert proto is not None  # only a rank other than 0 lacked it, and it has read it
     sp = load_tokenizer(proto, origin)
 
     def encode(lines: list[str]) -> list[np.ndarray]:

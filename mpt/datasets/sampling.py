@@ -4,7 +4,7 @@ augmentation an uninterrupted run would have seen."""
 from __future__ import annotations
 
 import signal
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Sized, cast
 
 import torch
 from omegaconf import DictConfig
@@ -43,7 +43,7 @@ class SeededSamples(Dataset):
         self.dataset, self.seed = dataset, seed
 
     def __len__(self) -> int:
-        return len(self.dataset)
+        return len(cast(Sized, self.dataset))  # the loaders' datasets all have a length
 
     def __getitem__(self, key: tuple[int, int]):
         epoch, index = key

@@ -175,7 +175,7 @@ def read_vocabulary(path: Path) -> list[str]:
     if not path.is_file():
         raise ConfigError(f"data.vocab_file={path}: no such file")
     words = [MARKERS.get(w, w) for w in (words_of(line)[0] for line in read_lines(path) if words_of(line))]
-    seen: set[str] = set()
+    seen: set[str | None] = set()  # "<S>" maps to None
     for w in words:
         if w in seen:
             raise ConfigError(f"data.vocab_file={path}: the token {w!r} is listed twice")
@@ -248,7 +248,8 @@ class MarkovSource:
         self.entropy_rate = float(-(self.pi[:, None] * self.p * torch.log(self.p.clamp_min(1e-300))).sum())  # nats per token
 
     def sentence(self) -> np.ndarray:
-        out, state = [], 0
+        out: list[int] = []
+        state = 0
         while True:
             state = int(torch.multinomial(self.p[state], 1, generator=self.g))
             if state == 0:

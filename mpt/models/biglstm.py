@@ -54,6 +54,8 @@ class BigLSTM(nn.Module):
 
     # The LSTM state carried between batches: one row per stream (Task.stream_buffers).
     STREAM_BUFFERS = {"carry_h": 1, "carry_c": 1}
+    carry_h: torch.Tensor  # buffers, registered in __init__
+    carry_c: torch.Tensor
 
     def __init__(self, m: DictConfig, vocab: int, batch_size: int, rows: int | None = None):
         """`batch_size`: the global batch (f-lm's embedding-gradient weight); `rows`: the streams

@@ -40,7 +40,7 @@ from ..config import ConfigError, positive
 from ..distributed import Dist
 from ..files import write_atomic
 from . import LossTerm, Task, validate_image_size
-from .fid import GaussianStats, frechet_distance, load_inception
+from .fid import GaussianStats, InceptionFeatures, frechet_distance, load_inception
 
 FIXED_NOISE_SEED = 7_000  # plus the run's seed: every mode of a sweep draws the same grid
 FID_NOISE_SEED = 8_000
@@ -136,7 +136,8 @@ class GAN(Task):
         init_weights(self.discriminator, model_cfg.init_std)
         self.fixed_noise = torch.randn(model_cfg.sample_grid, model_cfg.nz, generator=torch.Generator().manual_seed(FIXED_NOISE_SEED + seed))
         self.fid_seed = FID_NOISE_SEED + seed
-        self.fid_extractor, self.real_stats = None, None
+        self.fid_extractor: InceptionFeatures | None = None
+        self.real_stats: GaussianStats | None = None
         if model_cfg.fid_weights is None:
             fid = {
                 "computed": False,
@@ -211,6 +212,7 @@ class GAN(Task):
                     d_x += float(torch.sigmoid(D(real).float()).sum())
                 seen += real.shape[0]
                 if real_stats is not None:
+                    assert self.fid_extractor is not None  # real_stats is gathered only for FID
                     real_stats.update(self.fid_extractor(real))
             if seen == 0:
                 raise ValueError("evaluation saw no images: the reference set is empty")
@@ -229,6 +231,8 @@ class GAN(Task):
                 self.fid_extractor.to("cpu")
 
     def _fid(self, device: torch.device, forward_context: Callable[[], ContextManager]) -> float:
+        # called only with the extractor, after an evaluation has gathered the reference statistics
+        assert self.fid_extractor is not None and self.real_stats is not None
         fake_stats = GaussianStats()
         g = torch.Generator().manual_seed(self.fid_seed)  # the same latents at every evaluation
         for start in range(0, self.cfg.fid_samples, self.batch_size):

@@ -176,7 +176,7 @@ class Translation(OneNetwork):
         with forward_context():
             context, keys, pad_mask = self.net("encode", batch.src, batch.src_len, batch.src_len_cpu)
         context, keys, pad_mask = (t.repeat_interleave(beam, dim=0) for t in (context, keys, pad_mask))
-        holder = {"state": None}
+        holder: dict[str, Optional[torch.Tensor]] = {"state": None}
 
         def step(tokens: torch.Tensor) -> torch.Tensor:
             with forward_context():
@@ -184,7 +184,9 @@ class Translation(OneNetwork):
             return F.log_softmax(logits.float(), dim=-1)
 
         def reorder(rows: torch.Tensor) -> None:
-            holder["state"] = holder["state"][:, :, rows]
+            state = holder["state"]
+            assert state is not None  # reordered after a step
+            holder["state"] = state[:, :, rows]
 
         # per sentence, so a sentence's output does not depend on the batch it is in
         max_len = torch.clamp(2 * batch.src_len_cpu + 10, max=self.cfg.max_decode_len)
@@ -196,7 +198,8 @@ class Translation(OneNetwork):
         import sacrebleu
 
         self.net.eval()
-        hyps, refs = [], []
+        hyps: list[str] = []
+        refs: list[str] = []
         nll = torch.zeros((), dtype=torch.float64)
         tokens = 0
         for batch in batches:
@@ -205,6 +208,7 @@ class Translation(OneNetwork):
             nll += self._token_losses(logits, batch.tgt_out, 0.0).double().cpu()
             tokens += batch.tgt_tokens
             hyps += [self.detokenize(h) for h in self.translate(batch, forward_context)]
+            assert batch.refs is not None  # validation batches carry their references
             refs += batch.refs
         self.net.train()
         if not hyps:

@@ -70,9 +70,11 @@ def match_class(dets: list[tuple[int, float, torch.Tensor]], gts: dict[int, tupl
                     continue  # ignored: neither a hit nor a false alarm
                 if not taken[img][j]:
                     taken[img][j] = True
-                    tp.append(1), fp.append(0)
+                    tp.append(1)
+                    fp.append(0)
                     continue
-        tp.append(0), fp.append(1)
+        tp.append(0)
+        fp.append(1)
     return torch.tensor(tp, dtype=torch.float64), torch.tensor(fp, dtype=torch.float64)
 
 

@@ -198,6 +198,7 @@ def cuda_lists() -> Iterator[None]:
     finally:
         _depth -= 1
         if _depth == 0:
+            assert _lib is not None  # registered when the depth left 0
             _lib._destroy()
             _lib = None
 

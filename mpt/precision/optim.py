@@ -71,6 +71,7 @@ class FP16MomentumSGD(torch.optim.Optimizer):
                         buf.copy_(v)
                         w16.copy_(w.add_(v))
                     if lost is not None:
+                        assert before is not None  # cloned above whenever lost is set
                         lost.add_applied(before, w16, G.mul_(-lr / held) if self.modified else v)
                 state["scale"] = held
         return None

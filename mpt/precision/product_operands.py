@@ -20,7 +20,7 @@ Scaling, per operand of each call:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, cast
 
 import torch
 import torch.nn.functional as F
@@ -198,7 +198,7 @@ class Site:
         """The per-tensor scale of t as operand `role`: its own (tensor) or its role's (delayed)."""
         r = self.recipe
         if r.scaling == "tensor":
-            return tensor_scale(t, r.format(role))
+            return tensor_scale(t, cast(FloatFormat, r.format(role)))  # validated: per-tensor scales, scalar formats
         state = self.delayed[role]
         if observe and self.observing:
             state.observe(t)
@@ -206,7 +206,8 @@ class Site:
 
     def end_step(self) -> None:
         for role, state in self.delayed.items():
-            state.update(self.recipe.format(role), self.recipe.margin, self.recipe.reduction)
+            fmt = cast(FloatFormat, self.recipe.format(role))  # validated: delayed scales, scalar formats
+            state.update(fmt, self.recipe.margin, self.recipe.reduction)
 
 
 class ReusedWeight:

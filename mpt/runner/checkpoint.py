@@ -17,6 +17,7 @@ import random
 import re
 import time
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -29,11 +30,17 @@ STALE = ".stale-"  # checkpoint.pt.stale-<UTC time>: set aside, never resumed
 REQUIRED = {"config": dict, "step": int, "engines": dict, "rng": dict, "data": dict}
 # Older checkpoints kept numpy's RNG state as an ndarray of uint32: these rebuild exactly that, and
 # name no callable beyond numpy's own array constructor.
-_NUMPY_GLOBALS = [np._core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+_NUMPY_GLOBALS = [
+    np._core.multiarray._reconstruct,  # type: ignore[attr-defined]  # numpy 2's stubs hide _core
+    np.ndarray,
+    np.dtype,
+    type(np.dtype(np.uint32)),
+]
 
 
 def rng_state() -> dict:
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    # legacy=True by default, a tuple: the stub's first overload says a dict
+    kind, keys, pos, has_gauss, cached = cast("tuple[str, np.ndarray, int, int, float]", np.random.get_state())
     state = {
         "python": random.getstate(),
         "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": pos, "has_gauss": has_gauss, "cached_gaussian": cached},

@@ -83,7 +83,8 @@ def counting_flops(networks: list[nn.Module]) -> Iterator[FlopCounterMode]:
     set_stance = getattr(torch.compiler, "set_stance", None)
     try:
         if has_rnn:
-            torch.backends.cudnn.enabled = torch.backends.mkldnn.enabled = False
+            # ContextProp attributes to the stubs; the modules' setters take a bool
+            torch.backends.cudnn.enabled = torch.backends.mkldnn.enabled = False  # type: ignore[assignment]
         with counter, set_stance("force_eager") if set_stance is not None else contextlib.nullcontext():
             yield counter
     finally:

@@ -57,7 +57,7 @@ def computational(plain: dict) -> dict:
     out = copy.deepcopy(plain)
     for path in NOT_COMPUTATIONAL:
         *parents, last = path.split(".")
-        node = out
+        node: object = out
         for key in parents:
             node = node.get(key) if isinstance(node, dict) else None
         if isinstance(node, dict):
@@ -189,7 +189,7 @@ def named(base: str, variant: str) -> str:
         return base
     end = f"_{tag(variant)}"
     room = MAX_NAME - len(base) - len("__") - len(end)
-    kept = []  # whole overrides only, in order, as many as fit
+    kept: list[str] = []  # whole overrides only, in order, as many as fit
     for part in (_short(p) for p in variant_parts(variant)):
         if len("_".join([*kept, part])) > room:
             break

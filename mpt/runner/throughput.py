@@ -37,7 +37,7 @@ class ThroughputMeter:
         self.steps_seen = 0
         self._open = False
         self._events = device.type == "cuda"
-        self._begin = None
+        self._begin: torch.cuda.Event | None = None
 
     def _start(self) -> None:
         synchronize(self.device)
