@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from omegaconf import DictConfig
@@ -40,7 +40,8 @@ class CropTooLarge(ValueError):
 def find_images(root: Path) -> tuple[list[str], list[str]]:
     """(image files, other files) under `root`, as paths relative to it, sorted. Hidden files and
     folders (.DS_Store, .git, .thumbnails) are skipped."""
-    images, others = [], []
+    images: list[str] = []
+    others: list[str] = []
     for folder, dirs, files in os.walk(root):
         dirs[:] = [d for d in dirs if not d.startswith(".")]  # pruned in place: os.walk does not descend
         for name in files:
@@ -112,7 +113,7 @@ class ImageDirData(LoaderData):
         workers = min(8, os.cpu_count() or 1) if data.num_workers == -1 else data.num_workers
         # Loaders get generators of their own, so iterating them never draws from the global RNG:
         # a resumed run's random stream stays the uninterrupted one's.
-        common = dict(num_workers=workers, pin_memory=device.type == "cuda", persistent_workers=workers > 0, worker_init_fn=shielded_worker)
+        common: dict[str, Any] = dict(num_workers=workers, pin_memory=device.type == "cuda", persistent_workers=workers > 0, worker_init_fn=shielded_worker)
         self.order = torch.Generator().manual_seed(seed)
         self.batches = EpochBatches(len(paths), schedule.batch_size, self.order, shard)
         self.train_loader = DataLoader(SeededSamples(dataset, seed), batch_sampler=self.batches, generator=torch.Generator().manual_seed(seed), **common)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -31,6 +31,7 @@ class CorruptImage(RuntimeError):
 
 
 def load_image(path: str) -> Image.Image:
+    img: Image.Image  # an ImageFile as opened, a plain Image once converted from 16 bits
     try:
         with open(path, "rb") as f, Image.open(f) as img:
             if img.mode.startswith("I;16"):
@@ -78,7 +79,7 @@ class ImageFolderData(LoaderData):
         workers = min(8, os.cpu_count() or 1) if data.num_workers == -1 else data.num_workers
         # Loaders get generators of their own, so iterating them never draws from the global RNG
         # that dropout uses: a resumed run's random stream stays the uninterrupted one's.
-        common = dict(num_workers=workers, pin_memory=device.type == "cuda", persistent_workers=workers > 0, worker_init_fn=shielded_worker)
+        common: dict[str, Any] = dict(num_workers=workers, pin_memory=device.type == "cuda", persistent_workers=workers > 0, worker_init_fn=shielded_worker)
         self.order = torch.Generator().manual_seed(seed)
         self.batches = EpochBatches(len(self.train_set), schedule.batch_size, self.order, shard)
         self.train_loader = DataLoader(SeededSamples(self.train_set, seed), batch_sampler=self.batches, generator=torch.Generator().manual_seed(seed), **common)

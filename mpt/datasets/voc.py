@@ -31,7 +31,7 @@ import os
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -68,7 +68,7 @@ class Annotation:
 def _number(node: ET.Element, tag: str, file: Path) -> float:
     text = node.findtext(tag)
     try:
-        return float(text)
+        return float(text)  # type: ignore[arg-type]  # a missing tag (None) raises the TypeError caught here
     except (TypeError, ValueError):
         raise CorruptAnnotation(f"corrupt annotation {file}: <{tag}> is {text!r}, not a number") from None
 
@@ -103,8 +103,11 @@ def parse_annotation(file: Path, image_dir: Path, class_index: dict[str, int], c
         image = image_dir / f"{file.stem}.jpg"  # VOC's <filename> sometimes disagrees with the id
     if not image.is_file():
         raise ConfigError(f"{file}: its image {image} does not exist")
-    width, height = None, None  # read at the first box: a file without objects needs no size
-    boxes, labels, difficult = [], [], []
+    width: float | None = None  # read at the first box: a file without objects needs no size
+    height: float | None = None
+    boxes: list[list[float]] = []
+    labels: list[int] = []
+    difficult: list[bool] = []
     clipped = dropped = 0
     for k, obj in enumerate(root.iter("object"), start=1):
         name = (obj.findtext("name") or "").strip()
@@ -121,6 +124,7 @@ def parse_annotation(file: Path, image_dir: Path, class_index: dict[str, int], c
             raise CorruptAnnotation(f"{where} has its corners swapped")
         if width is None:
             width, height = _image_size(root, file, image)
+        assert height is not None  # read with width
         if not (1 <= x1 and x2 <= width and 1 <= y1 and y2 <= height):
             if not clip_boxes:
                 advice = "fix it, or set data.clip_boxes=true to clip such boxes"
@@ -247,7 +251,9 @@ class VOCData(LoaderData):
             raise ConfigError(f"data.train_sets={list(data.train_sets)}: {len(train)} images, fewer than one batch of {schedule.batch_size}")
         self.device = device
         workers = min(8, os.cpu_count() or 1) if data.num_workers == -1 else data.num_workers
-        common = dict(num_workers=workers, pin_memory=device.type == "cuda", persistent_workers=workers > 0, worker_init_fn=shielded_worker, collate_fn=collate)
+        common: dict[str, Any] = dict(
+            num_workers=workers, pin_memory=device.type == "cuda", persistent_workers=workers > 0, worker_init_fn=shielded_worker, collate_fn=collate
+        )
         # Loaders get generators of their own, so iterating them never draws from the global RNG.
         self.order = torch.Generator().manual_seed(seed)
         self.batches = EpochBatches(len(train), schedule.batch_size, self.order, shard)
