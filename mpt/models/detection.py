@@ -25,6 +25,7 @@ from torch import nn
 from torchvision.models.detection import ssd300_vgg16
 from torchvision.models.detection.anchor_utils import DefaultBoxGenerator
 from torchvision.models.detection.image_list import ImageList
+from torchvision.models.detection.ssd import SSD
 from torchvision.ops import box_iou
 
 from ..config import ConfigError
@@ -45,6 +46,9 @@ FEATURE_STEPS = [8, 16, 32, 64, 100, 300]
 
 class SSD300Network(nn.Module):
     """The weights of SSD300: image in [0, 1] -> (box regression [B, 8732, 4], class logits [B, 8732, C+1])."""
+
+    mean: torch.Tensor  # buffers, registered in __init__
+    gain: torch.Tensor
 
     def __init__(self, backbone: nn.Module, head: nn.Module, input_convention: str = "unit_variance"):
         super().__init__()
@@ -89,7 +93,7 @@ def load_backbone_weights(path: str) -> nn.Module:
     return vgg
 
 
-def build_ssd300(num_classes: int, backbone_weights: str | None) -> nn.Module:
+def build_ssd300(num_classes: int, backbone_weights: str | None) -> SSD:
     """torchvision's SSD300-VGG16 detector with `num_classes` outputs (background included) and
     SSD300's VOC default boxes."""
     detector = ssd300_vgg16(weights=None, weights_backbone=None, num_classes=num_classes)

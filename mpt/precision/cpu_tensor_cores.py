@@ -58,7 +58,9 @@ def _dense(t: torch.Tensor) -> bool:
 
 
 def _stale(held: tuple | None) -> bool:
-    whose = None if held is None else held[0]()
+    if held is None:
+        return True
+    whose = held[0]()
     return whose is None or whose._version != held[1]
 
 
@@ -168,7 +170,7 @@ class TensorCoreArithmetic:
         self.emulate = emulate
         self.lstm_gate_rounding = lstm_gate_rounding
         self.counts: dict[str, int] = {}
-        self._lib = None
+        self._lib: torch.library.Library | None = None
 
     def __enter__(self) -> "TensorCoreArithmetic":
         global _active
@@ -273,13 +275,14 @@ class _Recurrence(torch.autograd.Function):
             if pre is None:
                 torch.mul(o_t, tc, out=out_t)  # rounded as it is written
             else:  # the projection is a product of the stored h
+                assert w_hr_t is not None  # pre is there only with a projection
                 out_t.copy_(torch.mul(o_t, tc, out=pre[t][0]).to(math) @ w_hr_t)
         # Each sequence's final state: from the last step (in the loop's order) that has its row.
-        last = [0] * steps[0]
+        last_rows = [0] * steps[0]
         for t in order:
             for r in range(steps[t]):
-                last[r] = starts[t] + r
-        last = torch.tensor(last)
+                last_rows[r] = starts[t] + r
+        last = torch.tensor(last_rows)
         ctx.save_for_backward(w_hh, w_hr, h_prev, c_prev, gates, tanh_c, h_pre)
         ctx.steps, ctx.order, ctx.math = steps, order, math
         return out, out.index_select(0, last), c_all.index_select(0, last)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Callable, Iterator
+from typing import Callable, Iterator, cast
 
 import torch
 from omegaconf import DictConfig
@@ -48,12 +48,13 @@ def set_fp32_math(tf32: bool) -> dict:
     mode = "tf32" if tf32 else "ieee"
     if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
         torch.backends.cuda.matmul.fp32_precision = mode
-        torch.backends.cudnn.conv.fp32_precision = mode
-        torch.backends.cudnn.rnn.fp32_precision = mode
+        # The ignores: torch >= 2.9's per-backend precision is absent from its stubs.
+        torch.backends.cudnn.conv.fp32_precision = mode  # type: ignore[attr-defined]
+        torch.backends.cudnn.rnn.fp32_precision = mode  # type: ignore[attr-defined]
         return {
             "matmul": torch.backends.cuda.matmul.fp32_precision,
-            "cudnn_conv": torch.backends.cudnn.conv.fp32_precision,
-            "cudnn_rnn": torch.backends.cudnn.rnn.fp32_precision,
+            "cudnn_conv": torch.backends.cudnn.conv.fp32_precision,  # type: ignore[attr-defined]
+            "cudnn_rnn": torch.backends.cudnn.rnn.fp32_precision,  # type: ignore[attr-defined]
         }
     torch.backends.cuda.matmul.allow_tf32 = tf32  # torch < 2.9
     torch.backends.cudnn.allow_tf32 = tf32
@@ -66,7 +67,7 @@ def ieee_fp32() -> Iterator[None]:
     (FID's Inception) must not run in TF32 because the mode under test does."""
     new_api = hasattr(torch.backends.cuda.matmul, "fp32_precision")
     flags = (
-        [(torch.backends.cuda.matmul, "fp32_precision"), (torch.backends.cudnn.conv, "fp32_precision"), (torch.backends.cudnn.rnn, "fp32_precision")]
+        [(torch.backends.cuda.matmul, "fp32_precision"), (torch.backends.cudnn.conv, "fp32_precision"), (torch.backends.cudnn.rnn, "fp32_precision")]  # type: ignore[attr-defined]
         if new_api
         else [(torch.backends.cuda.matmul, "allow_tf32"), (torch.backends.cudnn, "allow_tf32")]
     )
@@ -186,7 +187,8 @@ class _TorchUpdate:
                 if m.grad is None:
                     m.grad = torch.empty_like(m)
                 m.grad.copy_(p.grad)
-        return [m.grad for m, p in zip(self.masters, self.params) if p.grad is not None]
+        # set above wherever the parameter has one (a FP32 parameter is its own master)
+        return cast("list[torch.Tensor]", [m.grad for m, p in zip(self.masters, self.params) if p.grad is not None])
 
     def apply(self, grads: list[torch.Tensor], scale: float, coef: torch.Tensor | None, clipped: list[bool]) -> None:
         if coef is not None:
@@ -238,7 +240,8 @@ class _FP16Update:
     def counting_lost(self) -> Iterator[dict[nn.Parameter, LostUpdates]]:
         # An update an FP16 weight lost leaves no trace in it: the optimizer counts, inside the
         # step, where its FP32 update was not zero and the stored weight did not change.
-        self.optimizer.lost = counts = {}
+        counts: dict[nn.Parameter, LostUpdates] = {}
+        self.optimizer.lost = counts
         try:
             yield counts
         finally:

@@ -41,7 +41,7 @@ class FP16MomentumSGD(torch.optim.Optimizer):
                     raise TypeError(f"FP16MomentumSGD updates FP16 weights; got a {p.dtype} parameter of shape {tuple(p.shape)}")
 
     @torch.no_grad()
-    def step(self, closure=None, grad_scale: float = 1.0, grad_coef: float = 1.0, clipped: set[int] | None = None):
+    def step(self, closure=None, grad_scale: float = 1.0, grad_coef: float | torch.Tensor = 1.0, clipped: set[int] | None = None):
         """grad_scale: the loss scale the gradients carry. grad_coef: a clipping factor for the unscaled
         gradient, applied to the parameters whose ids are in `clipped` (None: all)."""
         for group in self.param_groups:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, cast
 
 import torch
 import torch.nn.functional as F
@@ -83,23 +83,25 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, b, site: Site, observe: bool, weights: Optional[ReusedWeight]):
         dtype = out_dtype(x)
-        weights = weights or site
+        operands = weights or site
         x2 = x.reshape(-1, x.shape[-1])
         fast = _on_scaled_mm(site, x.device, *x2.shape, w.shape[0])
         site.paths.add("scaled_mm" if fast else "emulated")
         with _fp32(x.device):
+            sx: Optional[torch.Tensor]
+            sw: Optional[torch.Tensor]
             if fast:
-                f = site.recipe.forward
+                f = cast(FloatFormat, site.recipe.forward)  # fast: per-tensor scales, so a scalar format
                 sx, sw = site.scale(x, "input", observe), site.scale(w, "weight", observe)
                 out = _scaled_gemm(x2, sx, f, w, sw, f, dtype).reshape(*x.shape[:-1], -1)
             else:
                 qx, sx = site.operand(x, "input", -1, observe=observe)
-                qw, sw = weights.operand(w, "weight", 1, observe=observe)
+                qw, sw = operands.operand(w, "weight", 1, observe=observe)
                 out = F.linear(qx, qw).to(dtype)
             if b is not None:
                 out = out + b.to(dtype)
         ctx.save_for_backward(x, w)
-        ctx.site, ctx.weights, ctx.scales, ctx.has_bias, ctx.dtype, ctx.fast = site, weights, (sx, sw), b is not None, dtype, fast
+        ctx.site, ctx.weights, ctx.scales, ctx.has_bias, ctx.dtype, ctx.fast = site, operands, (sx, sw), b is not None, dtype, fast
         return out
 
     @staticmethod
@@ -218,7 +220,8 @@ class QuantizedLinear(nn.Linear):
 class _QuantizedConv:
     """A convolution's or a transposed convolution's forward with quantized products (zero padding)."""
 
-    def forward(self, x: torch.Tensor, output_size: Optional[list[int]] = None) -> torch.Tensor:
+    # self: Any, as the mixin is only ever a base of an nn.Conv*/ConvTranspose* class (_quantized_class)
+    def forward(self: Any, x: torch.Tensor, output_size: Optional[list[int]] = None) -> torch.Tensor:
         transposed = isinstance(self, nn.modules.conv._ConvTransposeNd)
         dims = x.dim() - 2
         if transposed:
@@ -273,12 +276,12 @@ class QuantizedProducts:
                 raise ConfigError(
                     f"quantized products: convolution {name or 'model'} pads with {module.padding_mode}/{module.padding}; only explicit zero padding is supported"
                 )
-            cls = _quantized_class(type(module))
+            cls = _quantized_class(type(module))  # type: ignore[arg-type]  # mypy: a union of classes is not Hashable
             if isinstance(module, nn.LSTM):  # a site per weight: ih_l0, hh_l0, hr_l0, ih_l0_reverse, ...
                 keys = [n.removeprefix("weight_") for n in module._flat_weights_names if n.startswith("weight_")]
                 module.products_sites = {k: self._site(f"{name}.{k}") for k in keys}
             else:
-                module.products_site = self._site(name)
+                module.products_site = self._site(name)  # type: ignore[assignment]  # nn.Module's stub: Tensor | Module
             module.__class__ = cls
 
     def _site(self, name: str) -> Site:
