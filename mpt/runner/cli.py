@@ -9,6 +9,7 @@ import re
 import sys
 from importlib import resources
 from pathlib import Path
+from typing import cast
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -97,6 +98,7 @@ def explain_skips(s: dict) -> str:
 
 
 def summary_lines(rec: RunRecord) -> list[str]:
+    assert rec.environment is not None and rec.run_dir is not None  # a record this process's run made
     c = rec.choices
     lines = [f"mpt-run {c['model']} precision={c['precision']} scale={c['scale']} data={c['data']} schedule={c['schedule']}: {rec.status}"]
     if rec.message:
@@ -111,6 +113,7 @@ def summary_lines(rec: RunRecord) -> list[str]:
     if tp.get("pipeline") is not None:
         lines.append(f"  throughput: {tp['pipeline']:.4g} {tp['unit']} (compute only {tp['compute']:.4g}; median of {tp['windows']} windows)")
     if rec.mfu and rec.mfu.get("value") is not None:
+        assert rec.flops is not None  # an MFU value is computed from the FLOP count
         lines.append(
             f"  mfu:        {rec.mfu['value'] * 100:.1f}% of {rec.mfu['peak_tflops']:g} TFLOP/s ({rec.mfu['math']}; {rec.flops['per_sample'] / 1e9:.4g} GFLOP per {rec.flops['sample_unit'].removesuffix('s')})"
         )
@@ -181,7 +184,7 @@ def _own_the_folder(run_dir: Path) -> logging.Handler:
 def _save_hydra_files(cfg: DictConfig, run_dir: Path) -> None:
     """Hydra's files, by the lock's holder, for a run that goes ahead: a skipped run's stay as its
     record's run wrote them (a relaunch with another log_every would otherwise rewrite committed files)."""
-    hydra_cfg = HydraConfig.instance().cfg
+    hydra_cfg = cast(DictConfig, HydraConfig.instance().cfg)  # the whole config with its hydra node (stub: HydraConf)
     saved = run_dir / ".hydra"
     saved.mkdir(exist_ok=True)
     write_text_atomic(saved / "config.yaml", OmegaConf.to_yaml(cfg))
@@ -198,6 +201,7 @@ def _run_locked(cfg: DictConfig, run_dir: Path, multirun: bool, owner: bool) -> 
     previous = previous_record(run_dir)
     final = previous is not None and previous.status in ("ok", "diverged")  # results; a failed, preempted or unfinished run is redone
     if final and not cfg.force:
+        assert previous is not None  # final: there is a record
         if identity.same_computation(previous.config or {}, as_plain(cfg)):
             print(f"{said()}{run_dir} already has a record with status {previous.status}; skipped (force=true runs it again)", flush=True)
             return "skipped", False

@@ -125,7 +125,7 @@ class GradStatsCollector:
         sampled = self.sampling(step)
         timed = (sampled or self.sampling(step + 1)) and self._steps_seen >= self.warmup
         self._steps_seen += 1
-        info = {"sampled": sampled, "seconds": None}
+        info: dict[str, bool | float | None] = {"sampled": sampled, "seconds": None}
         if not (sampled or timed):
             yield info
             return
@@ -268,7 +268,7 @@ class GradStatsCollector:
     def summary(self) -> dict | None:
         if not self.enabled:
             return None
-        networks = {}
+        networks: dict[str, dict] = {}
         for net, kinds in self.hists.items():
             networks[net] = {}
             for kind, layers in kinds.items():
@@ -334,7 +334,7 @@ class GradStatsCollector:
         return {
             "sampled_step_s": med(sampled),
             "plain_step_s": med(plain),
-            "ratio": med(sampled) / med(plain) if sampled and plain else None,
+            "ratio": med(sampled) / med(plain) if sampled and plain else None,  # type: ignore[operator]  # both non-empty
             "sampled_steps_timed": len(sampled),
             "plain_steps_timed": len(plain),
             "method": "median wall time of the sampled steps and of the steps just before them, after the throughput warm-up, device synchronized around each; sampled steps are left out of throughput",

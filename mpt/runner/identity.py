@@ -123,7 +123,7 @@ def _without_other_sources(saved: dict, current: dict) -> dict:
     return {**saved, "data": {k: v for k, v in saved["data"].items() if k in current["data"]}}
 
 
-def variant(overrides: Iterable[tuple[str, str]]) -> str:
+def variant(overrides: Iterable[tuple[str, str | None]]) -> str:
     """The computational overrides beyond the group choices and the seed, as `key=value` sorted and
     joined by commas: what sets a run apart from the others of its model, mode, data and schedule.
     `overrides` holds (key, value) with values as Hydra parses them (1e-1 and 0.1 are one variant);

@@ -13,7 +13,7 @@ import sys
 import time
 from itertools import islice
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, cast
 
 import numpy as np
 import torch
@@ -45,7 +45,7 @@ from .memory import MemoryPeaks
 from .overflow_trace import OverflowTracer
 from .progress import Progress
 from .record import MetricsLog, NullLog, RunRecord, code_identity, describe_code, environment, now_iso
-from .tensorboard_log import NullBoard, open_board
+from .tensorboard_log import NullBoard, TensorBoardLog, open_board
 from .throughput import ThroughputMeter
 
 log = logging.getLogger("mpt")
@@ -174,7 +174,7 @@ class Run:
         self.metrics = MetricsLog(run_dir / "metrics.jsonl", keep_before_step=saved["step"] if saved else None) if self.dist.is_main else NullLog()
         if saved is not None:
             self._restore(saved)
-        self.board = NullBoard()
+        self.board: TensorBoardLog | NullBoard = NullBoard()
         if self.dist.is_main:
             self.board = open_board(cfg.logger, run_dir, saved["step"] if saved else None, self.meter, self.grad_stats, per_process=self.dist.enabled)
             if saved is not None and (self.record.metrics or {}).get("step") == saved["step"]:  # purged with the steps past the checkpoint
@@ -197,6 +197,7 @@ class Run:
         saved = None
         if why is None:
             saved = checkpoint.load(self.run_dir)
+            assert saved is not None  # the file is there (is_file above)
             why = self._why_not_resumable(saved)
         if why is None:
             return saved
@@ -209,6 +210,7 @@ class Run:
         """None if `saved` continues this run's computation. A longer or shorter schedule continues it
         (up to the new end), as does a data.root moved to a copy of the same files."""
         current = self.record.config
+        assert current is not None  # the initial record's
         differ = identity.differences(saved["config"], current)
         if "data.root" in differ and self._same_data(saved):
             differ.remove("data.root")
@@ -285,6 +287,7 @@ class Run:
         if saved["git"] != self.record.git:
             print(f"mpt-run: warning: the checkpoint was written by {describe_code(saved['git'])}; this is {describe_code(self.record.git)}", flush=True)
         earlier = saved.get("segments") or [{"from_step": 0, "to_step": saved["step"], "total_steps": None, "git": saved["git"]}]
+        assert self.record.segments is not None  # the initial record's
         self.record.segments = [*earlier, *self.record.segments]
         self.record.segments[-1]["from_step"] = self.record.segments[-1]["to_step"] = saved["step"]
         self.meter.load_state_dict(saved["throughput"])
@@ -314,7 +317,7 @@ class Run:
                 engine.model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(engine.model)
             # A network that carries per-stream state between batches in buffers (bigLSTM's LSTM
             # state): broadcasting rank 0's would overwrite each rank's own.
-            rank_local = {"broadcast_buffers": False} if self.task.stream_buffers(name) else {}
+            rank_local: dict[str, Any] = {"broadcast_buffers": False} if self.task.stream_buffers(name) else {}
             # No device_ids: batches are already on the device, and DDP would move every tensor
             # argument there, GNMT's CPU sequence lengths included.
             ddp = DistributedDataParallel(engine.model, **rank_local)
@@ -334,7 +337,8 @@ class Run:
         torch._dynamo.reset()
         counters.clear()
         for name, net in self.task.networks().items():
-            self.task.set_network(name, torch.compile(net, backend=c.backend, mode=c.mode))
+            # a module compiled is a module (an OptimizedModule); the stub says any callable
+            self.task.set_network(name, cast(torch.nn.Module, torch.compile(net, backend=c.backend, mode=c.mode)))
 
     def _model_state(self, network: str, model: torch.nn.Module) -> dict:
         """The network's state dict, with per-stream buffers gathered from every rank (collective)."""
@@ -365,6 +369,7 @@ class Run:
     def save_checkpoint(self) -> None:
         self._flush()  # the log on disk covers every step the checkpoint does
         self.board.flush()
+        assert self.record.segments is not None  # the initial record's
         self.record.segments[-1]["to_step"] = self.step
         state = self._state()  # on every rank: it gathers what each holds alone
         if self.dist.is_main:
@@ -455,6 +460,8 @@ class Run:
     def train(self) -> RunRecord:
         """Run every step, then complete and save the record. Returns the record."""
         rec = self.record
+        # the initial record's, which every later one extends
+        assert rec.segments is not None and rec.environment is not None and rec.precision is not None
         self.save_record()
         t_start = time.perf_counter()
         self.peaks.start()
@@ -583,6 +590,7 @@ class Run:
                 self.pending.extend(self._train_step(self.step, batch))
             traced = self.tracer.seconds - traced_before
             if counting and not traced:  # a traced step ran twice: the next one is counted instead
+                assert counter is not None  # counting: the FLOP counter, not the null context
                 self.record.flops = flops_record(counter, self.task.count_samples(batch), self.step, self.meter.unit)
             if stats_step["sampled"] and stats_step["seconds"] is None:
                 self.meter.interrupt()  # a sampled step that was not timed: its window cannot be corrected
@@ -617,7 +625,7 @@ class Run:
         return self.peers_preempted if self.dist.enabled else preemption.requested() is not None
 
     def _train_step(self, step: int, batch: Any) -> list[dict]:
-        rows = []
+        rows: list[dict] = []
         if self.cfg.deterministic and self.device.type == "cuda":
             determinism.reseed_cudnn_dropout(self.device)
         rng = checkpoint.rng_state() if self.tracer.enabled else None  # where a traced re-run starts
@@ -629,6 +637,7 @@ class Run:
             if term is None:
                 return rows
             engine = self.engines[term.group]
+            row: dict[str, Any]
             row = {"kind": "train", "step": step, "group": term.group, "lr": engine.lr, "scale": engine.scaler.scale}
             with self.grad_stats.backward(term.group, engine.scaler.scale):
                 engine.backward(term.loss)
@@ -721,6 +730,7 @@ class Run:
         self.board.write(row)
         if self.record.sample_grids is not None and self.dist.is_main:
             path = self.task.save_samples(self.run_dir / "samples" / f"step_{step:06d}.png", self.forward_context)
+            assert path is not None  # a task with sample grids saves them
             self.record.sample_grids = [
                 *(g for g in self.record.sample_grids if g["step"] != step),
                 {"step": step, "path": path.relative_to(self.run_dir).as_posix()},
