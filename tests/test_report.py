@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from omegaconf import OmegaConf
 from PIL import Image
 
 from mpt.report.cli import build_report
@@ -25,6 +26,13 @@ SWEEP = ["-m", "precision=fp32,fp16", "scale=none,dynamic", "seed=0,1", "schedul
 
 def records(runs: Path) -> dict[str, dict]:
     return {p.parent.name: json.loads(p.read_text()) for p in runs.glob("*/result.json")}
+
+
+def skipped_all(rec: dict) -> bool:
+    """Whether a network of the run skipped every step: FP16 without master weights under the
+    dynamic scale does in the sweep's three steps (the scale's search from 2^16), which older
+    versions recorded as `ok` and newer ones as `diverged`. Either way, no result."""
+    return any(0 < s["steps"] == s["skipped_steps"] for s in rec["loss_scale"].values())
 
 
 @pytest.fixture(scope="module")
@@ -53,9 +61,17 @@ def test_each_configuration_has_its_own_folder_named_from_its_choices(swept):
     recs = records(swept)
     assert len(recs) == 9
     assert "resnet50_fp16_dynamic_synthetic_smoke_cpu_seed1" in recs
-    diverged = [name for name, rec in recs.items() if rec["status"] == "diverged"]
+    diverged = [name for name, rec in recs.items() if rec["status"] == "diverged" and not skipped_all(rec)]
     assert len(diverged) == 1 and diverged[0].startswith("resnet50_fp32_none_synthetic_smoke_cpu_seed0__lr-")
     assert recs[diverged[0]]["variant"] == "optim.lr=1000000000000.0"  # how often it logs is not what it computes
+
+
+def test_each_launch_into_one_sweep_folder_keeps_its_config(swept):
+    launches = sorted(swept.glob("multirun-*.yaml"))  # the slow test below launches more
+    tasks = [OmegaConf.load(p).hydra.overrides.task for p in launches]
+    second = ["precision=fp32", "optim.lr=1e12", "schedule=smoke", "schedule.log_every=1", "checkpoint=false"]
+    assert tasks[:2] == [SWEEP[1:], second]
+    assert (swept / "multirun.yaml").read_text() == launches[-1].read_text()  # Hydra's: the last launch's
 
 
 @pytest.mark.slow  # over 20 s on 2 cores: the fast tier's budget
@@ -114,9 +130,14 @@ def test_accuracy_pivot_holds_the_mean_over_seeds(report, swept):
                 r["metrics"]["top1"]
                 for r in recs
                 if r["choices"]["precision"] == precision and r["choices"]["scale"] == scale and r["status"] == "ok" and not r["variant"]
+                if not skipped_all(r)
             ]
             cell = acc[(acc.precision == precision) & (acc.scale == scale) & (acc.variant == "")]
-            assert len(cell) == 1 and cell.n.item() == len(top1) == 2
+            assert len(cell) == 1 and cell.n.item() == len(top1)
+            if not top1:  # every seed skipped every step
+                assert cell.skipped_every_step.item() == 2
+                continue
+            assert len(top1) == 2
             assert cell["mean"].item() == pytest.approx(statistics.mean(top1))
             assert cell["std"].item() == pytest.approx(statistics.stdev(top1))
     assert "FP16 + LS (dynamic)" in (report / "tables" / "accuracy.md").read_text()
@@ -187,7 +208,7 @@ def test_a_report_of_only_diverged_runs_says_so(swept, tmp_path, capsys):
 
     only = tmp_path / "only"
     for rec in swept.glob("*/result.json"):
-        if json.loads(rec.read_text())["status"] == "diverged":
+        if json.loads(rec.read_text())["status"] == "diverged" and not skipped_all(json.loads(rec.read_text())):
             shutil.copytree(rec.parent, only / rec.parent.name)
     code, _, err = report_cli(capsys, only, "--out", tmp_path / "out")
     assert code == 0, err[-2000:]
@@ -285,3 +306,141 @@ def test_no_machine_path_reaches_a_table_and_titles_leave_the_variant_to_report_
     figure = next(i for i, line in enumerate(lines) if line.startswith("![loss_"))
     assert lines[figure + 2] == f"variant {identity.tag(variant)}: `{variant}`"
     assert _cell_name(("resnet50", "imagefolder", "smoke", variant))[1] == f"resnet50, imagefolder, smoke (variant {identity.tag(variant)})"
+
+
+def copied(swept: Path, dest: Path, name: str, **changes) -> Path:
+    """A run folder of the sweep copied into `dest` (its .lock too), its record changed."""
+    import shutil
+
+    run = shutil.copytree(swept / name, dest / name)
+    rec = json.loads((run / "result.json").read_text())
+    (run / "result.json").write_text(json.dumps({**rec, **changes}))
+    return run
+
+
+def test_a_running_record_whose_process_was_killed_shows_as_died(swept, tmp_path):
+    from mpt.report.records import load_runs
+
+    from .test_lock_probe import hold
+
+    run = copied(swept, tmp_path / "runs", "resnet50_fp32_dynamic_synthetic_smoke_cpu_seed1", status="running")
+    child = hold(run)
+    try:
+        assert load_runs([tmp_path / "runs"]).status.tolist() == ["running"]
+    finally:
+        child.send_signal(9)  # SIGKILL: no chance to write a final record, as the OOM killer
+        child.wait()
+    shown = load_runs([tmp_path / "runs"])
+    assert shown.status.tolist() == ["died"] and "no process holds" in shown.message.item()
+    assert json.loads((run / "result.json").read_text())["status"] == "running"  # the record stays as it is
+
+    build_report([tmp_path / "runs"], tmp_path / "out", None)
+    assert "1 runs: 1 died." in (tmp_path / "out" / "report.md").read_text()
+    assert pd.read_csv(tmp_path / "out" / "tables" / "accuracy.csv").failed.item() == 1
+
+    (run / ".lock").unlink()  # a copy without its lock file: nothing tells whether it lives
+    assert load_runs([tmp_path / "runs"]).status.tolist() == ["unknown"]
+
+
+def test_a_crafted_record_writes_nothing_outside_out(swept, tmp_path, capsys):
+    from mpt.report import figures
+    from mpt.report.output import UnsafeName, target
+    from mpt.report.records import record_row
+    from mpt.runner.record import RunRecord
+
+    name = "resnet50_fp32_dynamic_synthetic_smoke_cpu_seed0"
+    rec = json.loads((swept / name / "result.json").read_text())
+    # Without the check, loss_<model>_synthetic_smoke.png would land in tmp_path, beside out's parent.
+    copied(swept, tmp_path / "runs", name, choices={**rec["choices"], "model": "../../../../x"})
+    copied(swept, tmp_path / "runs", "resnet50_fp32_none_synthetic_smoke_cpu_seed0")
+    before = {p for p in tmp_path.parent.rglob("*")}
+    out = tmp_path / "deep" / "out"
+    code, _, err = report_cli(capsys, tmp_path / "runs", "--out", out)
+    assert code == 0, err[-2000:]
+    assert f"left out {tmp_path / 'runs' / name / 'result.json'}: choices.model is '../../../../x'" in err
+    assert {p for p in tmp_path.parent.rglob("*")} - before <= {tmp_path / "deep", out, *out.rglob("*")}
+    assert len(pd.read_csv(out / "runs.csv")) == 1
+
+    # Names from deeper in a record (a network's, a format's) meet the same rule when a figure is saved.
+    fig = figures.plt.figure()
+    written = []
+    figures._save(fig, out / "figures", "grads_weight_resnet50_../../../y.png", written)
+    assert written == []
+    assert "figure not drawn: 'grads_weight_resnet50_../../../y.png' is not a plain name" in capsys.readouterr().err
+    for bad in ("a/b", "a\\b", "..", ".hidden", "a\0b", ""):
+        with pytest.raises(UnsafeName):
+            target(out, bad)
+    # A sample grid named outside its run's folder is not read into a figure.
+    grid = RunRecord.from_dict({**rec, "sample_grids": [{"step": 3, "path": "../../../secret.png"}]})
+    assert record_row(grid, swept / name / "result.json")["final_sample_grid"] is None
+
+
+def table_row(md: Path) -> str:
+    """A Markdown table's first row of resnet50."""
+    return next(line for line in md.read_text().splitlines() if line.startswith("| resnet50"))
+
+
+def test_a_run_that_skipped_every_step_is_flagged_and_no_result(swept, tmp_path, capsys):
+    one = "resnet50_fp32_dynamic_synthetic_smoke_cpu_seed0"
+    rec = json.loads((swept / one / "result.json").read_text())
+    scaler = rec["loss_scale"]["model"]
+    assert rec["status"] == "ok" and 0 == scaler["skipped_steps"] < scaler["steps"]
+    # An older record: every step skipped, yet `ok`.
+    copied(swept, tmp_path / "runs", one, loss_scale={"model": {**scaler, "skipped_steps": scaler["steps"]}})
+    copied(swept, tmp_path / "runs", "resnet50_fp32_dynamic_synthetic_smoke_cpu_seed1")
+    out = tmp_path / "out"
+    code, _, err = report_cli(capsys, tmp_path / "runs", "--out", out)
+    assert code == 0, err[-2000:]
+
+    runs = pd.read_csv(out / "runs.csv")
+    assert runs.set_index("seed").skipped_every_step.to_dict() == {0: True, 1: False}
+    acc = pd.read_csv(out / "tables" / "accuracy.csv")
+    assert (acc.runs.item(), acc.ok.item(), acc.n.item(), acc.skipped_every_step.item()) == (2, 1, 1, 1)
+    row = table_row(out / "tables" / "accuracy.md")
+    assert "(1 of 2 seeds, 1 skipped every step)" in row
+    assert pd.read_csv(out / "tables" / "throughput.csv").runs.item() == 1  # seed 1's alone
+    scaling = table_row(out / "tables" / "loss_scaling.md")
+    assert "(every step in 1 of 2 runs)" in scaling
+    assert "2 runs: 2 ok; 1 skipped every step (no result)." in (out / "report.md").read_text()
+
+    # Alone in its cell, it is no number at all.
+    (tmp_path / "runs" / "resnet50_fp32_dynamic_synthetic_smoke_cpu_seed1" / "result.json").unlink()
+    build_report([tmp_path / "runs"], out, None)
+    row = table_row(out / "tables" / "accuracy.md")
+    assert row.endswith("| skipped every step |")
+
+
+def test_a_report_cut_short_leaves_the_previous_files_whole(swept, tmp_path, capsys, monkeypatch):
+    import errno
+
+    from mpt import files
+
+    out = tmp_path / "out"
+    build_report([swept], out, None)
+    (out / "runs.csv").write_text("the previous runs.csv\n")
+    figure = out / "figures" / "loss_resnet50_synthetic_smoke.png"  # the first figure drawn
+    figure.write_bytes(b"the previous figure")
+    real_write = files._Recorder.write
+
+    def full_disk_at(first_bytes: bytes):
+        def write(self, data):
+            if not bytes(data).startswith(first_bytes):
+                return real_write(self, data)
+            real_write(self, data[: len(data) // 2])  # half of it reaches the disk, then the disk is full
+            self.error = OSError(errno.ENOSPC, "No space left on device")
+            raise self.error
+
+        return write
+
+    monkeypatch.setattr(files._Recorder, "write", full_disk_at(b"run_dir,"))  # runs.csv's header
+    code, _, err = report_cli(capsys, swept, "--out", out)
+    assert code == 1
+    assert err.strip() == f"mpt-report: error: could not write {out / 'runs.csv'}: No space left on device"
+    assert (out / "runs.csv").read_text() == "the previous runs.csv\n"
+
+    monkeypatch.setattr(files._Recorder, "write", full_disk_at(b"\x89PNG"))  # the first figure
+    code, _, err = report_cli(capsys, swept, "--out", out)
+    assert code == 1 and "No space left on device" in err
+    assert figure.read_bytes() == b"the previous figure"
+    assert (out / "runs.csv").read_text().startswith("run_dir,")  # written whole before the figures
+    assert not [p for p in out.rglob("*") if p.name.endswith(".tmp")]  # no half-written temporary left

@@ -9,9 +9,11 @@ from pathlib import Path
 
 import pandas as pd
 
+from ..files import WriteError, remove_stale_temporaries
 from ..runner import identity
 from ..runner.record import RecordError
 from . import figures, tables
+from .output import write_text
 from .records import load_atlas, load_curves, load_overflow_origins, load_runs, shown_path
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
@@ -27,10 +29,9 @@ def default_published() -> Path:
 
 
 def write_table(df: pd.DataFrame, markdown: str, out: Path, name: str, written: list[Path]) -> str:
-    (out / "tables").mkdir(parents=True, exist_ok=True)
-    df.drop(columns=[c for c in ("precision_order", "scale_order") if c in df.columns]).to_csv(out / "tables" / f"{name}.csv", index=False)
-    (out / "tables" / f"{name}.md").write_text(markdown + "\n")
-    written += [out / "tables" / f"{name}.csv", out / "tables" / f"{name}.md"]
+    csv = df.drop(columns=[c for c in ("precision_order", "scale_order") if c in df.columns]).to_csv(index=False)
+    written.append(write_text(out, "tables", f"{name}.csv", text=csv))
+    written.append(write_text(out, "tables", f"{name}.md", text=markdown + "\n"))
     return markdown
 
 
@@ -47,9 +48,12 @@ def build_report(paths: list[Path], out: Path, published_path: Path | None) -> l
     if runs.empty:
         raise SystemExit(f"mpt-report: error: no result.json under {', '.join(map(str, paths))}")
     out.mkdir(parents=True, exist_ok=True)
+    for own in (out / "tables", out / "figures"):  # the report's own folders: what a killed report left half-written
+        if own.is_dir():
+            remove_stale_temporaries(own)
     written: list[Path] = []
-    runs.drop(columns=["precision_order", "scale_order"]).map(shown_path).to_csv(out / "runs.csv", index=False)
-    written.append(out / "runs.csv")
+    tidy = runs.drop(columns=["precision_order", "scale_order"]).map(shown_path)
+    written.append(write_text(out, "runs.csv", text=tidy.to_csv(index=False)))
 
     acc = tables.accuracy(runs)
     tp = tables.throughput(runs)
@@ -117,7 +121,11 @@ def build_report(paths: list[Path], out: Path, published_path: Path | None) -> l
             else shown_path(str(published_path.resolve()))
         )
         sections.append((f"Against the published values ({shown})", "paper_comparison", paper, tables.render_paper(paper)))
-    text = [f"# Report\n\n{len(runs)} runs: " + ", ".join(f"{n} {s}" for s, n in runs.status.value_counts().items()) + ".\n"]
+    counts = ", ".join(f"{n} {s}" for s, n in runs.status.value_counts().items())
+    skipped = int(tables.skipped_every_step(runs).sum())
+    # A run that skipped every step trained nothing, whatever its record says: never a result.
+    counts += f"; {skipped} skipped every step (no result)" if skipped else ""
+    text = [f"# Report\n\n{len(runs)} runs: {counts}.\n"]
     for title, name, df, md in sections:
         text.append(f"## {title}\n\n" + write_table(df, md, out, name, written) + "\n")
 
@@ -132,8 +140,7 @@ def build_report(paths: list[Path], out: Path, published_path: Path | None) -> l
     for stale in set((out / "figures").glob("*.png")) - set(figs):
         stale.unlink()
     text.append("## Figures\n\n" + "\n\n".join(_figure_entry(p, runs) for p in figs) + "\n")
-    (out / "report.md").write_text("\n".join(text))
-    written.append(out / "report.md")
+    written.append(write_text(out, "report.md", text="\n".join(text)))
     return written
 
 
@@ -152,6 +159,9 @@ def main(argv: list[str] | None = None) -> None:
     except RecordError as e:  # a result.json that is not a record this version reads: name it, write nothing more
         print(f"mpt-report: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except WriteError as e:  # a full disk: the file it names is as the previous report left it
+        print(f"mpt-report: error: {e}", file=sys.stderr)
+        sys.exit(1)
     print(f"mpt-report: {len(written)} files in {args.out}: runs.csv, report.md, tables/, figures/")
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 from pathlib import Path
 
 import matplotlib
@@ -14,10 +15,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from ..files import write_atomic  # noqa: E402
 from ..precision.atlas import overflow_threshold  # noqa: E402
 from ..precision.formats import BlockFormat, get_format  # noqa: E402
 from ..runner import identity  # noqa: E402
 from ..runner.record import RunRecord  # noqa: E402
+from .output import UnsafeName, target  # noqa: E402
 
 
 def _modes_in_order(df: pd.DataFrame) -> list[str]:
@@ -43,11 +46,23 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9.]+", "-", text).strip("-")
 
 
-def _save(fig, path: Path) -> Path:
+def _save(fig, out: Path, name: str, written: list[Path]) -> None:
+    """`fig` as `out/name`, written whole (an interrupted report leaves the previous figure), and
+    added to `written`. A name made from a record's content that is not a plain file name is not
+    drawn: one line says which."""
+    try:
+        path = target(out, name)
+    except UnsafeName as e:
+        plt.close(fig)
+        print(f"mpt-report: warning: figure not drawn: {e} (its name comes from the records)", file=sys.stderr)
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    try:
+        # The format stated: a file object has no suffix for matplotlib to take it from.
+        write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=110, bbox_inches="tight"))
+    finally:
+        plt.close(fig)
+    written.append(path)
 
 
 def _lines(df: pd.DataFrame):
@@ -80,7 +95,7 @@ def loss_curves(curves: pd.DataFrame, out: Path) -> list[Path]:
             ax.set_yscale("log")
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
-        written.append(_save(fig, out / f"loss_{stem}.png"))
+        _save(fig, out, f"loss_{stem}.png", written)
     return written
 
 
@@ -100,7 +115,7 @@ def loss_scale_curves(curves: pd.DataFrame, out: Path) -> list[Path]:
         ax.set_yscale("log", base=2)
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
-        written.append(_save(fig, out / f"loss_scale_{stem}.png"))
+        _save(fig, out, f"loss_scale_{stem}.png", written)
     return written
 
 
@@ -131,7 +146,7 @@ def throughput_bars(table: pd.DataFrame, out: Path) -> list[Path]:
         ax.legend(fontsize=8)
         ax.grid(axis="y", alpha=0.3)
         at = "_".join([_slug(device), data, schedule, f"b{batch:g}", *([] if pd.isna(size) else [f"{size:g}px"])])
-        written.append(_save(fig, out / f"{identity.named(f'throughput_{at}', variant)}.png"))
+        _save(fig, out, f"{identity.named(f'throughput_{at}', variant)}.png", written)
     return written
 
 
@@ -161,7 +176,7 @@ def sample_grids(runs: pd.DataFrame, out: Path) -> list[Path]:
                 else:  # records copied without their samples/ folder
                     ax.text(0.5, 0.5, f"grid missing:\n{Path(run['final_sample_grid']).name}", ha="center", va="center", fontsize=8)
         fig.suptitle(f"final samples (fixed noise):\n{title}", fontsize=9)
-        written.append(_save(fig, out / f"samples_{stem}.png"))
+        _save(fig, out, f"samples_{stem}.png", written)
     return written
 
 
@@ -266,7 +281,7 @@ def gradient_histograms(runs: pd.DataFrame, out: Path) -> list[Path]:
                     f" {t['share_zero'] * 100:.1f}% zeros\n{title}",
                     fontsize=9,
                 )
-                written.append(_save(fig, out / f"{identity.named(f'grads_{kind}_{cell}_{net}', run['variant'])}.png"))
+                _save(fig, out, f"{identity.named(f'grads_{kind}_{cell}_{net}', run['variant'])}.png", written)
     return written
 
 
@@ -318,7 +333,7 @@ def lost_update_curves(runs: pd.DataFrame, curves: pd.DataFrame, out: Path) -> l
         ax_lr.set(xlabel="step", ylabel="learning rate")
         ax_lr.set_yscale("log")
         ax_lr.grid(alpha=0.3)
-        written.append(_save(fig, out / f"lost_updates_{stem}.png"))
+        _save(fig, out, f"lost_updates_{stem}.png", written)
     return written
 
 
@@ -360,7 +375,8 @@ def gradient_histograms_over_training(runs: pd.DataFrame, out: Path) -> list[Pat
                 fig.suptitle(
                     f"{kind} gradients over training ({FIGURE_OF_KIND[kind]}), {where}{run['mode']}, seed {run['seed']}, unscaled\n{title}", fontsize=9
                 )
-                written.append(_save(fig, out / f"{identity.named(f'grads_over_training_{kind}_{cell}_{net}', run['variant'])}.png"))
+                name = identity.named(f"grads_over_training_{kind}_{cell}_{net}", run["variant"])
+                _save(fig, out, f"{name}.png", written)
     return written
 
 
@@ -394,7 +410,7 @@ def atlas_heatmaps(rows: pd.DataFrame, out: Path, worst: int = 3) -> list[Path]:
             worst_text = "; ".join(f"{layer} {role.replace('_', ' ')} {v:.3g}%" for layer, role, v in named) or "nothing lost"
             where = f"{net}, " if df["network"].nunique() and mine["network"].nunique() > 1 else ""
             ax.set_title(f"{fmt}: {where}{run['mode']}, seed {run['seed']}\n{title}\nworst: {worst_text}", fontsize=8)
-            written.append(_save(fig, out / f"atlas_{fmt}_{stem}_{_slug(str(run['mode']))}_seed{run['seed']}_{net}.png"))
+            _save(fig, out, f"atlas_{fmt}_{stem}_{_slug(str(run['mode']))}_seed{run['seed']}_{net}.png", written)
     return written
 
 
@@ -431,5 +447,5 @@ def atlas_histograms(runs: pd.DataFrame, out: Path) -> list[Path]:
                     f"{role.replace('_', ' ')}, all layers, {where}{run['mode']}, seed {run['seed']}, {len(stats['sampled_steps'])} sampled steps\n{title}",
                     fontsize=9,
                 )
-                written.append(_save(fig, out / f"{identity.named(f'atlas_hist_{role}_{cell}_{net}', run['variant'])}.png"))
+                _save(fig, out, f"{identity.named(f'atlas_hist_{role}_{cell}_{net}', run['variant'])}.png", written)
     return written

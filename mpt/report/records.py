@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import zlib
 from pathlib import Path
 from typing import Any, Iterable
 
 import pandas as pd
 
-from ..runner import identity
+from ..runner import identity, run_lock
 from ..runner.record import RunRecord
+from .output import RULE, plain
 
 # The order modes appear in tables and legends.
 PRECISION_ORDER = ["fp32", "tf32", "fp16", "mixed", "fp16_modmom", "amp", "bf16"]
@@ -105,6 +107,15 @@ def cell_variant(variant: str) -> str:
     return ",".join(shown)
 
 
+def _grid_path(run_dir: Path, relative: str) -> str | None:
+    """A sample grid inside the run's folder; a record naming a file elsewhere gets none (the report
+    would otherwise copy any image it can read into a figure)."""
+    parts = Path(relative).parts
+    if Path(relative).is_absolute() or not parts or not all(plain(p) or p == "." for p in parts):
+        return None
+    return str(run_dir / relative)
+
+
 def record_row(rec: RunRecord, path: Path) -> dict:
     # Sections a run fills as it goes are None in the record of a run that failed before them, and
     # fields added since are None in older records.
@@ -119,6 +130,7 @@ def record_row(rec: RunRecord, path: Path) -> dict:
     label = (rec.precision or {}).get("label") or (rec.precision or {}).get("name") or rec.choices["precision"]
     primary = rec.primary_metric or "top1"
     grids = rec.sample_grids or []
+    scalers = rec.loss_scale or {}
     row = {
         "run_dir": str(path.parent),
         "status": rec.status,
@@ -153,6 +165,8 @@ def record_row(rec: RunRecord, path: Path) -> dict:
         "steady_peak_memory_bytes": mem.get("steady_peak_bytes"),
         "memory_kind": mem.get("kind"),
         "skipped_steps": sum(s.get("skipped_steps", 0) for s in (rec.loss_scale or {}).values()),
+        # A network whose every step was skipped never trained: whatever the status, no result.
+        "skipped_every_step": any(0 < (s.get("steps") or 0) == s.get("skipped_steps") for s in scalers.values()),
         "device_type": env.get("device_type"),
         "device_name": env.get("device_name"),
         "torch": env.get("torch"),
@@ -160,7 +174,7 @@ def record_row(rec: RunRecord, path: Path) -> dict:
         "git_commit": git.get("commit"),
         "git_dirty": git.get("dirty"),
         "started_at": rec.started_at,
-        "final_sample_grid": str(path.parent / grids[-1]["path"]) if grids else None,
+        "final_sample_grid": _grid_path(path.parent, grids[-1]["path"]) if grids else None,
         "final_sample_grid_step": grids[-1]["step"] if grids else None,
     }
     for key, value in metrics.items():
@@ -186,10 +200,55 @@ def record_row(rec: RunRecord, path: Path) -> dict:
     return row
 
 
+# The message a derived status shows where the record has none.
+DIED = "its record says running, but no process holds its folder's lock: killed (SIGKILL, the OOM killer)?"
+NO_LOCK = "its record says running, and no .lock beside it tells whether its process lives"
+
+
+def shown_status(rec: RunRecord, path: Path) -> tuple[RunRecord, str]:
+    """The status a report shows for a record, and the record to show. A `running` record is
+    `running` while a live process holds its folder's lock (or where the file system has no locks:
+    nothing can tell), `died` where none does, and `unknown` without a `.lock` beside it (a run
+    makes the file before its record, so such a record was copied or committed without it).
+    Derived when reading: the record stays as it is. A copy of a live run's folder made with its
+    `.lock` shows `died`: locks do not travel with copies."""
+    if rec.status != "running":
+        return rec, rec.status
+    if not (path.parent / run_lock.FILENAME).exists():
+        return rec, "unknown"
+    try:
+        alive = run_lock.held(path.parent)
+    except RuntimeError:  # this very process has the lock file open: it is the run, or its host
+        alive = True
+    if alive is not False:
+        return rec, "running"
+    # A run writes its final record before it lets go of the lock: one that ended since its record
+    # was read has that record now.
+    again = RunRecord.load(path)
+    return again, "died" if again.status == "running" else again.status
+
+
+def _unplain_choice(rec: RunRecord) -> str | None:
+    """A choice that is not a plain name, as `choices.<group> is '<value>'`: choices name figures."""
+    for group, value in rec.choices.items():
+        if not plain(value):
+            return f"choices.{group} is {value!r}"
+    return None
+
+
 def load_runs(paths: Iterable[Path]) -> pd.DataFrame:
     rows = []
     for path in find_records(paths):
-        rows.append(record_row(RunRecord.load(path), path))
+        rec = RunRecord.load(path)
+        bad = _unplain_choice(rec)
+        if bad:
+            print(f"mpt-report: warning: left out {path}: {bad}, not {RULE}", file=sys.stderr)
+            continue
+        rec, status = shown_status(rec, path)
+        row = record_row(rec, path)
+        if status != rec.status:
+            row.update(status=status, message=row["message"] or (DIED if status == "died" else NO_LOCK))
+        rows.append(row)
     df = pd.DataFrame(rows)
     if df.empty:
         return df

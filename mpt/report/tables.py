@@ -27,6 +27,16 @@ def _mode_order(df: pd.DataFrame) -> list[str]:
     return df[cols].drop_duplicates("mode").sort_values(cols[1:], na_position="first")["mode"].tolist()
 
 
+def skipped_every_step(runs: pd.DataFrame) -> pd.Series:
+    """Runs that skipped every step of a network (an older record may still say `ok`)."""
+    return runs.get("skipped_every_step", pd.Series(False, index=runs.index)).fillna(False).astype(bool)
+
+
+def results(runs: pd.DataFrame) -> pd.DataFrame:
+    """The runs whose numbers are results: finished `ok`, with no network that skipped every step."""
+    return runs[(runs.status == "ok") & ~skipped_every_step(runs)]
+
+
 def _metric_columns(runs: pd.DataFrame) -> list[str]:
     return [c for c in runs.columns if c.startswith("metric.")]
 
@@ -35,13 +45,15 @@ def metric_summary(runs: pd.DataFrame) -> pd.DataFrame:
     """One row per (model, mode, metric): mean and std over the seeds that finished, and how many diverged."""
     rows = []
     for keys, group in runs.groupby([*CELL_KEYS, *MODE_KEYS], dropna=False, sort=False):
-        ok = group[group.status == "ok"]
+        ok = results(group)
         base = dict(zip([*CELL_KEYS, *MODE_KEYS], keys))
         base.update(
             runs=len(group),
             ok=len(ok),
             diverged=int((group.status == "diverged").sum()),
-            failed=int(group.status.isin(["error", "oom", "running", "preempted"]).sum()),  # not finished: no result
+            # Not finished, no result: error, oom, preempted, running, died, unknown.
+            failed=int((~group.status.isin(["ok", "diverged"])).sum()),
+            skipped_every_step=int(skipped_every_step(group).sum()),
             primary=group.primary_metric.iloc[0],
             precision_order=group.precision_order.iloc[0],
             scale_order=group.scale_order.iloc[0],
@@ -63,7 +75,8 @@ def metric_summary(runs: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=SUMMARY_COLUMNS)
 
 
-SUMMARY_COLUMNS = [*CELL_KEYS, *MODE_KEYS, "runs", "ok", "diverged", "failed", "primary", "precision_order", "scale_order", "metric", "n", "mean", "std"]
+SUMMARY_COLUMNS = [*CELL_KEYS, *MODE_KEYS, "runs", "ok", "diverged", "failed", "skipped_every_step"]
+SUMMARY_COLUMNS += ["primary", "precision_order", "scale_order", "metric", "n", "mean", "std"]
 
 
 def accuracy(runs: pd.DataFrame) -> pd.DataFrame:
@@ -82,8 +95,11 @@ def _fmt_metric(metric: str, value: float) -> str:
 
 
 def accuracy_cell(row) -> str:
+    skipped = int(row.get("skipped_every_step", 0) or 0)  # summaries built before the column have none
+    every = f"{skipped} skipped every step"
     if row.n == 0:
-        return "diverged" if row.diverged else ("failed" if row.failed else "n/a")
+        word = "diverged" if row.diverged else "skipped every step" if skipped else "failed" if row.failed else "n/a"
+        return word + (f" ({every})" if skipped and row.diverged else "")
     text = _fmt_metric(row.metric, row["mean"])
     if row.n > 1:
         text += " ± " + _fmt_metric(row.metric, row["std"])
@@ -92,26 +108,28 @@ def accuracy_cell(row) -> str:
         notes.append(f"{row.n} of {row.runs} seeds")
     if row.diverged:
         notes.append(f"{row.diverged} diverged")
+    if skipped:
+        notes.append(every)
     return text + (f" ({', '.join(notes)})" if notes else "")
 
 
 def throughput(runs: pd.DataFrame) -> pd.DataFrame:
     """Median samples/s per (setup, mode) of the runs that finished, and the speedup over `fp32`
     without scaling in the same setup."""
-    finished = runs[runs.status == "ok"].dropna(subset=["throughput"])
+    finished = results(runs).dropna(subset=["throughput"])
     return _relative_to_fp32(finished, "throughput", "speedup_vs_fp32", extra=["throughput_unit"])
 
 
 def memory(runs: pd.DataFrame, column: str = "peak_memory_bytes") -> pd.DataFrame:
     """Median peak memory per (setup, mode), and its ratio to `fp32`'s; `column`: the run's peak or
     its steady-state one."""
-    finished = runs[runs.status == "ok"].dropna(subset=[column])
+    finished = results(runs).dropna(subset=[column])
     return _relative_to_fp32(finished, column, "ratio_to_fp32", extra=["memory_kind"])
 
 
 def mfu(runs: pd.DataFrame) -> pd.DataFrame:
     """Median MFU per (setup, mode), with the model FLOPs per sample and the math the peak is for."""
-    finished = runs[runs.status == "ok"].dropna(subset=["mfu"]) if "mfu" in runs else runs.iloc[0:0]
+    finished = results(runs).dropna(subset=["mfu"]) if "mfu" in runs else runs.iloc[0:0]
     if finished.empty:
         return pd.DataFrame()
     keys = [k for k in SAME_SETUP if k in finished.columns]
@@ -168,6 +186,7 @@ def loss_scaling(runs: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for keys, group in scaled.groupby([*CELL_KEYS, *MODE_KEYS, "precision_order", "scale_order"], dropna=False, sort=False):
         for net in groups:
+            skipped, steps = group[f"loss_scale.{net}.skipped_steps"], group[f"loss_scale.{net}.steps"]
             rows.append(
                 {
                     **dict(zip([*CELL_KEYS, *MODE_KEYS, "precision_order", "scale_order"], keys)),
@@ -175,8 +194,9 @@ def loss_scaling(runs: pd.DataFrame) -> pd.DataFrame:
                     "runs": len(group),
                     "final_scale": group[f"loss_scale.{net}.final"].median(),
                     "min_scale": group[f"loss_scale.{net}.min"].min(),
-                    "skipped_steps": group[f"loss_scale.{net}.skipped_steps"].mean(),
-                    "steps": group[f"loss_scale.{net}.steps"].mean(),
+                    "skipped_steps": skipped.mean(),
+                    "steps": steps.mean(),
+                    "skipped_every_step": int(((steps > 0) & (skipped == steps)).sum()),
                 }
             )
     return pd.DataFrame(rows)
@@ -273,6 +293,7 @@ def paper_comparison(runs: pd.DataFrame, published: pd.DataFrame) -> pd.DataFram
                     "ours_std": m.std * factor,
                     "ours_seeds": m.n,
                     "ours_diverged": m.diverged,
+                    "ours_skipped_every_step": m.skipped_every_step,
                     "ours_runs": m.runs,
                 }
             )
@@ -394,7 +415,11 @@ def render_loss_scaling(table: pd.DataFrame) -> str:
     out = table[[*CELL_KEYS, "mode", "network", "runs", "final_scale", "min_scale", "skipped_steps", "steps"]].copy()
     for col in ["final_scale", "min_scale"]:
         out[col] = out[col].map(lambda v: f"{v:g}")
-    out["skipped_steps"] = [f"{s:g} of {n:g}" for s, n in zip(out.skipped_steps, out.steps)]
+    every = table.get("skipped_every_step", pd.Series(0, index=table.index))
+    out["skipped_steps"] = [
+        f"{s:g} of {n:g}" + ("" if not k else " (every step)" if k == r else f" (every step in {k:g} of {r:g} runs)")
+        for s, n, k, r in zip(out.skipped_steps, out.steps, every, out.runs)
+    ]
     return _md(out.drop(columns="steps"))
 
 
@@ -439,7 +464,8 @@ def render_paper(table: pd.DataFrame) -> str:
         if "ours_runs" not in out or pd.isna(getattr(r, "ours_runs", math.nan)):
             cells.append("not run")
         elif r.ours_seeds == 0:
-            cells.append("diverged" if r.ours_diverged else "failed")
+            skipped = getattr(r, "ours_skipped_every_step", 0)
+            cells.append("diverged" if r.ours_diverged else "skipped every step" if skipped else "failed")
         else:
             cells.append(f"{r.ours:.2f}" + (f" ± {r.ours_std:.2f}" if r.ours_seeds > 1 else "") + f" (n={r.ours_seeds:g})")
     out["ours"] = cells
