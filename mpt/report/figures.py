@@ -8,6 +8,7 @@ import math
 import re
 import sys
 from pathlib import Path
+from typing import cast
 
 import matplotlib
 
@@ -17,7 +18,7 @@ import pandas as pd  # noqa: E402
 
 from ..files import write_atomic  # noqa: E402
 from ..precision.atlas import overflow_threshold  # noqa: E402
-from ..precision.formats import BlockFormat, get_format  # noqa: E402
+from ..precision.formats import BlockFormat, FloatFormat, get_format  # noqa: E402
 from ..runner import identity  # noqa: E402
 from ..runner.record import RunRecord  # noqa: E402
 from .output import UnsafeName, target  # noqa: E402
@@ -80,7 +81,7 @@ def _lines(df: pd.DataFrame):
 
 def loss_curves(curves: pd.DataFrame, out: Path) -> list[Path]:
     """Training loss against step for each model, one line per mode and network (mean over seeds)."""
-    written = []
+    written: list[Path] = []
     if curves.empty:
         return written
     for keys, df in curves.groupby(CELL_KEYS):
@@ -101,7 +102,7 @@ def loss_curves(curves: pd.DataFrame, out: Path) -> list[Path]:
 
 def loss_scale_curves(curves: pd.DataFrame, out: Path) -> list[Path]:
     """The loss scale each step ran with, for each model, one line per mode with a scaler (and network)."""
-    written = []
+    written: list[Path] = []
     if curves.empty:
         return written
     scaled = curves[curves["scale_strategy"] != "none"]
@@ -122,7 +123,7 @@ def loss_scale_curves(curves: pd.DataFrame, out: Path) -> list[Path]:
 def throughput_bars(table: pd.DataFrame, out: Path) -> list[Path]:
     """Samples/s per model and mode, each bar labelled with its speedup over fp32: one figure per
     device, data, schedule, variant, batch size and resolution, since bars are only comparable within one."""
-    written = []
+    written: list[Path] = []
     if table.empty:
         return written
     setup = ["device_name", "data", "schedule", "variant", "config.schedule.batch_size", "config.schedule.image_size"]
@@ -153,7 +154,7 @@ def throughput_bars(table: pd.DataFrame, out: Path) -> list[Path]:
 def sample_grids(runs: pd.DataFrame, out: Path) -> list[Path]:
     """The final sample grids, modes side by side (as the paper shows its FP32 and mixed-precision
     faces) and one row per seed, one figure per model: one seed's faces can flatter a mode."""
-    written = []
+    written: list[Path] = []
     if "final_sample_grid" not in runs or runs["final_sample_grid"].isna().all():
         return written
     shown = runs[runs["final_sample_grid"].notna()].fillna({"variant": ""})
@@ -192,7 +193,7 @@ FP16_RANGES = ("FP16", FP16_LOST_EXP, FP16_NORMAL_EXP, FP16_MAX_LOG2, "65520")
 def format_ranges(name: str) -> tuple[str, int, int, float, str]:
     """A scalar format's ranges on the log2 axis: below `lost` a value becomes 0, from `normal` it
     is normal, from 2^overflow it overflows (precision/atlas.py's thresholds)."""
-    fmt = get_format(name)
+    fmt = cast(FloatFormat, get_format(name))  # the callers pass scalar formats only
     threshold, _ = overflow_threshold(fmt)
     return name, fmt.emin - fmt.man_bits - 1, fmt.emin, math.log2(threshold), f"{threshold:g}"
 
@@ -253,7 +254,7 @@ def gradient_histograms(runs: pd.DataFrame, out: Path) -> list[Path]:
     log2|g| against FP16's range (activation gradients: the paper's Figure 3; weight gradients:
     Figure 2b) and beside it the same values multiplied by the recommended power-of-two scale
     (the largest safe one when none keeps the stated share)."""
-    written = []
+    written: list[Path] = []
     if "grad_sampled_steps" not in runs:
         return written
     for _, run in runs[runs["grad_sampled_steps"].notna()].fillna({"variant": ""}).iterrows():
@@ -294,7 +295,7 @@ def lost_update_curves(runs: pd.DataFrame, curves: pd.DataFrame, out: Path) -> l
     The learning rate comes from the training log (`curves`), not from the record's sampled steps:
     older records label a sampled step just before a drop with the lr after it (the collector read
     it after the step's update had advanced the schedule)."""
-    written = []
+    written: list[Path] = []
     counted = [c for c in runs.columns if c.startswith("lost.") and c.endswith(".updated")]
     if not counted:
         return written
@@ -350,7 +351,7 @@ def gradient_histograms_over_training(runs: pd.DataFrame, out: Path) -> list[Pat
     of one sampled step's gradients at the start, middle and end of training, side by side on one
     axis (the paper's Figure 3 is one moment; where the values move as training goes on shows
     whether one loss scale serves a whole run)."""
-    written = []
+    written: list[Path] = []
     for _, run in _lowest_seed_with_stats(runs).iterrows():
         stats, title, cell = _grad_stats_of(run)
         for net, kinds in (stats.get("networks") or {}).items():
@@ -387,7 +388,7 @@ def atlas_heatmaps(rows: pd.DataFrame, out: Path, worst: int = 3) -> list[Path]:
     """For each mode's lowest seed with an atlas, each network and format: layers down, roles
     across, each cell the share of its non-zero values the format loses as they are (underflow to
     zero or overflow), on one 0-100% scale for every format; the `worst` cells are named."""
-    written = []
+    written: list[Path] = []
     if rows.empty:
         return written
     layers = rows[rows.layer != "(total)"].fillna({"variant": ""})
@@ -418,7 +419,7 @@ def atlas_histograms(runs: pd.DataFrame, out: Path) -> list[Path]:
     """For each mode's lowest seed with an atlas, each network and role: the histogram of log2|v|
     over the sampled steps, one panel per scalar format with that format's ranges shaded (block
     formats have no fixed range: their scale moves with each block)."""
-    written = []
+    written: list[Path] = []
     for _, run in _lowest_seed_with_stats(runs).iterrows():
         stats, title, cell = _grad_stats_of(run)
         atlas = stats.get("atlas") or {}
