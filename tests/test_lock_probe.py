@@ -35,7 +35,8 @@ def hold(run_dir: Path) -> subprocess.Popen:
 def probe_elsewhere(run_dir: Path) -> str:
     """held() as another process sees it."""
     code = "import sys; from pathlib import Path; from mpt.runner.run_lock import held; print(held(Path(sys.argv[1])))"
-    return subprocess.run([sys.executable, "-c", code, str(run_dir)], capture_output=True, text=True, check=True).stdout.strip()
+    done = subprocess.run([sys.executable, "-c", code, str(run_dir)], capture_output=True, text=True, check=True)
+    return done.stdout.strip()
 
 
 @pytest.mark.parametrize("platform", ["linux", "other"])
