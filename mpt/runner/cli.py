@@ -87,8 +87,9 @@ def explain_skips(s: dict) -> str:
     if not s["skipped_steps"] or initial is None:
         return ""
     if initial == s["steps"]:  # no step fitted: nothing was found, whatever the scale did
-        tried = f"from {s['initial']:g} down to {s['min']:g}" if s["min"] < s["initial"] else f"at {s['initial']:g}"
-        return f": every one; the gradients never fit FP16 at the scales tried ({tried})"
+        if s["min"] < s["initial"]:  # min counts the scale the next step would use: the scale fell to it
+            return f": every one; the gradients never fit FP16, the scale falling from {s['initial']:g} to {s['min']:g}"
+        return f": every one; the gradients never fit FP16 at {s['initial']:g}"
     later = s["skipped_steps"] - initial
     falls = s["min"] < s["initial"]
     how = f"the scale falling from {s['initial']:g} until the gradients fit FP16" if falls else "until the gradients fit FP16 at this scale"

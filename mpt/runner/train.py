@@ -549,7 +549,7 @@ class Run:
                 how = (
                     f"at the static scale {s['final']:g}; lower scale.value"
                     if self.cfg.scale.name == "static"
-                    else f"at every scale from {s['initial']:g} to {s['min']:g}"
+                    else f"at every scale it tried, {s['initial']:g} down to {min(engine.scaler.history.scales):g}"
                 )
                 raise Diverged(f"{who}skipped every one of its {s['steps']} steps: the gradients overflowed FP16 {how}", step=self.step)
 
