@@ -104,7 +104,8 @@ def test_relaunching_a_sweep_skips_finished_runs_and_force_reruns(swept):
                 f"hydra.sweep.dir={swept}", cwd=ROOT)  # fmt: skip
     assert "already has a record with status diverged; skipped" in r.stdout
     assert {p: p.stat().st_mtime_ns for p in swept.glob("*/result.json")} == before
-    diverged = next(p.parent for p in swept.glob("*/result.json") if json.loads(p.read_text())["status"] == "diverged")
+    diverged = next(swept.glob("resnet50_fp32_none_synthetic_smoke_cpu_seed0__lr-*"))  # logged every step
+    assert json.loads((diverged / "result.json").read_text())["status"] == "diverged"
     assert "log_every: 1\n" in (diverged / ".hydra" / "config.yaml").read_text()  # not the relaunch's 3
 
 
