@@ -12,6 +12,7 @@ A checkpoint is never deleted without being asked: one that will not be resumed 
 
 from __future__ import annotations
 
+import importlib
 import pickle
 import random
 import re
@@ -31,7 +32,7 @@ REQUIRED = {"config": dict, "step": int, "engines": dict, "rng": dict, "data": d
 # Older checkpoints kept numpy's RNG state as an ndarray of uint32: these rebuild exactly that, and
 # name no callable beyond numpy's own array constructor.
 _NUMPY_GLOBALS = [
-    np._core.multiarray._reconstruct,  # type: ignore[attr-defined]  # numpy 2's stubs hide _core
+    importlib.import_module("numpy._core.multiarray" if hasattr(np, "_core") else "numpy.core.multiarray")._reconstruct,  # numpy 1: core
     np.ndarray,
     np.dtype,
     type(np.dtype(np.uint32)),
