@@ -251,18 +251,23 @@ def longer_schedule(tmp: Path, reference: Path) -> dict:
     rec = record(run_dir)
     same = [(row["step"], row["loss"]) for row in train_rows(run_dir)] == [(row["step"], row["loss"]) for row in train_rows(whole)]
     other = cli(run_dir, "schedule.steps=60", "optim.lr=0.05")
-    return {"exit_code": r.returncode, "status": rec.get("status"), "steps": rec.get("steps"), "said": [line for line in r.stdout.splitlines() if "resuming" in line],
+    return {"exit_code": r.returncode, "status": rec.get("status"), "steps": rec.get("steps"), "said": [line for line in r.stdout.splitlines() if line.startswith("mpt-run: resuming")],
             "segments": [(s["from_step"], s["to_step"], s["total_steps"]) for s in rec.get("segments") or []], "log_equals_uninterrupted_60_step_run": same,
             "another_lr": {"exit_code": other.returncode, "said": [line for line in other.stdout.splitlines() if "aside" in line], "after": state(run_dir)}}  # fmt: skip
 
 
 def ctrl_c_twice(tmp: Path) -> dict:
     run_dir = tmp / "sigint_twice"
-    proc = subprocess.Popen(command(run_dir), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(command(run_dir), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     wait_for_steps(proc, run_dir, 12)
     proc.send_signal(signal.SIGINT)
+    assert proc.stderr is not None
+    first = [proc.stderr.readline()]  # the first one noted (two pending SIGINTs would merge into one)
+    while "SIGINT received" not in first[-1] and first[-1]:
+        first.append(proc.stderr.readline())
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=600)
+    _, rest = proc.communicate(timeout=600)
+    err = "".join(first) + rest
     return {"exit_code": proc.returncode, "after": state(run_dir), "stderr_tail": err.strip().splitlines()[-2:], "traceback": "Traceback" in err}
 
 
