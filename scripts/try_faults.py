@@ -102,11 +102,13 @@ def interrupted(tmp: Path, reference: Path, sig: signal.Signals) -> dict:
 
 def second_launch(tmp: Path) -> dict:
     run_dir = tmp / "twice"
-    first = subprocess.Popen(command(run_dir), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # 400 steps: on a fast CPU the 40 of the others end before a second process has imported torch,
+    # and the second launch would find a finished run instead of a running one.
+    first = subprocess.Popen(command(run_dir, "schedule.steps=400"), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for_steps(first, run_dir, 3)
     files_before = sorted(p.name for p in run_dir.iterdir())
     hydra_files = {p.name: p.stat().st_mtime_ns for p in (run_dir / ".hydra").iterdir()}
-    second = cli(run_dir)
+    second = cli(run_dir, "schedule.steps=400")  # the same command
     hydra_untouched = hydra_files == {p.name: p.stat().st_mtime_ns for p in (run_dir / ".hydra").iterdir()}
     out, err = first.communicate(timeout=600)
     return {"second_exit_code": second.returncode, "second_said": second.stderr.strip().splitlines(), "first_exit_code": first.returncode,
