@@ -60,7 +60,10 @@ def catching() -> Iterator[None]:
         yield
         return
     for sig in signals():
-        _previous[sig] = signal.signal(sig, _note)
+        # An ignored signal stays ignored: a job started in the background of a script inherits an
+        # ignored SIGINT, and its parent's Ctrl-C is not meant for it.
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            _previous[sig] = signal.signal(sig, _note)
     try:
         yield
     finally:

@@ -369,3 +369,18 @@ def test_a_relaunch_that_cannot_write_its_folder_says_so_in_one_line(tmp_path):
     (line,) = r.stderr.strip().splitlines()
     assert line.startswith(f"mpt-run: error: could not write {tmp_path / '.lock'}: ") and line.endswith("; the run folder's files are as they were")
     assert (tmp_path / "result.json").read_bytes() == before
+
+
+def test_an_ignored_sigint_stays_ignored_while_a_run_trains(signals):
+    """A job started in the background of a script inherits an ignored SIGINT: the parent's Ctrl-C
+    is not meant for it, and catching must not turn it into a preemption."""
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with preemption.catching():
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) is preemption._note  # the others are still caught
+            signal.raise_signal(signal.SIGINT)
+            assert preemption.requested() is None
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)

@@ -239,6 +239,35 @@ def test_a_longer_schedule_resumes_and_extends_the_run_as_if_it_had_been_that_lo
     assert build_run(short, *args, "schedule.steps=4").step == 0 and len(stale_checkpoints(short)) == 1
 
 
+def test_a_schedule_ending_at_the_checkpoint_or_counted_in_epochs_does_not_resume_it(tmp_path, in_process, capsys):
+    args = [TINY, "schedule=smoke", "schedule.checkpoint_every=2"]
+    job = build_run(tmp_path, *args, "schedule.steps=6")
+    stop_at(job, 5)
+    with pytest.raises(Killed):
+        job.execute()
+    # Ends exactly at the checkpoint: nothing of it to run, not even its last evaluation.
+    assert build_run(tmp_path, *args, "schedule.steps=4").step == 0 and len(stale_checkpoints(tmp_path)) == 1
+    assert "the checkpoint is at step 4, not before this schedule's end at step 4" in capsys.readouterr().out
+    assert build_run(tmp_path, *args, "schedule.steps=4").execute().status == "ok"
+    # Counted in epochs, its milestones and evaluations would count in another unit.
+    assert build_run(tmp_path, *args, "schedule.steps=null", "schedule.epochs=2").step == 0 and len(stale_checkpoints(tmp_path)) == 2
+    assert "different config (schedule.steps, schedule.epochs)" in capsys.readouterr().out
+
+
+def test_a_resumed_launch_killed_before_its_own_checkpoint_leaves_a_record_naming_the_one_it_resumed(tmp_path, in_process):
+    args = [TINY, "schedule=smoke", "schedule.steps=8", "schedule.checkpoint_every=4"]
+    first = build_run(tmp_path, *args)
+    stop_at(first, 5)
+    with pytest.raises(Killed):
+        first.execute()
+    second = build_run(tmp_path, *args)
+    stop_at(second, 6)
+    with pytest.raises(Killed):
+        second.execute()
+    rec = read_record(tmp_path)
+    assert rec["status"] == "running" and rec["steps"] == rec["checkpoint_step"] == 4 and rec["samples"] == 4 * 4
+
+
 def test_a_run_resumes_across_a_commit_and_an_uncommitted_change_naming_both(tmp_path, in_process, monkeypatch, capsys):
     from mpt.runner import train
 
@@ -340,7 +369,7 @@ def test_a_planted_checkpoint_is_refused_in_one_line_with_nothing_run(tmp_path):
     assert r.returncode == 1 and not marker.exists()
     path = run_dir / checkpoint.FILENAME
     line = f"mpt-run: error: UnsafeCheckpoint: {path} would call posix.system when read, which no mpt checkpoint does: refused, nothing in it was run"
-    assert r.stderr.strip().splitlines()[-1].startswith(line)
+    assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith(line) and "Traceback" not in r.stdout
     assert read_record(run_dir)["status"] == "error" and path.exists()  # kept, for whoever looks into it
 
 

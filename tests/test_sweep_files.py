@@ -23,9 +23,10 @@ def test_each_launch_writes_its_own_config(tmp_path):
 
 def test_launches_within_one_millisecond_get_distinct_names(tmp_path):
     now = datetime(2025, 3, 4, 5, 6, 7, 890123, tzinfo=timezone.utc)
-    names = [launch_file(tmp_path, now).name for _ in range(3)]
+    names = [launch_file(tmp_path, now).name for _ in range(11)]
     stamp = "multirun-2025-03-04T05-06-07.890Z"
-    assert names == [f"{stamp}.yaml", f"{stamp}-2.yaml", f"{stamp}-3.yaml"]
+    assert names[:3] == [f"{stamp}.yaml", f"{stamp}_002.yaml", f"{stamp}_003.yaml"]
+    assert sorted(names) == names  # in the order the launches came, the tenth and eleventh too
 
 
 def test_the_config_registers_the_callback():

@@ -22,6 +22,7 @@ from ..config import GROUPS, ConfigError, as_plain, register_configs
 from ..distributed import from_env, leave, teardown
 from ..files import remove_stale_temporaries, write_text_atomic
 from . import identity
+from .checkpoint import CorruptCheckpoint
 from .record import RecordError, RunRecord
 from .run_lock import AlreadyRunning, RunLock
 
@@ -224,7 +225,10 @@ def _run_locked(cfg: DictConfig, run_dir: Path, multirun: bool, owner: bool) -> 
             return "invalid", False
         sys.exit(2)
     except Exception as e:  # setting up failed (out of memory moving the model, an unreadable checkpoint): still a record
-        log.exception("setting up the run failed")
+        if isinstance(e, CorruptCheckpoint):  # a file to look into, not a bug: its one line says all
+            log.error("setting up the run failed: %s", e)
+        else:
+            log.exception("setting up the run failed")
         status, message = failure(e, cfg.schedule.batch_size)
         rec = RunRecord.partial(status, message, str(run_dir), {g: cfg[g].name for g in GROUPS}, cfg.seed, as_plain(cfg))
         if from_env().is_main:  # the lock's holder
@@ -377,6 +381,9 @@ def main() -> None:
         return
     try:
         launch()
+    except KeyboardInterrupt:  # Ctrl-C twice: this rank stops at once, and torchrun the others
+        print("mpt-run: interrupted (SIGINT)", file=sys.stderr, flush=True)
+        leave(128 + 2)
     except SystemExit as e:  # a failed rank (no teardown: its peers may be stuck waiting for it), or a preempted one
         if isinstance(e.code, str):
             print(e.code, file=sys.stderr)

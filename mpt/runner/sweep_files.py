@@ -26,11 +26,12 @@ from ..files import write_text_atomic
 def launch_file(folder: Path, now: datetime | None = None) -> Path:
     """A new `multirun-<UTC time>.yaml` in `folder`, made (empty) so that no other launch takes
     its name. Milliseconds, so that names sort as the launches came; a launch within the same
-    millisecond as another gets `-2`, `-3`, ..."""
+    millisecond as another gets `_002`, `_003`, ...: `_` and zero-padding sort after the first
+    name's `.yaml` and in order, where `-2` would sort before it."""
     now = now or datetime.now(timezone.utc)
     stamp = f"{now:%Y-%m-%dT%H-%M-%S}.{now.microsecond // 1000:03d}Z"  # no colons: Windows and SMB shares
     for n in range(1, 1000):
-        path = folder / f"multirun-{stamp}{'' if n == 1 else f'-{n}'}.yaml"
+        path = folder / f"multirun-{stamp}{'' if n == 1 else f'_{n:03d}'}.yaml"
         try:
             os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
         except FileExistsError:

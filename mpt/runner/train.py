@@ -122,8 +122,11 @@ class Run:
         torch.backends.cudnn.benchmark = cfg.cudnn_benchmark and not cfg.deterministic
         self.fp32_math = set_fp32_math(cfg.precision.tf32)
 
-        may_resume = cfg.resume and not cfg.force and cfg.checkpoint and (run_dir / checkpoint.FILENAME).is_file()
-        self.data = build_data(cfg, self.device, workdir=run_dir, resuming=may_resume, shard=self.dist)
+        self._data_fingerprint: str | None = None  # of data.root, read once (by rank 0), when first needed
+        # Before the data: a source that makes files in the run folder (a tokenizer) reuses them only
+        # for a checkpoint it continues.
+        saved = self._checkpoint_to_resume()
+        self.data = build_data(cfg, self.device, workdir=run_dir, resuming=saved is not None, shard=self.dist)
         self.task = build_task(cfg, self.data.info, shard=self.dist)
         s = cfg.schedule
         per_epoch = self.data.steps_per_epoch
@@ -168,8 +171,7 @@ class Run:
         self.checkpointed_at: int | None = None
         self.peers_preempted = False  # under torchrun: a rank got a preemption signal (as of the last flush)
         self.record = self._initial_record()
-        self._data_fingerprint: str | None = None  # of data.root, read once, when first saved
-        saved = self._checkpoint_to_resume()
+        saved = self._within_schedule(saved)
         # Rank 0 writes everything; the other ranks compute the same log rows and drop them.
         self.metrics = MetricsLog(run_dir / "metrics.jsonl", keep_before_step=saved["step"] if saved else None) if self.dist.is_main else NullLog()
         if saved is not None:
@@ -184,43 +186,62 @@ class Run:
         """The folder's checkpoint if this run continues it. One it does not continue is moved aside
         (`checkpoint.pt.stale-<UTC time>`), so no later launch resumes it and no progress is lost;
         only force=true discards it. An unreadable or unsafe one raises: the run ends `error` and the
-        file stays where it is."""
+        file stays where it is. Under torchrun rank 0 decides, and the others read the file only
+        after it has (a rank reading while rank 0 moves it aside would fail)."""
+        saved = self._decide_on_checkpoint() if self.dist.is_main else None
+        if self.dist.any(saved is not None, self.device) and not self.dist.is_main:
+            saved = checkpoint.load(self.run_dir)
+        return saved
+
+    def _decide_on_checkpoint(self) -> dict | None:
         cfg, path = self.cfg, self.run_dir / checkpoint.FILENAME
         if not path.is_file():
             return None
         if cfg.force:
-            if self.dist.is_main:
-                path.unlink()
-                print(f"mpt-run: force=true: discarded {path}; starting over", flush=True)
+            path.unlink()
+            print(f"mpt-run: force=true: discarded {path}; starting over", flush=True)
             return None
         why = "resume=false" if not cfg.resume else "checkpoint=false" if not cfg.checkpoint else None
-        saved = None
         if why is None:
             saved = checkpoint.load(self.run_dir)
             assert saved is not None  # the file is there (is_file above)
             why = self._why_not_resumable(saved)
-        if why is None:
-            return saved
-        if self.dist.is_main:
-            aside = checkpoint.set_aside(self.run_dir)
-            print(f"mpt-run: {why}: moved the checkpoint aside to {aside.name if aside else '(gone)'}; starting over", flush=True)
+            if why is None:
+                return saved
+        self._set_aside(why)
         return None
 
+    def _set_aside(self, why: str) -> None:
+        aside = checkpoint.set_aside(self.run_dir)
+        print(f"mpt-run: {why}: moved the checkpoint aside to {aside.name if aside else '(gone)'}; starting over", flush=True)
+
     def _why_not_resumable(self, saved: dict) -> str | None:
-        """None if `saved` continues this run's computation. A longer or shorter schedule continues it
-        (up to the new end), as does a data.root moved to a copy of the same files."""
-        current = self.record.config
-        assert current is not None  # the initial record's
+        """None if `saved` continues this run's computation. A longer or shorter schedule in the same
+        unit continues it (steps for steps, epochs for epochs: milestones count in that unit), as does
+        a data.root moved to a copy of the same files."""
+        current = as_plain(self.cfg)
         differ = identity.differences(saved["config"], current)
         if "data.root" in differ and self._same_data(saved):
             differ.remove("data.root")
-        extends = [k for k in differ if k in identity.LENGTH]
-        if extends and saved["step"] > self.total_steps:
-            return f"the checkpoint is at step {saved['step']}, past this schedule's end at step {self.total_steps}"
-        others = [k for k in differ if k not in identity.LENGTH]
+        saved_in_steps = (saved["config"].get("schedule") or {}).get("steps") is not None
+        same_unit = saved_in_steps == (self.cfg.schedule.steps is not None)
+        others = [k for k in differ if k not in identity.LENGTH or not same_unit]
         if others:
             shown = ", ".join(others[:4]) + (f" and {len(others) - 4} more" if len(others) > 4 else "")
             return f"the checkpoint is of a different config ({shown})"
+        return None
+
+    def _within_schedule(self, saved: dict | None) -> dict | None:
+        """`saved`, unless this run's schedule is another length and ends at or before its step: then
+        there is nothing of the new schedule left to run from it (not even its last evaluation), and
+        it is moved aside. Every rank reaches the same answer; rank 0 moves it once all have read it."""
+        if saved is None or saved["step"] < self.total_steps:
+            return saved
+        if not [k for k in identity.differences(saved["config"], as_plain(self.cfg)) if k in identity.LENGTH]:
+            return saved  # the same schedule, ended (its record was not written): nothing to redo
+        self.dist.barrier()
+        if self.dist.is_main:
+            self._set_aside(f"the checkpoint is at step {saved['step']}, not before this schedule's end at step {self.total_steps}")
         return None
 
     def _same_data(self, saved: dict) -> bool:
@@ -262,7 +283,7 @@ class Run:
             "nondeterministic_ops": self.record.nondeterministic_ops,
             "git": self.record.git,
             "segments": self.record.segments,
-            "data_fingerprint": self.data_fingerprint(),
+            "data_fingerprint": self.data_fingerprint() if self.dist.is_main else None,  # only rank 0's is saved
             "throughput": self.meter.state_dict(),
             "memory": {k: int(self.dist.largest(v, self.device)) for k, v in self.peaks.state_dict().items()},
             "grad_stats": self.grad_stats.state_dict(),
@@ -275,6 +296,9 @@ class Run:
             engine.load_state_dict(saved["engines"][name])
         self.data.load_state_dict(saved["data"])
         self.step, self.samples_before_resume = saved["step"], saved["samples"]
+        # Until this launch writes one, the checkpoint it resumed is what a relaunch would resume.
+        self.checkpointed_at = self.record.checkpoint_step = self.record.steps = saved["step"]
+        self.record.samples = saved["samples"]
         self.epoch, self.batch_in_epoch = saved["epoch"], saved["batch_in_epoch"]
         self.last_loss, self.last_finite_loss = saved["last_loss"], saved["last_finite_loss"]
         self.record.metrics = saved["metrics"]
