@@ -107,13 +107,14 @@ def test_auto_and_dynamic_on_the_same_run_and_in_the_report(tmp_path):
         "checkpoint=false",
         f"hydra.sweep.dir={tmp_path}/runs",
     ]
-    for scale in (["scale=dynamic", "scale.init=16777216"], ["scale=auto"]):
+    # dynamic from GradScaler's 65536 fits at its 7th step; from 2**24 all 8 were skipped, a run that trained nothing
+    for scale in (["scale=dynamic"], ["scale=auto"]):
         r = mpt_run("-m", *common, *scale, cwd=ROOT)
         assert r.returncode == 0, r.stderr[-2000:]
     recs = {rec["choices"]["scale"]: rec for rec in map(read_record, (p.parent for p in (tmp_path / "runs").rglob("result.json")))}
     assert recs["dynamic"]["status"] == recs["auto"]["status"] == "ok"
     for net in ("generator", "discriminator"):
-        assert recs["dynamic"]["loss_scale"][net]["skipped_steps"] >= 3
+        assert 3 <= recs["dynamic"]["loss_scale"][net]["skipped_steps"] < recs["dynamic"]["steps"]
         assert recs["auto"]["loss_scale"][net]["skipped_steps"] <= 1
         assert recs["auto"]["loss_scale"][net]["final"] >= 256
     build_report([tmp_path / "runs"], tmp_path / "report", None)
