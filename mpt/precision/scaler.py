@@ -69,6 +69,17 @@ class LossScaler:
     def summary(self) -> dict:
         return self.history.summary(self.scale)
 
+    def untrained(self) -> str | None:
+        """Why a run that ended now trained nothing: every one of its steps was skipped. None where
+        a step was applied (or none was taken)."""
+        h = self.history
+        if not h.overflows or not all(h.overflows):
+            return None
+        return f"skipped every one of its {len(h.overflows)} steps: the gradients overflowed FP16 {self._scales_tried()}"
+
+    def _scales_tried(self) -> str:
+        return f"at every scale it tried, {self.history.scales[0]:g} down to {min(self.history.scales):g}"
+
     def full_state_dict(self) -> dict:
         return {**self.state_dict(), "history": {"scales": list(self.history.scales), "overflows": list(self.history.overflows)}}
 
@@ -87,23 +98,21 @@ class StaticScaler(LossScaler):
     def __init__(self, scale: float, max_consecutive_skips: int = 100):
         super().__init__(scale)
         self.max_consecutive_skips = int(max_consecutive_skips)
-        self.consecutive_skips = 0
 
     def update(self, overflow: bool, grad_max: float | None = None) -> None:
         super().update(overflow)
-        self.consecutive_skips = self.consecutive_skips + 1 if overflow else 0
-        if self.consecutive_skips >= self.max_consecutive_skips:
+        # The skips in a row, read off the history (which a checkpoint keeps): it stops at the first
+        # applied step from the end, so it never reads more than the limit.
+        overflows = self.history.overflows
+        in_a_row = next((i for i, o in enumerate(reversed(overflows)) if not o), len(overflows))
+        if in_a_row >= self.max_consecutive_skips:
             raise Diverged(
-                f"static scale {self.scale:g} overflowed every step for {self.consecutive_skips} steps; lower scale.value "
+                f"static scale {self.scale:g} overflowed every step for {in_a_row} steps; lower scale.value "
                 f"(scale.max_consecutive_skips={self.max_consecutive_skips})"
             )
 
-    def state_dict(self) -> dict:
-        return {"scale": self.scale, "consecutive_skips": self.consecutive_skips}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.scale = float(state["scale"])
-        self.consecutive_skips = int(state.get("consecutive_skips", 0))  # older checkpoints did not count them
+    def _scales_tried(self) -> str:
+        return f"at the static scale {self.scale:g}; lower scale.value"
 
 
 class DynamicScaler(LossScaler):

@@ -95,7 +95,7 @@ def _diff(old: Any, new: Any, path: str = "") -> list[str]:
 def same_computation(saved: dict, current: dict) -> bool:
     """Whether a config saved by a record or checkpoint (maybe by an older version) computes what
     `current` does."""
-    return computational(_with_missing_keys(_without_other_sources(_renamed(saved), current), current)) == computational(current)
+    return not differences(saved, current)
 
 
 def _renamed(saved: dict) -> dict:

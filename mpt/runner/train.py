@@ -406,6 +406,7 @@ class Run:
 
     def _initial_record(self) -> RunRecord:
         cfg = self.cfg
+        code = code_identity()
         plain = as_plain(cfg)
         return RunRecord(
             status="running",
@@ -459,8 +460,8 @@ class Run:
             evaluation=self.task.evaluation_info,
             sample_grids=[] if self.task.saves_samples else None,
             environment=environment(self.device),
-            git=code_identity(),
-            segments=[{"from_step": 0, "to_step": 0, "total_steps": self.total_steps, "git": code_identity()}],
+            git=code,
+            segments=[{"from_step": 0, "to_step": 0, "total_steps": self.total_steps, "git": dict(code)}],
             started_at=now_iso(),
             nondeterministic_ops=[] if cfg.deterministic else None,
         )
@@ -567,15 +568,9 @@ class Run:
     def _check_trained(self) -> None:
         """A run whose every step was skipped trained nothing: it ends `diverged`, never `ok`."""
         for name, engine in self.engines.items():
-            s = engine.scaler.summary()
-            if s["steps"] and s["skipped_steps"] == s["steps"]:
-                who = f"{name}: " if len(self.engines) > 1 else ""
-                how = (
-                    f"at the static scale {s['final']:g}; lower scale.value"
-                    if self.cfg.scale.name == "static"
-                    else f"at every scale it tried, {s['initial']:g} down to {min(engine.scaler.history.scales):g}"
-                )
-                raise Diverged(f"{who}skipped every one of its {s['steps']} steps: the gradients overflowed FP16 {how}", step=self.step)
+            why = engine.scaler.untrained()
+            if why is not None:
+                raise Diverged((f"{name}: " if len(self.engines) > 1 else "") + why, step=self.step)
 
     def execute(self) -> RunRecord:
         """train(), with a failure recorded instead of raised: `oom` naming the batch size, any other
