@@ -3,8 +3,7 @@
 A run moved to another copy of its data (another mount, a node's local disk) computes what it did
 before; a folder with other files, or files of other sizes, may not. Names and sizes are what a
 copy keeps and what a walk reads without opening a file: one stat per file, not a read of every
-byte. 100,000 files took 1.9 s on a local disk with a warm cache (a 2-core Xeon), so ImageNet's
-1.3 million about half a minute there; a network file system's cold cache is slower. A run reads it
+byte (a network file system's cold cache makes that slower than a local disk's). A run reads it
 once per launch, on rank 0, at its first checkpoint.
 """
 
