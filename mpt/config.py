@@ -249,6 +249,9 @@ class ImageFolderDataConfig(FileDataConfig):
     train_split: str = "train"
     val_split: str = "val"
     resize_ratio: float = 256 / 224  # validation: Resize(image_size * ratio) then CenterCrop(image_size)
+    # training augmentation: imagenet (RandomResizedCrop and flip, the ImageNet recipes') | cifar
+    # (4 pixels of zero padding, a random crop of image_size and flip, He et al. 2016's CIFAR recipe)
+    augment: str = "imagenet"
 
 
 @dataclass
@@ -380,6 +383,43 @@ class DistributedConfig:
     sync_batchnorm: bool = False  # batch-norm statistics over the global batch (torch's SyncBatchNorm: CUDA only)
 
 
+class Verdict(Choice):
+    """What a comparison can conclude (report/comparisons.py), and what a paper claims."""
+
+    equivalent = "equivalent"  # the whole interval of the paired difference lies within +-margin
+    worse = "worse"  # the whole interval lies beyond zero, on the worse side
+    better = "better"
+    inconclusive = "inconclusive"
+
+
+@dataclass
+class ComparisonConfig:
+    """One comparison an experiment will make: every cell whose settings match `cell` against the
+    cell that `against`'s settings make of it, everything else equal, paired by seed. Keys are group
+    choices (`precision`, `scale`, `model`, ...) or dotted config paths (`precision.norm_fp32`)."""
+
+    cell: dict[str, Any] = field(default_factory=dict)
+    against: dict[str, Any] = field(default_factory=dict)
+    expect: Verdict = Verdict.equivalent  # what the paper claims the comparison shows
+    claim: str = ""  # the paper's words, with where they are
+
+
+@dataclass
+class ExperimentConfig:
+    """What an experiment preset declares before its runs (configs/experiment/): the metric its
+    verdicts use and the margin within which two cells count as equivalent. Each run's record keeps
+    it, so a report can show that the margin predates the runs. It changes no computation."""
+
+    name: str = MISSING
+    metric: str = MISSING  # a key of the task's evaluation (top1, test_bleu, test_perplexity, ...)
+    margin: float = MISSING  # in the metric's units (a fraction for top1), or
+    relative: bool = False  # as a fraction of the baseline cell's mean (perplexity's 2%)
+    # FP32 reaches its plateau under this recipe, as measured (the preset's header says where):
+    # only a converged experiment's verdicts say "reproduced" or "contradicted"
+    converged: bool = False
+    comparisons: list[ComparisonConfig] = field(default_factory=list)
+
+
 @dataclass
 class Config:
     model: ModelConfig = MISSING
@@ -391,6 +431,7 @@ class Config:
     stats: StatsConfig = field(default_factory=StatsConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
+    experiment: Optional[ExperimentConfig] = None  # set by an experiment preset: its declared comparisons
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     channels_last: Optional[bool] = None  # null: on for convolutional models on CUDA, and for FP16 weights on CPU

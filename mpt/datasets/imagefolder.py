@@ -2,6 +2,8 @@
 
 Training: RandomResizedCrop(image_size) and horizontal flip; validation: Resize(image_size *
 resize_ratio) and CenterCrop(image_size), 256/224 by default, as the PyTorch ImageNet example does.
+With data.augment=cifar, CIFAR's recipe instead: a random crop of the image padded by 4 pixels, and
+flip; normalized by CIFAR-10's channel statistics.
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ from .sampling import EpochBatches, LoaderData, SeededSamples, shielded_worker
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
+# CIFAR-10's training images' per-channel mean and std, for augment=cifar.
+CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR10_STD = (0.2470, 0.2435, 0.2616)
+AUGMENTS = ("imagenet", "cifar")
 
 
 class CorruptImage(RuntimeError):
@@ -56,6 +62,26 @@ def open_split(root: Path, split: str, transform) -> datasets.ImageFolder:
 def validate(cfg: DictConfig) -> None:
     if cfg.data.root is None:
         raise ConfigError("data.root is not set: give the ImageFolder root, e.g. data.root=/data/imagenet")
+    if cfg.data.augment not in AUGMENTS:
+        raise ConfigError(f"data.augment={cfg.data.augment}: must be one of {', '.join(AUGMENTS)}")
+
+
+def train_transform(augment: str, size: int) -> transforms.Compose:
+    if augment == "cifar":
+        # He et al. 2016, section 4.2: pad 4 pixels on each side, take a random crop of the original
+        # size or its horizontal flip; images smaller or larger than `size` are resized first.
+        return transforms.Compose(
+            [
+                transforms.Resize(size),
+                transforms.RandomCrop(size, padding=4),
+                transforms.RandomHorizontalFlip(),
+                transforms.ToTensor(),
+                transforms.Normalize(CIFAR10_MEAN, CIFAR10_STD),
+            ]
+        )
+    return transforms.Compose(
+        [transforms.RandomResizedCrop(size), transforms.RandomHorizontalFlip(), transforms.ToTensor(), transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
+    )
 
 
 class ImageFolderData(LoaderData):
@@ -64,8 +90,8 @@ class ImageFolderData(LoaderData):
         if not root.is_dir():
             raise ConfigError(f"data.root={root}: no such folder (expected {data.train_split}/<class>/<image> and {data.val_split}/<class>/<image>)")
         size = schedule.image_size
-        normalize = transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)
-        train_tf = transforms.Compose([transforms.RandomResizedCrop(size), transforms.RandomHorizontalFlip(), transforms.ToTensor(), normalize])
+        normalize = transforms.Normalize(*((CIFAR10_MEAN, CIFAR10_STD) if data.augment == "cifar" else (IMAGENET_MEAN, IMAGENET_STD)))
+        train_tf = train_transform(data.augment, size)
         val_tf = transforms.Compose([transforms.Resize(round(size * data.resize_ratio)), transforms.CenterCrop(size), transforms.ToTensor(), normalize])
         self.train_set = open_split(root, data.train_split, train_tf)
         self.val_set = open_split(root, data.val_split, val_tf)

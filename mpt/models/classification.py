@@ -1,4 +1,5 @@
-"""Image classification with torchvision's ILSVRC architectures (the paper's Table 1), random init."""
+"""Image classification with torchvision's ILSVRC architectures (the paper's Table 1) and He et al.'s CIFAR
+ResNets (cifar_resnet.py), random init."""
 
 from __future__ import annotations
 
@@ -12,12 +13,15 @@ from omegaconf import DictConfig
 from ..config import ConfigError
 from ..distributed import Dist
 from . import LossTerm, OneNetwork, validate_image_size
+from .cifar_resnet import resnet20, resnet56
 
 # Architectures whose constructors need extra arguments to build without pretrained weights.
 _BUILD_KWARGS = {
     "googlenet": dict(aux_logits=True, init_weights=True, transform_input=False),
     "inception_v3": dict(aux_logits=True, init_weights=True, transform_input=False),
 }
+# Architectures torchvision does not have, built by mpt's own code.
+_OWN_ARCHS = {"resnet20": resnet20, "resnet56": resnet56}
 
 
 class Classification(OneNetwork):
@@ -31,7 +35,10 @@ class Classification(OneNetwork):
         if model_cfg.dropout is not None:
             kwargs["dropout"] = model_cfg.dropout
         try:
-            self.net = torchvision.models.get_model(model_cfg.arch, weights=None, num_classes=num_classes, **kwargs)
+            if model_cfg.arch in _OWN_ARCHS:
+                self.net = _OWN_ARCHS[model_cfg.arch](num_classes=num_classes, **kwargs)
+            else:
+                self.net = torchvision.models.get_model(model_cfg.arch, weights=None, num_classes=num_classes, **kwargs)
         except TypeError as e:
             if "dropout" in str(e):
                 raise ConfigError(f"model.dropout={model_cfg.dropout}: {model_cfg.name} has no dropout to set") from None

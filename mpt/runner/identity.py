@@ -26,6 +26,7 @@ NOT_COMPUTATIONAL = (
     "schedule.throughput_window",
     "model.static_scale_source",  # citations, not settings
     "model.recipe.source",
+    "experiment",  # the comparisons a preset declares: a report's business, not the run's
 )
 # Command-line keys that are not config settings: Hydra's own, and a preset sweep (whose values
 # reach the run through the settings it sets, each of which is judged by its own path).
