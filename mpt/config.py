@@ -597,10 +597,32 @@ def validate(cfg: DictConfig) -> None:
     if p.autocast is not None and p.param_dtype != DType.float32:
         raise ConfigError(f"precision {p.name}: autocast works on FP32 weights; got param_dtype={p.param_dtype.name}")
 
+    if cfg.experiment is not None:
+        validate_experiment(cfg)
+
     if cfg.stats.every < 1:
         raise ConfigError(f"stats.every={cfg.stats.every}: must be a positive number of steps")
     if not 0 < cfg.stats.keep <= 1:
         raise ConfigError(f"stats.keep={cfg.stats.keep}: must be a share in (0, 1]")
+
+
+def validate_experiment(cfg: DictConfig) -> None:
+    """A preset's declaration: a margin that can decide, and comparisons that name real settings."""
+    e = cfg.experiment
+    if not (e.margin >= 0 and math.isfinite(e.margin)):
+        raise ConfigError(f"experiment.margin={e.margin}: must be a finite number >= 0")
+    for i, c in enumerate(e.comparisons):
+        if not c.against:
+            raise ConfigError(f"experiment.comparisons[{i}].against is empty: name the settings that make the baseline, e.g. {{precision: fp32}}")
+        for side in ("cell", "against"):
+            for key in c[side]:
+                if key not in GROUPS and OmegaConf.select(cfg, key, default=MISSING_KEY) is MISSING_KEY:
+                    raise ConfigError(
+                        f"experiment.comparisons[{i}].{side}: {key} is neither a config group ({', '.join(GROUPS)}) nor a setting"
+                    )
+
+
+MISSING_KEY = object()
 
 
 def static_scale_value(cfg: DictConfig) -> float:

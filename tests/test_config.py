@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 
 from mpt.config import ConfigError
 from mpt.runner.validation import validate
@@ -14,6 +14,8 @@ GROUPS = {
     "model": [
         "alexnet",
         "resnet50",
+        "resnet20",
+        "resnet56",
         "mobilenet_v3_small",
         "vgg16",
         "googlenet",
@@ -123,7 +125,7 @@ def test_out_of_range_values_are_rejected_naming_the_key(overrides, named):
     [
         (
             ["model=lenet"],
-            "model=lenet: no such option; choose one of alexnet, biglstm, biglstm_small, biglstm_tiny, dcgan, dcgan64, gnmt, gnmt8, gnmt_nmt_one, gnmt_small, googlenet, inception_v3, mobilenet_v3_small, resnet50, ssd, vgg16",
+            "model=lenet: no such option; choose one of alexnet, biglstm, biglstm_small, biglstm_tiny, dcgan, dcgan64, gnmt, gnmt8, gnmt_nmt_one, gnmt_small, googlenet, inception_v3, mobilenet_v3_small, resnet20, resnet50, resnet56, ssd, vgg16",
         ),
         (
             ["precision=fp4"],
@@ -184,3 +186,44 @@ def test_missing_data_root_names_the_path(tmp_path, in_process):
     with pytest.raises(ConfigError, match=rf"^data.root={missing}: no such folder \(expected train/<class>/<image> and val/<class>/<image>\)$"):
         build_run(tmp_path / "run", "data=imagefolder", f"data.root={missing}")
     assert not (tmp_path / "run" / "result.json").exists()
+
+
+PRESETS = sorted(p.stem for p in (ROOT / "configs" / "experiment").glob("*.yaml"))
+
+
+def first_cell(preset: str) -> list[str]:
+    """The overrides of a preset sweep's first job: each swept value's first."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    params = OmegaConf.load(ROOT / "configs" / "experiment" / f"{preset}.yaml").hydra.sweeper.params
+    parsed = OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in params.items()])
+    return [f"{o.key_or_group}={next(iter(o.sweep_string_iterator())) if o.is_sweep_override() else o.get_value_element_as_str()}" for o in parsed]
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_experiment_preset_composes_and_its_declaration_names_real_settings(preset):
+    cfg = compose_cfg(f"experiment={preset}", *first_cell(preset))
+    if cfg.data.name != "synthetic" and cfg.data.root is None:  # the paper's presets take the data's folder from the command line
+        cfg = compose_cfg(f"experiment={preset}", *first_cell(preset), "data.root=/somewhere")
+    validate(cfg)
+    if cfg.experiment is not None:
+        from mpt.report.comparisons import Declared
+
+        declared = Declared.from_dict(OmegaConf.to_container(cfg.experiment, resolve=True))
+        assert declared.margin > 0 and declared.comparisons
+
+
+def test_a_comparison_naming_no_setting_is_refused_in_one_line():
+    cfg = compose_cfg("experiment=cifar10_resnet20")
+    with open_dict(cfg):
+        cfg.experiment.comparisons[0].cell["precision.norm_fp23"] = True  # a typo's key, as a preset would hold it
+    with pytest.raises(ConfigError, match=r"^experiment.comparisons\[0\].cell: precision.norm_fp23 is neither a config group"):
+        validate(cfg)
+
+
+def test_an_experiments_declaration_is_recorded_but_names_no_folder_and_changes_no_computation():
+    from mpt.runner import identity
+
+    plain = OmegaConf.to_container(compose_cfg("experiment=cifar10_resnet20"), resolve=True)
+    other = {**plain, "experiment": {**plain["experiment"], "margin": 0.01}}
+    assert plain["experiment"]["margin"] == 0.003 and identity.differences(plain, other) == []

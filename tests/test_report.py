@@ -445,3 +445,20 @@ def test_a_report_cut_short_leaves_the_previous_files_whole(swept, tmp_path, cap
     assert figure.read_bytes() == b"the previous figure"
     assert (out / "runs.csv").read_text().startswith("run_dir,")  # written whole before the figures
     assert not [p for p in out.rglob("*") if p.name.endswith(".tmp")]  # no half-written temporary left
+
+
+def test_a_declaration_after_the_runs_gives_the_comparisons_table(swept, report, tmp_path, capsys):
+    assert (report / "tables" / "comparisons.md").read_text().startswith("(no experiment declares comparisons")
+    late = tmp_path / "late.yaml"
+    late.write_text(
+        "experiment:\n  name: smoke\n  metric: val_loss\n  margin: 0.5\n  comparisons:\n"
+        "    - {cell: {precision: fp16}, against: {precision: fp32, scale: none}, expect: equivalent}\n"
+    )
+    code, _, err = report_cli(capsys, swept, "--out", tmp_path / "out", "--comparisons", late)
+    assert code == 0, err[-2000:]
+    table = pd.read_csv(tmp_path / "out" / "tables" / "comparisons.csv")
+    assert sorted(table.cell) == ["FP16", "FP16 + LS (dynamic)"] and set(table.against) == {"FP32"}
+    assert set(table.declared) == {"after the runs, in late.yaml"} and (table.n <= 2).all()
+    assert "## Comparisons" in (tmp_path / "out" / "report.md").read_text()
+    code, _, err = report_cli(capsys, swept, "--out", tmp_path / "out", "--comparisons", tmp_path / "nothing.yaml")
+    assert code == 2 and err.strip() == f"mpt-report: error: --comparisons {tmp_path / 'nothing.yaml'}: no such file"

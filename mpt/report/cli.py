@@ -12,7 +12,7 @@ import pandas as pd
 from ..files import WriteError, remove_stale_temporaries
 from ..runner import identity
 from ..runner.record import RecordError
-from . import figures, tables
+from . import comparisons, figures, tables
 from .output import write_text
 from .records import load_atlas, load_curves, load_overflow_origins, load_runs, shown_path
 
@@ -43,7 +43,7 @@ def _figure_entry(path: Path, runs: pd.DataFrame) -> str:
     return entry + (f"\n\nvariant {tag[1]}: `{variants[tag[1]]}`" if tag and tag[1] in variants else "")
 
 
-def build_report(paths: list[Path], out: Path, published_path: Path | None) -> list[Path]:
+def build_report(paths: list[Path], out: Path, published_path: Path | None, declared: comparisons.Declared | None = None) -> list[Path]:
     runs = load_runs(paths)
     if runs.empty:
         raise SystemExit(f"mpt-report: error: no result.json under {', '.join(map(str, paths))}")
@@ -55,6 +55,7 @@ def build_report(paths: list[Path], out: Path, published_path: Path | None) -> l
     tidy = runs.drop(columns=["precision_order", "scale_order"]).map(shown_path)
     written.append(write_text(out, "runs.csv", text=tidy.to_csv(index=False)))
 
+    verdicts = comparisons.comparisons(runs, declared)
     acc = tables.accuracy(runs)
     tp = tables.throughput(runs)
     mem = tables.memory(runs)
@@ -67,6 +68,12 @@ def build_report(paths: list[Path], out: Path, published_path: Path | None) -> l
     at = tables.atlas(atlas_rows)
     origins = load_overflow_origins(runs)
     sections = [
+        (
+            "Comparisons (each cell against its baseline, paired by seed: Δ and its 95% Student-t interval, the verdict by the margin the experiment declared)",
+            "comparisons",
+            verdicts,
+            comparisons.render(verdicts),
+        ),
         ("Accuracy", "accuracy", acc, tables.render_accuracy(acc)),
         (
             "Throughput (median samples/s; speedup over fp32 on the same device, batch and resolution)",
@@ -148,6 +155,13 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="mpt-report", description="Tables and figures from mpt-run's result records.")
     ap.add_argument("paths", nargs="*", type=Path, default=[Path("results/runs")], help="folders searched for result.json (default: results/runs)")
     ap.add_argument("--out", type=Path, default=Path("results"), help="where runs.csv, tables/ and figures/ go (default: results)")
+    ap.add_argument(
+        "--comparisons",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="an experiment declaration (a preset, or its experiment: node) applied to the runs whose records declare none; the table says it came after the runs",
+    )
     ap.add_argument("--published", type=Path, default=None, help="published values CSV (default: results/paper/published.csv)")
     args = ap.parse_args(argv)
     missing = [str(p) for p in args.paths if not p.exists()]
@@ -155,8 +169,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"mpt-report: error: no such folder: {', '.join(missing)}", file=sys.stderr)
         sys.exit(2)
     try:
-        written = build_report(args.paths, args.out, args.published or default_published())
-    except RecordError as e:  # a result.json that is not a record this version reads: name it, write nothing more
+        declared = comparisons.load_declaration(args.comparisons) if args.comparisons else None
+        written = build_report(args.paths, args.out, args.published or default_published(), declared)
+    except (RecordError, comparisons.DeclarationError) as e:  # a result.json that is not a record this version reads: name it, write nothing more
         print(f"mpt-report: error: {e}", file=sys.stderr)
         sys.exit(2)
     except WriteError as e:  # a full disk: the file it names is as the previous report left it

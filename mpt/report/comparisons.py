@@ -1,0 +1,307 @@
+"""Verdicts computed from paired seeds against a margin declared before the runs.
+
+An experiment preset declares (config.experiment, kept in every run's record) the metric, the margin
+and the comparisons it will make. For each comparison, each cell matching its `cell` settings is
+compared with the cell that its `against` settings make of it, everything else equal: the runs are
+paired by seed, and the paired differences (cell minus baseline) give a mean and a 95% interval,
+Student's t over the pairs. The verdict:
+
+- equivalent: the whole interval lies within +-margin (this takes precedence: a difference the
+  experiment declared negligible is not called better or worse, however sure its sign);
+- worse or better: the whole interval lies beyond zero, on that side (by the metric's direction);
+- worse, too, where a seed of the cell diverged and its pair finished: the paper's own "diverges";
+- inconclusive: anything else, and fewer than two finished pairs.
+
+The finding words the README uses: on a converged experiment, `reproduced` where the verdict is what
+the paper claims, `contradicted` where it is another decided verdict, `inconclusive` where none was
+decided; on a run far from its plateau, `consistent at toy scale` or `not shown at toy scale`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from omegaconf import OmegaConf
+from scipy import stats
+
+from ..config import GROUPS, Verdict
+from ..runner import identity
+from .tables import PERCENT_METRICS, _md, results, skipped_every_step
+
+CONFIDENCE = 0.95
+IN_RECORDS = "in the runs' records"
+
+
+class DeclarationError(ValueError):
+    """Records of one experiment that declare it differently, or a declaration file that is not one."""
+
+
+@dataclass(frozen=True)
+class Declared:
+    """An experiment's declaration, as its records (or a file, for runs older than the field) hold it."""
+
+    name: str
+    metric: str
+    margin: float
+    relative: bool
+    converged: bool
+    comparisons: tuple[dict, ...]
+    source: str = IN_RECORDS
+    runs: tuple[str, ...] = field(default=(), compare=False)  # run_dir of the runs it covers
+
+    @classmethod
+    def from_dict(cls, node: dict, source: str = IN_RECORDS) -> Declared:
+        missing = [k for k in ("name", "metric", "margin") if node.get(k) in (None, "???")]
+        if missing:
+            raise DeclarationError(f"experiment declared {source} has no {', '.join(missing)}")
+        comparisons = tuple({**c, "cell": dict(c.get("cell") or {}), "against": dict(c.get("against") or {})} for c in node.get("comparisons") or [])
+        for c in comparisons:
+            if not c["against"]:
+                raise DeclarationError(f"experiment {node['name']}: a comparison of {c['cell']} names nothing in `against`")
+            if c.get("expect") not in (None, *(v.value for v in Verdict)):
+                raise DeclarationError(f"experiment {node['name']}: expect={c.get('expect')}: must be one of {', '.join(v.value for v in Verdict)}")
+        return cls(
+            str(node["name"]),
+            str(node["metric"]),
+            float(node["margin"]),
+            bool(node.get("relative", False)),
+            bool(node.get("converged", False)),
+            comparisons,
+            source,
+        )
+
+
+def load_declaration(path: Path) -> Declared:
+    """An experiment declaration from a preset (its `experiment:` node) or a file holding only one."""
+    if not path.is_file():
+        raise DeclarationError(f"--comparisons {path}: no such file")
+    try:
+        node = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    except Exception as e:  # noqa: BLE001  # yaml's and OmegaConf's errors have no common base
+        raise DeclarationError(f"--comparisons {path}: not a YAML file: {e}") from None
+    if isinstance(node, dict) and isinstance(node.get("experiment"), dict):
+        node = node["experiment"]
+    if not isinstance(node, dict):
+        raise DeclarationError(f"--comparisons {path}: holds no experiment declaration (name, metric, margin, comparisons)")
+    return Declared.from_dict(node, source=f"after the runs, in {path.name}")
+
+
+def declarations(runs: pd.DataFrame, extra: Declared | None = None) -> list[Declared]:
+    """The experiments the records declare, each with its runs, and `extra` over the runs that
+    declare none. Records of one experiment must declare it alike: a margin changed between
+    launches is not a margin fixed before the runs."""
+    found: list[Declared] = []
+    column = "config.experiment.name"
+    named = runs[column].notna() if column in runs else pd.Series(False, index=runs.index)
+    for name, group in runs[named].groupby(column, sort=True) if named.any() else []:
+        seen: dict[str, tuple[Declared, str]] = {}
+        for _, run in group.iterrows():
+            node = {k.removeprefix("config.experiment."): run[k] for k in run.index if k.startswith("config.experiment.")}
+            node["comparisons"] = json.loads(node.get("comparisons") or "[]")
+            declared = Declared.from_dict(node)
+            seen.setdefault(json.dumps(declared.__dict__, sort_keys=True, default=str), (declared, run["run_dir"]))
+        if len(seen) > 1:
+            (a, a_dir), (b, b_dir) = list(seen.values())[:2]
+            raise DeclarationError(
+                f"experiment {name} is declared differently by {a_dir} and {b_dir} (margin {a.margin} and {b.margin}, "
+                f"{len(a.comparisons)} and {len(b.comparisons)} comparisons): its verdicts need one declaration made before its runs"
+            )
+        ((declared, _),) = seen.values()
+        found.append(_covering(declared, group))
+    if extra is not None and (~named).any():
+        found.append(_covering(extra, runs[~named]))
+    return found
+
+
+def _covering(declared: Declared, runs: pd.DataFrame) -> Declared:
+    return Declared(**{**declared.__dict__, "runs": tuple(runs["run_dir"])})
+
+
+def _value(run: pd.Series, key: str) -> Any:
+    return run.get(key) if key in GROUPS else run.get(f"config.{key}")
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is None or (isinstance(a, float) and math.isnan(a)):
+        return b is None or (isinstance(b, float) and math.isnan(b))
+    if isinstance(a, bool) or isinstance(b, bool):
+        return str(a).lower() == str(b).lower()
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return float(a) == float(b)
+    return str(a) == str(b)
+
+
+def _matches(run: pd.Series, settings: dict) -> bool:
+    return all(_same(_value(run, k), v) for k, v in settings.items())
+
+
+def _matching(runs: pd.DataFrame, settings: dict) -> pd.DataFrame:
+    return runs.loc[pd.Series([_matches(run, settings) for _, run in runs.iterrows()], index=runs.index, dtype=bool)]
+
+
+def _rest(run: pd.Series, against: dict) -> tuple:
+    """What must be equal between a cell and its baseline: everything `against` does not set. A
+    group `against` sets takes its own overrides with it (precision.norm_fp32 goes with precision)."""
+    dropped = set(against)
+    parts = [p for p in identity.variant_parts(run["variant"] or "") if not any(p.partition("=")[0] == k or p.startswith(k + ".") for k in dropped)]
+    # A CPU run is never paired with a GPU run: the device is part of what must be equal.
+    keys = ["device_type", *(g for g in ("model", "data", "schedule", "precision", "scale") if g not in dropped)]
+    scale_value = None if "scale" in dropped else run.get("scale_value")
+    return (*(run[g] for g in keys), None if pd.isna(scale_value) else scale_value, tuple(sorted(parts)))
+
+
+CELL = ["device_type", "model", "data", "schedule", "mode", "variant"]
+
+
+def paired_interval(diffs: list[float], confidence: float = CONFIDENCE) -> tuple[float, float, float]:
+    """Mean of the paired differences and its two-sided Student-t interval (NaN with fewer than two)."""
+    n = len(diffs)
+    mean = sum(diffs) / n if n else math.nan
+    if n < 2:
+        return mean, math.nan, math.nan
+    sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1))
+    half = float(stats.t.ppf((1 + confidence) / 2, n - 1)) * sd / math.sqrt(n)
+    return mean, mean - half, mean + half
+
+
+def verdict(low: float, high: float, margin: float, higher_is_better: bool, diverged: int = 0) -> Verdict:
+    if diverged:
+        return Verdict.worse
+    if math.isnan(low) or math.isnan(high):
+        return Verdict.inconclusive
+    if -margin <= low and high <= margin:
+        return Verdict.equivalent
+    if high < 0 or low > 0:
+        return Verdict.better if (low > 0) == higher_is_better else Verdict.worse
+    return Verdict.inconclusive
+
+
+def finding(found: Verdict, expect: str | None, converged: bool) -> str:
+    if not expect:
+        return found.value
+    if not converged:
+        return "consistent at toy scale" if found == expect else "not shown at toy scale"
+    if found == Verdict.inconclusive:
+        return "inconclusive"
+    return "reproduced" if found == expect else "contradicted"
+
+
+COLUMNS = [
+    "experiment", "device_type", "model", "data", "schedule", "variant", "cell", "against", "metric", "n", "diverged",
+    "cell_mean", "against_mean", "delta", "ci_low", "ci_high", "margin", "verdict", "expect", "finding",
+    "converged", "declared", "claim", "note",
+]  # fmt: skip
+
+
+def comparisons(runs: pd.DataFrame, extra: Declared | None = None) -> pd.DataFrame:
+    """One row per (declared comparison, matching cell): the paired difference, its interval and verdict."""
+    rows = []
+    for declared in declarations(runs, extra):
+        own = runs[runs["run_dir"].isin(declared.runs)]
+        metric = f"metric.{declared.metric}"
+        for spec in declared.comparisons:
+            cells = _matching(own, spec["cell"])
+            bases = _matching(own, spec["against"])
+            for _, cell in cells.groupby(CELL, dropna=False, sort=False):
+                rows.append(_row(declared, spec, metric, cell, bases))
+    return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def _row(declared: Declared, spec: dict, metric: str, cell: pd.DataFrame, bases: pd.DataFrame) -> dict:
+    first = cell.iloc[0]
+    rest = _rest(first, spec["against"])
+    base = bases.loc[pd.Series([_rest(r, spec["against"]) == rest for _, r in bases.iterrows()], index=bases.index, dtype=bool)]
+    base_cells = base.groupby(CELL, dropna=False, sort=False)
+    row: dict[str, Any] = {
+        "experiment": declared.name,
+        **{k: first[k] for k in ("device_type", "model", "data", "schedule", "variant")},
+        "cell": first["mode"],
+        "metric": declared.metric,
+        "expect": spec.get("expect"),
+        "converged": declared.converged,
+        "declared": declared.source,
+        "claim": spec.get("claim", ""),
+        "note": "",
+    }
+    if base_cells.ngroups != 1:
+        row.update(n=0, diverged=0, against=None, verdict=Verdict.inconclusive.value, finding="not tested")
+        row["note"] = "no baseline runs" if base_cells.ngroups == 0 else f"{base_cells.ngroups} cells match `against`: name more settings"
+        return row
+    row["against"] = base["mode"].iloc[0] + (f" [{base['variant'].iloc[0]}]" if base["variant"].iloc[0] not in ("", first["variant"]) else "")
+    higher = bool(first["higher_is_better"])
+    finished_base = results(base).set_index("seed")
+    diffs, cell_values, base_values, diverged = [], [], [], 0
+    for _, run in cell.iterrows():
+        if run["seed"] not in finished_base.index:
+            continue
+        paired = finished_base.loc[run["seed"]]
+        if run["status"] == "diverged" or skipped_every_step(cell.loc[[run.name]]).iloc[0]:
+            diverged += 1
+        elif run["status"] == "ok" and pd.notna(run.get(metric)) and pd.notna(paired.get(metric)):
+            diffs.append(float(run[metric]) - float(paired[metric]))
+            cell_values.append(float(run[metric]))
+            base_values.append(float(paired[metric]))
+    mean, low, high = paired_interval(diffs)
+    base_mean = sum(base_values) / len(base_values) if base_values else math.nan
+    margin = declared.margin * abs(base_mean) if declared.relative else declared.margin
+    found = verdict(low, high, margin, higher, diverged)
+    row.update(
+        n=len(diffs),
+        diverged=diverged,
+        cell_mean=sum(cell_values) / len(cell_values) if cell_values else math.nan,
+        against_mean=base_mean,
+        delta=mean,
+        ci_low=low,
+        ci_high=high,
+        margin=margin,
+        verdict=found.value,
+        finding=finding(found, spec.get("expect"), declared.converged),
+    )
+    if diverged:
+        row["note"] = f"diverged in {diverged} of {diverged + len(diffs)} paired seeds"
+    return row
+
+
+def _number(metric: str, value: float, signed: bool = False) -> str:
+    if pd.isna(value):
+        return "-"
+    scale, unit = (100, " pt") if metric in PERCENT_METRICS else (1, "")
+    return f"{value * scale:{'+' if signed else ''}.2f}{unit}"
+
+
+def render(table: pd.DataFrame) -> str:
+    """The comparisons as Markdown: Δ is the cell minus its baseline, paired by seed; percentages in points."""
+    if table.empty:
+        return "(no experiment declares comparisons for these runs)"
+    shown = pd.DataFrame(
+        {
+            "experiment": table.experiment,
+            "setup": table.device_type.fillna("")
+            + " "
+            + table.model
+            + " "
+            + table.data
+            + " "
+            + table.schedule
+            + table.variant.map(lambda v: f" [{v}]" if v else ""),
+            "cell": table.cell,
+            "against": table.against.fillna("-"),
+            "metric": table.metric,
+            "n": table.n.astype(int).astype(str) + table.diverged.map(lambda d: f" (+{int(d)} diverged)" if d else ""),
+            "Δ": [_number(m, v, signed=True) for m, v in zip(table.metric, table.delta)],
+            "95% interval": [
+                f"[{_number(m, lo, True)}, {_number(m, hi, True)}]" if pd.notna(lo) else "-" for m, lo, hi in zip(table.metric, table.ci_low, table.ci_high)
+            ],
+            "margin": [f"±{_number(m, v)}" for m, v in zip(table.metric, table.margin)],
+            "verdict": table.verdict,
+            "paper": table.expect.fillna("-"),
+            "finding": table.finding,
+            "declared": table.declared,
+        }
+    )
+    return _md(shown)

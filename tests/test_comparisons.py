@@ -1,0 +1,155 @@
+"""Verdicts from paired seeds: the arithmetic against scipy, each verdict, the pairing and matching rules."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pandas as pd
+import pytest
+from scipy import stats
+
+from mpt.report import comparisons
+from mpt.report.comparisons import DeclarationError, Declared, paired_interval, verdict
+from mpt.report.records import mode_label
+
+DECLARED = {
+    "name": "toy",
+    "metric": "top1",
+    "margin": 0.003,
+    "relative": False,
+    "converged": True,
+    "comparisons": [
+        {"cell": {"precision": "mixed"}, "against": {"precision": "fp32", "scale": "none"}, "expect": "equivalent", "claim": "Table 1"},
+        {"cell": {"precision": "fp16"}, "against": {"precision": "fp32", "scale": "none", "precision.norm_fp32": False}, "expect": "worse"},
+    ],
+}
+
+
+def run(precision: str, seed: int, value: float | None, scale: str = "none", status: str = "ok", declared: dict | None = DECLARED, **config) -> dict:
+    variant = ",".join(f"{k}={str(v).lower()}" for k, v in config.items())
+    row = {
+        "run_dir": f"runs/{precision}_{scale}_{variant}_{seed}",
+        "status": status,
+        "device_type": "cpu",
+        "model": "resnet20",
+        "data": "imagefolder",
+        "schedule": "paper",
+        "precision": precision,
+        "scale": scale,
+        "scale_value": None,
+        "variant": variant,
+        "mode": mode_label(precision, scale, None),
+        "seed": seed,
+        "higher_is_better": True,
+        "skipped_every_step": False,
+        "metric.top1": value,
+        "config.precision.norm_fp32": config.get("precision.norm_fp32", precision == "mixed"),
+    }
+    if declared:
+        row.update({f"config.experiment.{k}": json.dumps(v) if k == "comparisons" else v for k, v in declared.items()})
+    return row
+
+
+FP32 = [0.910, 0.905, 0.912, 0.908, 0.911]
+
+
+def table(rows: list[dict], extra: Declared | None = None) -> pd.DataFrame:
+    return comparisons.comparisons(pd.DataFrame(rows), extra)
+
+
+def test_the_interval_is_scipys_paired_t_interval():
+    a = [0.912, 0.907, 0.915, 0.903, 0.910]
+    d = [x - y for x, y in zip(a, FP32)]
+    mean, low, high = paired_interval(d)
+    ref = stats.t.interval(0.95, len(d) - 1, loc=stats.tmean(d), scale=stats.sem(d))
+    assert mean == pytest.approx(stats.tmean(d), abs=1e-15)
+    assert (low, high) == pytest.approx(ref, abs=1e-12)
+    # and the same test scipy's paired t-test makes: zero inside the interval iff p > 0.05
+    assert (low < 0 < high) == (stats.ttest_rel(a, FP32).pvalue > 0.05)
+
+
+def test_one_pair_has_no_interval():
+    mean, low, high = paired_interval([0.01])
+    assert mean == 0.01 and math.isnan(low) and math.isnan(high)
+
+
+@pytest.mark.parametrize(
+    "low, high, higher, expected",
+    [
+        (-0.002, 0.001, True, "equivalent"),
+        (-0.02, -0.004, True, "worse"),
+        (0.004, 0.02, True, "better"),
+        (0.004, 0.02, False, "worse"),  # a perplexity that rose
+        (-0.01, 0.002, True, "inconclusive"),  # reaches past the margin and crosses zero
+        (0.001, 0.002, True, "equivalent"),  # sure of its sign, but inside the margin
+    ],
+)
+def test_each_verdict(low, high, higher, expected):
+    assert verdict(low, high, 0.003, higher) == expected
+
+
+def test_cells_pair_by_seed_with_their_baseline_and_get_their_verdicts():
+    mixed = [0.911, 0.904, 0.913, 0.907, 0.911]  # within 0.002 of FP32 in every seed
+    fp16 = [0.880, 0.872, 0.885, 0.874, 0.883]  # 3 points below
+    rows = [run("fp32", s, v) for s, v in enumerate(FP32)]
+    rows += [run("mixed", s, v) for s, v in enumerate(mixed)]
+    rows += [run("fp16", s, v, **{"precision.norm_fp32": True}) for s, v in enumerate(fp16)]
+    t = table(rows).set_index("cell")
+    assert t.loc["mixed", "n"] == 5 and t.loc["mixed", "verdict"] == "equivalent" and t.loc["mixed", "finding"] == "reproduced"
+    d = [x - y for x, y in zip(mixed, FP32)]
+    assert t.loc["mixed", "delta"] == pytest.approx(sum(d) / 5)
+    # FP16 with FP32 batch-norm is compared with FP32 itself: `against` sets norm_fp32 back
+    assert t.loc["fp16", "against"] == "fp32" and t.loc["fp16", "verdict"] == "worse" and t.loc["fp16", "finding"] == "reproduced"
+
+
+def test_seeds_without_a_pair_are_left_out_and_a_diverged_seed_makes_it_worse():
+    rows = [run("fp32", s, v) for s, v in enumerate(FP32[:3])]
+    rows += [run("mixed", s, FP32[s % 5] + 0.0005 * (1 + s % 2)) for s in (0, 1, 2, 7)]  # seed 7 has no FP32 pair
+    t = table(rows).set_index("cell")
+    assert t.loc["mixed", "n"] == 3 and t.loc["mixed", "verdict"] == "equivalent"
+    rows.append(run("mixed", 2, None, status="diverged"))
+    rows = [r for r in rows if not (r["precision"] == "mixed" and r["seed"] == 2 and r["status"] == "ok")]
+    t = table(rows).set_index("cell")
+    assert t.loc["mixed", "verdict"] == "worse" and t.loc["mixed", "diverged"] == 1 and "diverged in 1 of 3" in t.loc["mixed", "note"]
+
+
+def test_a_cell_with_no_baseline_is_not_tested():
+    t = table([run("mixed", s, 0.9) for s in range(3)])
+    assert t.iloc[0]["finding"] == "not tested" and t.iloc[0]["note"] == "no baseline runs"
+
+
+def test_a_toy_scale_experiment_never_says_reproduced():
+    toy = {**DECLARED, "converged": False}
+    rows = [run("fp32", s, v, declared=toy) for s, v in enumerate(FP32)] + [run("mixed", s, v, declared=toy) for s, v in enumerate(FP32)]
+    assert table(rows).iloc[0]["finding"] == "consistent at toy scale"
+
+
+def test_a_relative_margin_is_a_share_of_the_baselines_mean():
+    lm = {**DECLARED, "metric": "top1", "margin": 0.02, "relative": True}
+    rows = [run("fp32", s, 100.0 + s, declared=lm) for s in range(3)] + [run("mixed", s, 101.0 + s, declared=lm) for s in range(3)]
+    t = table(rows)
+    assert t.iloc[0]["margin"] == pytest.approx(0.02 * 101.0)
+    assert t.iloc[0]["verdict"] == "equivalent"  # +1 exactly in every pair: an interval of zero width at 1 < 2.02
+
+
+def test_records_that_declare_one_experiment_differently_are_refused():
+    other = {**DECLARED, "margin": 0.01}
+    rows = [run("fp32", 0, 0.9), run("mixed", 0, 0.9, declared=other)]
+    with pytest.raises(DeclarationError, match="declared differently.*margin 0.003 and 0.01"):
+        table(rows)
+
+
+def test_a_declaration_given_after_the_runs_covers_only_undeclared_runs_and_says_so(tmp_path):
+    preset = tmp_path / "late.yaml"
+    preset.write_text("experiment:\n" + "".join(f"  {k}: {json.dumps(v)}\n" for k, v in DECLARED.items()))
+    late = comparisons.load_declaration(preset)
+    rows = [run("fp32", s, v, declared=None) for s, v in enumerate(FP32)] + [run("mixed", s, v, declared=None) for s, v in enumerate(FP32)]
+    t = table(rows, late)
+    assert t.iloc[0]["declared"] == "after the runs, in late.yaml" and t.iloc[0]["verdict"] == "equivalent"
+    assert table(rows).empty
+    with pytest.raises(DeclarationError, match="no such file"):
+        comparisons.load_declaration(tmp_path / "missing.yaml")
+    (tmp_path / "bad.yaml").write_text("experiment:\n  name: x\n  metric: top1\n  margin: 0.1\n  comparisons: [{cell: {precision: mixed}, against: {}}]\n")
+    with pytest.raises(DeclarationError, match="names nothing in `against`"):
+        comparisons.load_declaration(tmp_path / "bad.yaml")
