@@ -203,6 +203,10 @@ class ScaleConfig:
     beta2: float = 0.999  # auto: decay of the slower mean and second moment that give its spread
     std_devs: float = 3.09  # auto: standard deviations of headroom (OpenSeq2Seq's; 99.9% of a normal)
     margin_bits: float = 1.0  # auto: powers of two of headroom on top
+    # A control for loss scaling, with any strategy: k multiplies the loss by 2^-k before the
+    # backward and the gradients by 2^k before the update. Exact in FP32 (the run is the same bit for
+    # bit); in FP16 it pushes the gradients down into and past FP16's subnormals.
+    shift_down: int = 0
 
 
 @dataclass
@@ -489,6 +493,7 @@ def positive(cfg: DictConfig, key: str, allow_none: bool = False) -> None:
 
 
 LOGGERS = ("tensorboard", "none")
+MAX_SHIFT_DOWN = 126
 MAX_SEED = 2**32 - 1
 
 
@@ -556,6 +561,8 @@ def validate(cfg: DictConfig) -> None:
     scale = cfg.scale
     if scale.name not in SCALE_NAMES:
         raise ConfigError(f"scale.name={scale.name}: expected one of {', '.join(SCALE_NAMES)}")
+    if not 0 <= scale.shift_down <= MAX_SHIFT_DOWN:
+        raise ConfigError(f"scale.shift_down={scale.shift_down}: must be an integer from 0 to {MAX_SHIFT_DOWN} (2^-k a normal FP32 number)")
     if scale.name == "static":
         value = static_scale_value(cfg)
         if not (value >= 1 and math.isfinite(value)):
@@ -617,9 +624,7 @@ def validate_experiment(cfg: DictConfig) -> None:
         for side in ("cell", "against"):
             for key in c[side]:
                 if key not in GROUPS and OmegaConf.select(cfg, key, default=MISSING_KEY) is MISSING_KEY:
-                    raise ConfigError(
-                        f"experiment.comparisons[{i}].{side}: {key} is neither a config group ({', '.join(GROUPS)}) nor a setting"
-                    )
+                    raise ConfigError(f"experiment.comparisons[{i}].{side}: {key} is neither a config group ({', '.join(GROUPS)}) nor a setting")
 
 
 MISSING_KEY = object()

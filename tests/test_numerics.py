@@ -356,3 +356,69 @@ def test_a_network_starts_from_its_fp32_initialization(mode):
         assert any(not torch.equal(m, p.float()) for m, (p, _) in zip(masters, low))  # the FP32 values, not their FP16 rounding
     else:
         assert masters == []
+
+
+def _trained(shift: int, precision: str = "fp32", scale: str = "none") -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 5))
+    cfg = compose_cfg(f"precision={precision}", f"scale={scale}", "schedule.batch_size=256", "optim.lr=0.05", f"scale.shift_down={shift}")
+    engine = PrecisionEngine(net, cfg, build_scaler(cfg), [], CPU)
+    data = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        x, y = torch.randn(4, 3, 8, 8, generator=data), torch.randint(0, 5, (4,), generator=data)
+        engine.backward(nn.functional.cross_entropy(engine.model(x).float(), y))
+        engine.step()
+    return [p.detach().clone() for p in engine.model.parameters()]
+
+
+@pytest.mark.parametrize("scale", ["none", "dynamic"])
+def test_shifting_the_loss_down_by_a_power_of_two_leaves_an_fp32_run_unchanged_bit_for_bit(scale):
+    # The same kernels on the same layout, each gradient 2^-k times its unshifted value exactly:
+    # powers of two commute with every rounding until a value leaves FP32's normal range.
+    reference = _trained(0, scale=scale)
+    for shift in (12, 24):
+        assert all(torch.equal(a, b) for a, b in zip(_trained(shift, scale=scale), reference))
+
+
+@pytest.mark.parametrize("shift", [0, 12, 24])
+def test_a_shifted_fp16_gradient_is_rounded_there_and_shifted_back_in_fp32(shift):
+    # Oracle in float64: the FP16 gradient is round_fp16(g * 2^-k); the master receives it times 2^k.
+    G = torch.tensor([1e-2, 1e-3, 3e-5, 2e-6, 1e-7, 1.5e-8])
+    oracle = torch.tensor([float(torch.tensor(g * 2.0**-shift).half()) * 2.0**shift for g in G.double().tolist()], dtype=torch.float64)
+    model, engine = make_engine(torch.ones(6), "mixed", lr=1.0, extra=[f"scale.shift_down={shift}"])
+    train_step(model, engine, G)
+    torch.testing.assert_close(engine.master_weights()[0].double(), 1 - oracle, rtol=0, atol=1e-7)
+    if shift == 24:  # 1e-2 * 2^-24 = 6e-10 is below half of FP16's smallest subnormal, 2^-25: every one flushed
+        assert engine.master_weights()[0].eq(1.0).all()
+    if shift == 12:  # 1e-3 * 2^-12 = 2.4e-7 is an FP16 subnormal; 3e-5 * 2^-12 = 7e-9 and below flush
+        assert engine.master_weights()[0][:2].lt(1.0).all() and engine.master_weights()[0][2:].eq(1.0).all()
+
+
+def test_dynamic_scaling_recovers_what_the_shift_pushes_below_fp16():
+    G = torch.tensor([1e-3, 3e-5])
+    unscaled, unscaled_engine = make_engine(torch.ones(2), "mixed", lr=1.0, extra=["scale.shift_down=24"])
+    scaled, scaled_engine = make_engine(torch.ones(2), "mixed", "dynamic", lr=1.0, extra=["scale.shift_down=24"])
+    train_step(unscaled, unscaled_engine, G)
+    train_step(scaled, scaled_engine, G)  # the scaler's first scale, 2^16, fits: 2^16 * 2^-24 = 2^-8
+    assert unscaled_engine.master_weights()[0].eq(1.0).all()
+    expected = 1 - torch.tensor([float(torch.tensor(g * 2.0**-8).half()) * 2.0**8 for g in G.double().tolist()], dtype=torch.float64)
+    torch.testing.assert_close(scaled_engine.master_weights()[0].double(), expected, rtol=0, atol=1e-7)
+
+
+def test_fp16_weights_divide_the_shift_out_inside_their_update():
+    # Gradients exact in FP16 at any of these shifts: the FP16 update must come out the same.
+    G = torch.tensor([0.25, 0.5, 2.0**-6])
+    runs = []
+    for shift in (0, 8, 14):
+        model, engine = make_engine(torch.ones(3), "fp16", lr=0.5, extra=[f"scale.shift_down={shift}"])
+        train_step(model, engine, G)
+        runs.append(model.w.detach().clone())
+    assert all(torch.equal(r, runs[0]) for r in runs) and not runs[0].eq(1.0).all()
+
+
+def test_a_shift_beyond_fp32s_normal_range_is_refused():
+    from mpt.config import ConfigError
+    from mpt.runner.validation import validate
+
+    with pytest.raises(ConfigError, match=r"^scale.shift_down=127: must be an integer from 0 to 126"):
+        validate(compose_cfg("scale.shift_down=127"))

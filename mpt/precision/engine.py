@@ -280,6 +280,10 @@ class PrecisionEngine:
         # keeps the same scale even where the gradients it holds are not averaged yet.
         self.reduce_max = reduce_max
         self.scaler = scaler
+        # The loss-scaling control (scale.shift_down = k): the loss times 2^-k before the backward,
+        # the gradients times 2^k before the update. A power of two, so FP32 runs are unchanged bit
+        # for bit while FP16 gradients fall toward and past FP16's subnormals.
+        self.shift = 2.0**-cfg.scale.shift_down
         self.device = device
         self.clip = cfg.optim.clip_grad_norm
         params = [q for q in model.parameters() if q.requires_grad]
@@ -296,13 +300,19 @@ class PrecisionEngine:
     def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
 
+    @property
+    def backward_scale(self) -> float:
+        """What the loss is multiplied by before its backward: the loss scale, and the control's 2^-k."""
+        return self.scaler.scale * self.shift
+
     def backward(self, loss: torch.Tensor, scale: float | None = None) -> None:
-        """The backward of `loss` times the loss scale (`scale`: another, for a step run again)."""
+        """The backward of `loss` times the loss scale (`scale`: another, for a step run again) and
+        the control's 2^-k."""
         # Start from clean gradients: another network's backward (a GAN's generator loss flows
         # through the discriminator) may have written into this one's since its last step.
         self._zero_grad()
         with self.arithmetic():  # the backward's products are the GPU's too
-            (loss * (self.scaler.scale if scale is None else scale)).backward()
+            (loss * ((self.scaler.scale if scale is None else scale) * self.shift)).backward()
 
     def zero_grad(self) -> None:
         self._zero_grad()
@@ -319,7 +329,7 @@ class PrecisionEngine:
         if self.products is not None:  # a skipped step's amax counts too, as in Transformer Engine
             self.products.end_step(self.reduce_max)
         grads = self.update.grads()
-        scale = self.scaler.scale
+        scale = self.backward_scale  # what the gradients carry
         unscale = 1.0 if self.update.carries_scale else 1.0 / scale
         overflow, grad_max = False, None
         if self.scaler.checks_overflow:

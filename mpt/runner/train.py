@@ -658,7 +658,7 @@ class Run:
             engine = self.engines[term.group]
             row: dict[str, Any]
             row = {"kind": "train", "step": step, "group": term.group, "lr": engine.lr, "scale": engine.scaler.scale}
-            with self.grad_stats.backward(term.group, engine.scaler.scale):
+            with self.grad_stats.backward(term.group, engine.backward_scale):
                 engine.backward(term.loss)
             try:
                 with self.grad_stats.update(term.group, engine):
