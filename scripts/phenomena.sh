@@ -153,4 +153,10 @@ gan)
   exit 2
   ;;
 esac
-python -m mpt.report.cli "$out" "${also[@]}" --out "$out/report"
+# The comparisons each sweep makes, declared after its runs (these runs predate declarations in
+# presets): its verdicts in report/tables/comparisons.md.
+declared=()
+for file in "$out"/comparisons*.yaml; do
+  [ -e "$file" ] && declared+=(--comparisons "$file")
+done
+python -m mpt.report.cli "$out" "${also[@]}" "${declared[@]}" --out "$out/report"

@@ -54,7 +54,7 @@ def run(precision: str, seed: int, value: float | None, scale: str = "none", sta
 FP32 = [0.910, 0.905, 0.912, 0.908, 0.911]
 
 
-def table(rows: list[dict], extra: Declared | None = None) -> pd.DataFrame:
+def table(rows: list[dict], extra: tuple[Declared, ...] | list[Declared] = ()) -> pd.DataFrame:
     return comparisons.comparisons(pd.DataFrame(rows), extra)
 
 
@@ -145,7 +145,7 @@ def test_a_declaration_given_after_the_runs_covers_only_undeclared_runs_and_says
     preset.write_text("experiment:\n" + "".join(f"  {k}: {json.dumps(v)}\n" for k, v in DECLARED.items()))
     late = comparisons.load_declaration(preset)
     rows = [run("fp32", s, v, declared=None) for s, v in enumerate(FP32)] + [run("mixed", s, v, declared=None) for s, v in enumerate(FP32)]
-    t = table(rows, late)
+    t = table(rows, [late])
     assert t.iloc[0]["declared"] == "after the runs, in late.yaml" and t.iloc[0]["verdict"] == "equivalent"
     assert table(rows).empty
     with pytest.raises(DeclarationError, match="no such file"):

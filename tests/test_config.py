@@ -193,9 +193,11 @@ PRESETS = sorted(p.stem for p in (ROOT / "configs" / "experiment").glob("*.yaml"
 
 def first_cell(preset: str) -> list[str]:
     """The overrides of a preset sweep's first job: each swept value's first."""
+    from hydra import compose, initialize_config_module
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    params = OmegaConf.load(ROOT / "configs" / "experiment" / f"{preset}.yaml").hydra.sweeper.params
+    with initialize_config_module(config_module="mpt.configs", version_base="1.3"):
+        params = compose(config_name="config", overrides=[f"experiment={preset}"], return_hydra_config=True).hydra.sweeper.params
     parsed = OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in params.items()])
     return [f"{o.key_or_group}={next(iter(o.sweep_string_iterator())) if o.is_sweep_override() else o.get_value_element_as_str()}" for o in parsed]
 

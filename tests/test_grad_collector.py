@@ -3,7 +3,10 @@ torch.autograd.grad, and through the real command line."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -196,6 +199,25 @@ def test_runs_count_unscaled_gradients_in_any_precision_and_the_report_draws_the
     assert f"| an FP16 weight would lose | {mixed['updated']} | {mixed['share_lost_fp16'] * 100:.2f} |" in lost_md
     lost_figs = list((out / "figures").glob("lost_updates_*.png"))  # one cell: one figure of its 4 modes and 2 networks
     assert len(lost_figs) == 1 and lost_figs[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # Each sampled step's lr is the one its training-log line says it ran with, whatever the record's
+    # own field holds (older records hold the rate after the step): planted here as 999.
+    (path,) = [
+        p for p in sweep.rglob("result.json") if (read_record(p.parent)["choices"]["precision"], read_record(p.parent)["choices"]["scale"]) == ("mixed", "none")
+    ]
+    rec = json.loads(path.read_text())
+    for lost in rec["grad_stats"]["lost_updates"]["networks"].values():
+        for step in lost["steps"]:
+            step["lr"] = 999.0
+    path.write_text(json.dumps(rec))
+    build_report([sweep], out, None)
+    by_step = pd.read_csv(out / "tables" / "lost_updates_by_step.csv")
+    assert len(by_step) == 16 and 999.0 not in set(by_step.lr)  # 4 runs x 2 networks x 2 sampled steps
+    logged = {
+        (row["group"], row["step"]): row["lr"] for row in map(json.loads, (path.parent / "metrics.jsonl").read_text().splitlines()) if row["kind"] == "train"
+    }
+    mine = by_step[by_step.run_dir.str.endswith(path.parent.name)]
+    assert len(mine) == 4 and all(logged[(r.network, r.step)] == r.lr for r in mine.itertuples())
 
 
 def test_a_sampled_step_is_left_out_of_its_throughput_window(monkeypatch):

@@ -462,3 +462,22 @@ def test_a_declaration_after_the_runs_gives_the_comparisons_table(swept, report,
     assert "## Comparisons" in (tmp_path / "out" / "report.md").read_text()
     code, _, err = report_cli(capsys, swept, "--out", tmp_path / "out", "--comparisons", tmp_path / "nothing.yaml")
     assert code == 2 and err.strip() == f"mpt-report: error: --comparisons {tmp_path / 'nothing.yaml'}: no such file"
+
+
+@pytest.mark.slow
+def test_the_loss_shift_control_is_tabled_and_drawn_against_k(tmp_path):
+    runs = tmp_path / "runs"
+    r = mpt_run(
+        "-m", "model=mobilenet_v3_small", "precision=fp32,mixed", "scale.shift_down=0,24", "schedule=smoke",
+        "stats.grad_hist=true", "stats.every=1", "checkpoint=false", "logger=none", f"hydra.sweep.dir={runs}", cwd=ROOT,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    build_report([runs], tmp_path / "report", None)
+    table = pd.read_csv(tmp_path / "report" / "tables" / "shift_control.csv").set_index(["mode", "k"])
+    assert sorted(table.index) == [("FP32", 0), ("FP32", 24), ("Mixed", 0), ("Mixed", 24)]
+    # FP32 is the same run at any k; FP16 flushes more of the shifted activation gradients to zero.
+    assert table.loc[("FP32", 24), "mean"] == table.loc[("FP32", 0), "mean"]
+    assert table.loc[("FP32", 24), "activation_share_zero"] == table.loc[("FP32", 0), "activation_share_zero"]
+    assert table.loc[("Mixed", 24), "activation_share_zero"] > table.loc[("Mixed", 0), "activation_share_zero"] + 0.1
+    (figure,) = (tmp_path / "report" / "figures").glob("shift_*.png")
+    assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -6,6 +6,7 @@ import argparse
 import re
 import sys
 from pathlib import Path
+from typing import Iterable
 
 import pandas as pd
 
@@ -14,7 +15,7 @@ from ..runner import identity
 from ..runner.record import RecordError
 from . import comparisons, figures, tables
 from .output import write_text
-from .records import load_atlas, load_curves, load_overflow_origins, load_runs, shown_path
+from .records import load_atlas, load_curves, load_lost_update_steps, load_overflow_origins, load_runs, shown_path
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 
@@ -43,7 +44,7 @@ def _figure_entry(path: Path, runs: pd.DataFrame) -> str:
     return entry + (f"\n\nvariant {tag[1]}: `{variants[tag[1]]}`" if tag and tag[1] in variants else "")
 
 
-def build_report(paths: list[Path], out: Path, published_path: Path | None, declared: comparisons.Declared | None = None) -> list[Path]:
+def build_report(paths: list[Path], out: Path, published_path: Path | None, declared: Iterable[comparisons.Declared] = ()) -> list[Path]:
     runs = load_runs(paths)
     if runs.empty:
         raise SystemExit(f"mpt-report: error: no result.json under {', '.join(map(str, paths))}")
@@ -67,6 +68,7 @@ def build_report(paths: list[Path], out: Path, published_path: Path | None, decl
     atlas_rows = load_atlas(runs)
     at = tables.atlas(atlas_rows)
     origins = load_overflow_origins(runs)
+    shifted = tables.shift_control(runs)
     sections = [
         (
             "Comparisons (each cell against its baseline, paired by seed: Δ and its 95% Student-t interval, the verdict by the margin the experiment declared)",
@@ -95,6 +97,12 @@ def build_report(paths: list[Path], out: Path, published_path: Path | None, decl
         ),
         ("Model FLOPs utilization (model FLOPs per sample x samples/s over the GPU's dense peak for the mode's math)", "mfu", util, tables.render_mfu(util)),
         ("Loss scaling", "loss_scaling", ls, tables.render_loss_scaling(ls)),
+        (
+            "The loss-scaling control (the loss times 2^-k before the backward, the gradients times 2^k before the update)",
+            "shift_control",
+            shifted,
+            tables.render_shift_control(shifted),
+        ),
         (
             "Where skipped steps overflowed first (per run: the module and tensor whose values became non-finite first, and how many skips each caused)",
             "overflow_origins",
@@ -137,9 +145,13 @@ def build_report(paths: list[Path], out: Path, published_path: Path | None, decl
         text.append(f"## {title}\n\n" + write_table(df, md, out, name, written) + "\n")
 
     curves = load_curves(runs)
+    lost_steps = load_lost_update_steps(runs, curves)
+    if not lost_steps.empty:  # one row per sampled step: a CSV to read, not a table to print
+        shown_steps = lost_steps.drop(columns=["precision_order", "scale_order"]).map(shown_path)
+        written.append(write_text(out, "tables", "lost_updates_by_step.csv", text=shown_steps.to_csv(index=False)))
     figs = figures.loss_curves(curves, out / "figures") + figures.loss_scale_curves(curves, out / "figures") + figures.throughput_bars(tp, out / "figures")
-    figs += figures.sample_grids(runs, out / "figures") + figures.gradient_histograms(runs, out / "figures")
-    figs += figures.gradient_histograms_over_training(runs, out / "figures") + figures.lost_update_curves(runs, curves, out / "figures")
+    figs += figures.shift_control(shifted, out / "figures") + figures.sample_grids(runs, out / "figures") + figures.gradient_histograms(runs, out / "figures")
+    figs += figures.gradient_histograms_over_training(runs, out / "figures") + figures.lost_update_curves(lost_steps, curves, out / "figures")
     figs += figures.atlas_heatmaps(atlas_rows, out / "figures") + figures.atlas_histograms(runs, out / "figures")
     written += figs
     # figures/ is the report's own: a figure an earlier report drew for a cell that no longer exists
@@ -158,9 +170,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--comparisons",
         type=Path,
-        default=None,
+        action="append",
+        default=[],
         metavar="FILE",
-        help="an experiment declaration (a preset, or its experiment: node) applied to the runs whose records declare none; the table says it came after the runs",
+        help="an experiment declaration (a preset, or its experiment: node) applied to the runs whose records declare none; the table says it came after the runs (repeatable)",
     )
     ap.add_argument("--published", type=Path, default=None, help="published values CSV (default: results/paper/published.csv)")
     args = ap.parse_args(argv)
@@ -169,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"mpt-report: error: no such folder: {', '.join(missing)}", file=sys.stderr)
         sys.exit(2)
     try:
-        declared = comparisons.load_declaration(args.comparisons) if args.comparisons else None
+        declared = [comparisons.load_declaration(path) for path in args.comparisons]
         written = build_report(args.paths, args.out, args.published or default_published(), declared)
     except (RecordError, comparisons.DeclarationError) as e:  # a result.json that is not a record this version reads: name it, write nothing more
         print(f"mpt-report: error: {e}", file=sys.stderr)

@@ -23,7 +23,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import pandas as pd
 from omegaconf import OmegaConf
@@ -91,9 +91,9 @@ def load_declaration(path: Path) -> Declared:
     return Declared.from_dict(node, source=f"after the runs, in {path.name}")
 
 
-def declarations(runs: pd.DataFrame, extra: Declared | None = None) -> list[Declared]:
-    """The experiments the records declare, each with its runs, and `extra` over the runs that
-    declare none. Records of one experiment must declare it alike: a margin changed between
+def declarations(runs: pd.DataFrame, extra: Iterable[Declared] = ()) -> list[Declared]:
+    """The experiments the records declare, each with its runs, and each of `extra` over the runs
+    that declare none. Records of one experiment must declare it alike: a margin changed between
     launches is not a margin fixed before the runs."""
     found: list[Declared] = []
     column = "config.experiment.name"
@@ -113,8 +113,8 @@ def declarations(runs: pd.DataFrame, extra: Declared | None = None) -> list[Decl
             )
         ((declared, _),) = seen.values()
         found.append(_covering(declared, group))
-    if extra is not None and (~named).any():
-        found.append(_covering(extra, runs[~named]))
+    for late in extra if (~named).any() else []:
+        found.append(_covering(late, runs[~named]))
     return found
 
 
@@ -198,7 +198,7 @@ COLUMNS = [
 ]  # fmt: skip
 
 
-def comparisons(runs: pd.DataFrame, extra: Declared | None = None) -> pd.DataFrame:
+def comparisons(runs: pd.DataFrame, extra: Iterable[Declared] = ()) -> pd.DataFrame:
     """One row per (declared comparison, matching cell): the paired difference, its interval and verdict."""
     rows = []
     for declared in declarations(runs, extra):

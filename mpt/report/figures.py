@@ -22,6 +22,7 @@ from ..precision.formats import BlockFormat, FloatFormat, get_format  # noqa: E4
 from ..runner import identity  # noqa: E402
 from ..runner.record import RunRecord  # noqa: E402
 from .output import UnsafeName, target  # noqa: E402
+from .tables import PERCENT_METRICS  # noqa: E402
 
 
 def _modes_in_order(df: pd.DataFrame) -> list[str]:
@@ -148,6 +149,32 @@ def throughput_bars(table: pd.DataFrame, out: Path) -> list[Path]:
         ax.grid(axis="y", alpha=0.3)
         at = "_".join([_slug(device), data, schedule, f"b{batch:g}", *([] if pd.isna(size) else [f"{size:g}px"])])
         _save(fig, out, f"{identity.named(f'throughput_{at}', variant)}.png", written)
+    return written
+
+
+def shift_control(table: pd.DataFrame, out: Path) -> list[Path]:
+    """The loss-scaling control against k (the loss times 2^-k, the gradients times 2^k): the final
+    metric (mean over seeds, each seed a dot) above the share of activation gradients left zero,
+    one line per mode. The paper's claim shows as FP32 flat, unscaled mixed falling once FP16
+    flushes a growing share, and dynamic scaling flat."""
+    written: list[Path] = []
+    if table.empty:
+        return written
+    for keys, df in table.fillna({"variant": ""}).groupby(["model", "data", "schedule", "variant"]):
+        stem, title = _cell_name(keys)
+        fig, (ax, ax_zero) = plt.subplots(2, 1, sharex=True, figsize=(7, 5.5), height_ratios=[3, 2], layout="constrained")
+        for mode in _modes_in_order(df):
+            rows = df[df["mode"] == mode].sort_values("k")
+            scale = 100 if rows.metric.iloc[0] in PERCENT_METRICS else 1
+            ax.errorbar(rows.k, rows["mean"] * scale, yerr=rows["std"].fillna(0) * scale, marker="o", capsize=3, lw=1.2, label=mode)
+            ax_zero.plot(rows.k, rows.activation_share_zero * 100, marker="o", lw=1.2, label=mode)
+        metric = df.metric.iloc[0]
+        ax.set(ylabel=f"{metric}{' (%)' if metric in PERCENT_METRICS else ''}\n(mean ± std over seeds)", title=f"loss shifted down by 2^k: {title}")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+        ax_zero.set(xlabel="k", ylabel="% of activation\ngradients zero")
+        ax_zero.grid(alpha=0.3)
+        _save(fig, out, f"shift_{stem}.png", written)
     return written
 
 
@@ -286,37 +313,20 @@ def gradient_histograms(runs: pd.DataFrame, out: Path) -> list[Path]:
     return written
 
 
-def lost_update_curves(runs: pd.DataFrame, curves: pd.DataFrame, out: Path) -> list[Path]:
+def lost_update_curves(steps: pd.DataFrame, curves: pd.DataFrame, out: Path) -> list[Path]:
     """For each model: the share of updates lost in FP16 at each sampled step, one line per mode
     and network (mean over seeds), above the learning rate every step ran with. The paper's case
     for a master copy (Section 3.1) is that this share grows as the learning rate falls. FP16
     weights updated in place count what they lost; the others what an FP16 weight would lose.
 
-    The learning rate comes from the training log (`curves`), not from the record's sampled steps:
-    older records label a sampled step just before a drop with the lr after it (the collector read
-    it after the step's update had advanced the schedule)."""
+    `steps` is records.load_lost_update_steps'; the learning rate comes from the training log
+    (`curves`), not from the record's sampled steps, whose older records hold the rate after the step."""
     written: list[Path] = []
-    counted = [c for c in runs.columns if c.startswith("lost.") and c.endswith(".updated")]
-    if not counted:
+    if steps.empty:
         return written
-    rows = []
-    for _, run in runs[runs[counted].notna().any(axis=1)].fillna({"variant": ""}).iterrows():
-        stats = _grad_stats_of(run)[0]
-        nets = {net: lost for net, lost in (stats.get("lost_updates") or {}).get("networks", {}).items() if lost}
-        for net, lost in nets.items():
-            for s in lost["steps"]:
-                rows.append(
-                    {
-                        **{k: run[k] for k in [*CELL_KEYS, "mode", "precision_order", "scale_order", "seed"]},
-                        "group": net,
-                        "counted": lost.get("counted", "would_be_lost"),
-                        **{k: s[k] for k in ("step", "share_lost_fp16")},
-                    }
-                )
-    if not rows:
-        return written
+    df_all = steps.rename(columns={"network": "group"}).fillna({"variant": ""})
     logged = dict(iter(curves.fillna({"variant": ""}).groupby(CELL_KEYS))) if not curves.empty else {}
-    for keys, df in pd.DataFrame(rows).groupby(CELL_KEYS):
+    for keys, df in df_all.groupby(CELL_KEYS):
         stem, title = _cell_name(keys)
         fig, (ax, ax_lr) = plt.subplots(2, 1, sharex=True, figsize=(7, 5.5), height_ratios=[3, 1], layout="constrained")
         for label, lines in _lines(df):

@@ -324,6 +324,7 @@ def load_curves(runs: pd.DataFrame) -> pd.DataFrame:
         for col in ("loss", "scale"):
             train[col] = train[col].map(_number)
         train = train.assign(
+            run_dir=run.run_dir,
             model=run.model,
             data=run.data,
             schedule=run.schedule,
@@ -336,3 +337,33 @@ def load_curves(runs: pd.DataFrame) -> pd.DataFrame:
         )
         frames.append(train)
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+def load_lost_update_steps(runs: pd.DataFrame, curves: pd.DataFrame) -> pd.DataFrame:
+    """Per run, network and sampled step: the share of updates lost in FP16 and the learning rate
+    that step ran with, read from the run's training log. The record's own `lr` of a sampled step is
+    that rate only in records made since 2026-11-27; older ones hold the rate after the step, so the
+    step just before each drop carries the lower one."""
+    counted = [c for c in runs.columns if c.startswith("lost.") and c.endswith(".updated")]
+    rows = []
+    for _, run in runs[runs[counted].notna().any(axis=1)].iterrows() if counted else []:
+        stats = RunRecord.load(Path(run["run_dir"]) / "result.json").grad_stats or {}
+        for net, lost in ((stats.get("lost_updates") or {}).get("networks") or {}).items():
+            for s in (lost or {}).get("steps", []):
+                rows.append(
+                    {
+                        "run_dir": run["run_dir"],
+                        **{k: run[k] for k in ["model", "data", "schedule", "variant", "mode", "precision_order", "scale_order", "seed"]},
+                        "network": net,
+                        "counted": lost.get("counted", "would_be_lost"),
+                        "step": s["step"],
+                        "share_lost_fp16": s["share_lost_fp16"],
+                    }
+                )
+    table = pd.DataFrame(rows)
+    if table.empty:
+        return table
+    if curves.empty:
+        return table.assign(lr=float("nan"))
+    logged = curves[["run_dir", "group", "step", "lr"]].rename(columns={"group": "network"}).drop_duplicates(["run_dir", "network", "step"])
+    return table.merge(logged, on=["run_dir", "network", "step"], how="left")

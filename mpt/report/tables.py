@@ -10,6 +10,7 @@ import math
 
 import pandas as pd
 
+from ..runner import identity
 from .records import GRAD_FIELDS
 
 # Metrics that records keep as fractions and papers print as percentages.
@@ -241,6 +242,69 @@ def lost_updates(runs: pd.DataFrame) -> pd.DataFrame:
                 }
             )
     return pd.DataFrame(rows)
+
+
+SHIFT = "config.scale.shift_down"
+
+
+def _without_shift(variant: str) -> str:
+    return ",".join(p for p in identity.variant_parts(variant or "") if not p.startswith("scale.shift_down="))
+
+
+def shift_control(runs: pd.DataFrame) -> pd.DataFrame:
+    """The loss-scaling control (scale.shift_down = k): per setup, mode and k, the final metric over
+    the seeds that finished, how many diverged, and the share of activation gradients that were zero
+    as the backward left them (FP16 flushes what 2^-k pushes below its subnormals; FP32's zeros are
+    the network's own). Empty unless some run shifted."""
+    if SHIFT not in runs or not (runs[SHIFT].fillna(0) > 0).any():
+        return pd.DataFrame()
+    shifted = runs.assign(k=runs[SHIFT].fillna(0).astype(int), setup_variant=runs["variant"].map(_without_shift))
+    rows = []
+    for (model, data, schedule, variant, mode, k), group in shifted.groupby(["model", "data", "schedule", "setup_variant", "mode", "k"], sort=True):
+        ok = results(group)
+        metric = f"metric.{group.primary_metric.iloc[0]}"
+        zero = "grad.model.activation.share_zero"
+        values = ok[metric].dropna() if metric in ok else pd.Series(dtype=float)
+        zeros = ok[zero].dropna() if zero in ok else pd.Series(dtype=float)
+        rows.append(
+            {
+                "model": model,
+                "data": data,
+                "schedule": schedule,
+                "variant": variant,
+                "mode": mode,
+                "precision_order": group.precision_order.iloc[0],
+                "scale_order": group.scale_order.iloc[0],
+                "k": k,
+                "metric": group.primary_metric.iloc[0],
+                "runs": len(group),
+                "diverged": int((group.status == "diverged").sum() + skipped_every_step(group).sum()),
+                "n": len(values),
+                "mean": values.mean() if len(values) else math.nan,
+                "std": values.std(ddof=1) if len(values) > 1 else math.nan,
+                "activation_share_zero": zeros.mean() if len(zeros) else math.nan,
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def render_shift_control(table: pd.DataFrame) -> str:
+    if table.empty:
+        return "_no run shifted its loss (scale.shift_down)_"
+    shown = pd.DataFrame(
+        {
+            "setup": table.model + " " + table.data + " " + table.schedule + table.variant.map(lambda v: f" [{v}]" if v else ""),
+            "mode": table["mode"],
+            "k": table.k,
+            table.metric.iloc[0]: [
+                "-" if n == 0 else _fmt_metric(m, mean) + ("" if n < 2 else f" ± {_fmt_metric(m, sd)}")
+                for m, mean, sd, n in zip(table.metric, table["mean"], table["std"], table.n)
+            ],
+            "n": table.n.astype(str) + table.diverged.map(lambda d: f" (+{d} diverged)" if d else ""),
+            "% of activation gradients zero": table.activation_share_zero.map(lambda v: "-" if pd.isna(v) else f"{v * 100:.2f}"),
+        }
+    )
+    return _md(shown)
 
 
 def render_lost_updates(table: pd.DataFrame) -> str:
