@@ -278,17 +278,16 @@ def render(table: pd.DataFrame) -> str:
     """The comparisons as Markdown: Δ is the cell minus its baseline, paired by seed; percentages in points."""
     if table.empty:
         return "(no experiment declares comparisons for these runs)"
+    unpaired = table[table.against.isna()]
+    table = table[table.against.notna()]
     shown = pd.DataFrame(
         {
             "experiment": table.experiment,
-            "setup": table.device_type.fillna("")
-            + " "
-            + table.model
-            + " "
-            + table.data
-            + " "
-            + table.schedule
-            + table.variant.map(lambda v: f" [{v}]" if v else ""),
+            # A variant runs to hundreds of characters: named by its tag, spelled out below the table.
+            "setup": [
+                f"{d} {m} {data} {s}" + (f" (variant {identity.tag(v)})" if v else "")
+                for d, m, data, s, v in zip(table.device_type.fillna(""), table.model, table.data, table.schedule, table.variant)
+            ],
             "cell": table.cell,
             "against": table.against.fillna("-"),
             "metric": table.metric,
@@ -304,4 +303,8 @@ def render(table: pd.DataFrame) -> str:
             "declared": table.declared,
         }
     )
-    return _md(shown)
+    variants = sorted(v for v in pd.concat([table.variant, unpaired.variant]).dropna().unique() if v)
+    missing = [f"{r.cell} ({r.model}{f', variant {identity.tag(r.variant)}' if r.variant else ''}; {r.experiment}): {r.note}" for r in unpaired.itertuples()]
+    text = _md(shown) if len(table) else "(no compared cell has its baseline among these runs)"
+    text += "\n\nCells a comparison matches without a baseline (not tested): " + "; ".join(missing) if missing else ""
+    return text + "".join(f"\n\nvariant {identity.tag(v)}: `{v}`" for v in variants)

@@ -293,7 +293,7 @@ def render_shift_control(table: pd.DataFrame) -> str:
         return "_no run shifted its loss (scale.shift_down)_"
     shown = pd.DataFrame(
         {
-            "setup": table.model + " " + table.data + " " + table.schedule + table.variant.map(lambda v: f" [{v}]" if v else ""),
+            "setup": table.model + " " + table.data + " " + table.schedule + table.variant.map(lambda v: f" (variant {identity.tag(v)})" if v else ""),
             "mode": table["mode"],
             "k": table.k,
             table.metric.iloc[0]: [
