@@ -192,7 +192,7 @@ def finding(found: Verdict, expect: str | None, converged: bool) -> str:
 
 
 COLUMNS = [
-    "experiment", "device_type", "model", "data", "schedule", "variant", "cell", "against", "metric", "n", "diverged",
+    "experiment", "device_type", "model", "data", "schedule", "variant", "cell", "against", "against_variant", "metric", "n", "diverged",
     "cell_mean", "against_mean", "delta", "ci_low", "ci_high", "margin", "verdict", "expect", "finding",
     "converged", "declared", "claim", "note",
 ]  # fmt: skip
@@ -232,7 +232,9 @@ def _row(declared: Declared, spec: dict, metric: str, cell: pd.DataFrame, bases:
         row.update(n=0, diverged=0, against=None, verdict=Verdict.inconclusive.value, finding="not tested")
         row["note"] = "no baseline runs" if base_cells.ngroups == 0 else f"{base_cells.ngroups} cells match `against`: name more settings"
         return row
-    row["against"] = base["mode"].iloc[0] + (f" [{base['variant'].iloc[0]}]" if base["variant"].iloc[0] not in ("", first["variant"]) else "")
+    other = base["variant"].iloc[0]  # the baseline's own variant, by tag, where it is not the cell's
+    row["against_variant"] = other
+    row["against"] = base["mode"].iloc[0] + (f" (variant {identity.tag(other)})" if other not in ("", first["variant"]) else "")
     higher = bool(first["higher_is_better"])
     finished_base = results(base).set_index("seed")
     diffs, cell_values, base_values, diverged = [], [], [], 0
@@ -304,6 +306,7 @@ def render(table: pd.DataFrame) -> str:
         }
     )
     variants = sorted(v for v in pd.concat([table.variant, unpaired.variant]).dropna().unique() if v)
+    variants += sorted({v for v in table.against_variant.dropna() if v and v not in variants}) if "against_variant" in table else []
     missing = [f"{r.cell} ({r.model}{f', variant {identity.tag(r.variant)}' if r.variant else ''}; {r.experiment}): {r.note}" for r in unpaired.itertuples()]
     text = _md(shown) if len(table) else "(no compared cell has its baseline among these runs)"
     text += "\n\nCells a comparison matches without a baseline (not tested): " + "; ".join(missing) if missing else ""

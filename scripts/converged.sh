@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# A converged setting: every preset of its family (configs/experiment/<setting>*.yaml, each declaring
+# the setting's metric, margin and comparisons before its runs), into results/converged/<setting>/,
+# then its report, whose tables/comparisons.md holds the verdicts:
+#   scripts/converged.sh cifar10_resnet20|multi30k_gnmt|ptb_biglstm [--report-only] [override ...]
+# Overrides go to every preset (seed=0,1,2,3,4 for a GPU's five seeds; device=cpu). A relaunch skips
+# the runs already finished and resumes an interrupted one from its checkpoint.
+set -euo pipefail
+setting=${1:?usage: scripts/converged.sh cifar10_resnet20|multi30k_gnmt|ptb_biglstm [--report-only] [override ...]}
+shift
+report_only=false
+if [ "${1:-}" = --report-only ]; then
+  report_only=true
+  shift
+fi
+out=${OUT:-results/converged/$setting}  # OUT: another folder (a dry run)
+presets=$(cd configs/experiment && ls "$setting".yaml "$setting"_*.yaml 2>/dev/null | sed 's/\.yaml$//')
+if [ -z "$presets" ] || [ ! -e "configs/experiment/$setting.yaml" ]; then
+  echo "scripts/converged.sh: no preset configs/experiment/$setting.yaml (expected cifar10_resnet20, multi30k_gnmt or ptb_biglstm)" >&2
+  exit 2
+fi
+if [ "$setting" = cifar10_resnet20 ] && [ ! -d .data/cifar10 ]; then
+  mkdir -p .data && tar -xzf ../shared/data/cifar10.tar.gz -C .data  # the presets read .data/cifar10
+fi
+# One sweep per preset: a preset's cells are its own sweeper's (a sweep over presets would not apply them).
+for preset in $presets; do
+  $report_only || python -m mpt.runner.cli -m "experiment=$preset" "hydra.sweep.dir=$out" "$@"
+done
+python -m mpt.report.cli "$out" --out "$out/report"
