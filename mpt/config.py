@@ -595,8 +595,6 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(
             f"precision {p.name}: update_rule={p.update_rule.name} updates FP16 weights in place; needs param_dtype=float16 and no master weights"
         )
-    if p.update_rule != Update.optimizer and p.norm_fp32:
-        raise ConfigError(f"precision {p.name}: update_rule={p.update_rule.name} updates FP16 weights only; norm_fp32 must be false")
     if p.update_rule != Update.optimizer and cfg.optim.name != "sgd":
         raise ConfigError(
             f"precision {p.name}: its FP16 update is momentum SGD and cannot run optim.name={cfg.optim.name}; use optim.name=sgd, or precision=mixed"

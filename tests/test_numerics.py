@@ -422,3 +422,29 @@ def test_a_shift_beyond_fp32s_normal_range_is_refused():
 
     with pytest.raises(ConfigError, match=r"^scale.shift_down=127: must be an integer from 0 to 126"):
         validate(compose_cfg("scale.shift_down=127"))
+
+
+@pytest.mark.parametrize("precision", ["fp16", "fp16_modmom"])
+def test_fp16_weights_with_fp32_batch_norm_update_it_by_their_rule_in_fp32(precision):
+    # Naruse's arrangement: convolutions and their weights FP16, batch-norm's parameters and
+    # statistics FP32, every weight updated by the FP16 solver's rule (float64 oracle, first step:
+    # v = -lr*(g/S + wd*w) for both rules), the FP32 ones stored in FP32: had they been stored in
+    # FP16, they would be 1e-4 off or more, far outside the FP32 tolerance below.
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 5))
+    cfg = compose_cfg(
+        f"precision={precision}", "scale=static", "scale.value=64", "precision.norm_fp32=true", "schedule.batch_size=256", "optim.lr=0.05", "optim.weight_decay=1e-3"
+    )
+    engine = PrecisionEngine(net, cfg, build_scaler(cfg), [], CPU)
+    model = engine.model
+    assert model[0].weight.dtype == F16 and model[4].weight.dtype == F16
+    assert model[1].weight.dtype == model[1].running_var.dtype == torch.float32
+    x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 5, (4,))
+    engine.backward(nn.functional.cross_entropy(model(x.half()).float(), y))
+    before = {n: (p.detach().double().clone(), p.grad.double().clone()) for n, p in model.named_parameters()}
+    assert engine.step()
+    for name, p in model.named_parameters():
+        w, g = before[name]
+        expected = (w - 0.05 * (g / 64 + 1e-3 * w)).to(p.dtype)
+        # FP32: within the FP32 update arithmetic's few roundings; FP16: one FP16 ulp of these weights
+        torch.testing.assert_close(p.detach(), expected, rtol=1e-6 if p.dtype == torch.float32 else 0, atol=1e-9 if p.dtype == torch.float32 else 1e-3)

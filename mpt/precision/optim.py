@@ -18,7 +18,8 @@ from .lost_updates import LostUpdates
 
 
 class FP16MomentumSGD(torch.optim.Optimizer):
-    """SGD for FP16 weights without a master copy.
+    """SGD for FP16 weights without a master copy (and for the FP32 batch-norm of Naruse's arrangement,
+    by the same rule, stored in FP32).
 
     classic (NVCaffe):      v = m*v - lr*(g + wd*w);   w = w + v        (v in weight units)
     modified (Naruse 2017): G = m*G + (g + wd*w);      w = w - lr*G     (G in gradient units)
@@ -37,8 +38,10 @@ class FP16MomentumSGD(torch.optim.Optimizer):
         self.lost: dict[torch.nn.Parameter, LostUpdates] | None = None  # while a dict, steps count the updates each weight lost
         for group in self.param_groups:
             for p in group["params"]:
-                if p.dtype != torch.float16:
-                    raise TypeError(f"FP16MomentumSGD updates FP16 weights; got a {p.dtype} parameter of shape {tuple(p.shape)}")
+                # FP32 ones: batch-norm kept in FP32 (precision.norm_fp32, Naruse's arrangement), updated
+                # by the same rule and stored in FP32
+                if p.dtype not in (torch.float16, torch.float32):
+                    raise TypeError(f"FP16MomentumSGD updates FP16 (and FP32) weights; got a {p.dtype} parameter of shape {tuple(p.shape)}")
 
     @torch.no_grad()
     def step(self, closure=None, grad_scale: float = 1.0, grad_coef: float | torch.Tensor = 1.0, clipped: set[int] | None = None):
@@ -55,7 +58,8 @@ class FP16MomentumSGD(torch.optim.Optimizer):
                     state["momentum"] = torch.zeros_like(p)
                     state["scale"] = held
                 coef = grad_coef if clipped is None or id(p) in clipped else 1.0
-                lost = None if self.lost is None else self.lost.setdefault(p, LostUpdates(p.device))
+                # updates lost by FP16 weights only: an FP32 one keeps what FP32 keeps
+                lost = None if self.lost is None or p.dtype != torch.float16 else self.lost.setdefault(p, LostUpdates(p.device))
                 for w16, g16, buf in _pieces(p, p.grad, state["momentum"]):
                     w = w16.float()
                     before = None if lost is None else w16.clone()
