@@ -153,3 +153,12 @@ def test_a_declaration_given_after_the_runs_covers_only_undeclared_runs_and_says
     (tmp_path / "bad.yaml").write_text("experiment:\n  name: x\n  metric: top1\n  margin: 0.1\n  comparisons: [{cell: {precision: mixed}, against: {}}]\n")
     with pytest.raises(DeclarationError, match="names nothing in `against`"):
         comparisons.load_declaration(tmp_path / "bad.yaml")
+
+
+def test_a_cell_that_is_its_own_baseline_is_not_compared():
+    # {precision: fp32} against {precision: fp32, ...}: the FP32 cell itself would be compared with
+    # itself, a difference of exactly zero that could not have come out otherwise.
+    own = {**DECLARED, "comparisons": [{"cell": {"precision": "fp32"}, "against": {"precision": "fp32", "scale": "none"}, "expect": "equivalent"}]}
+    rows = [run("fp32", s, v, declared=own) for s, v in enumerate(FP32)] + [run("fp32", s, v, scale="dynamic", declared=own) for s, v in enumerate(FP32)]
+    t = table(rows)
+    assert list(t.cell) == ["fp32 + LS (dynamic)"] and t.iloc[0]["verdict"] == "equivalent"

@@ -433,7 +433,13 @@ def test_fp16_weights_with_fp32_batch_norm_update_it_by_their_rule_in_fp32(preci
     torch.manual_seed(0)
     net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 5))
     cfg = compose_cfg(
-        f"precision={precision}", "scale=static", "scale.value=64", "precision.norm_fp32=true", "schedule.batch_size=256", "optim.lr=0.05", "optim.weight_decay=1e-3"
+        f"precision={precision}",
+        "scale=static",
+        "scale.value=64",
+        "precision.norm_fp32=true",
+        "schedule.batch_size=256",
+        "optim.lr=0.05",
+        "optim.weight_decay=1e-3",
     )
     engine = PrecisionEngine(net, cfg, build_scaler(cfg), [], CPU)
     model = engine.model

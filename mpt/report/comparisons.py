@@ -208,15 +208,21 @@ def comparisons(runs: pd.DataFrame, extra: Iterable[Declared] = ()) -> pd.DataFr
             cells = _matching(own, spec["cell"])
             bases = _matching(own, spec["against"])
             for _, cell in cells.groupby(CELL, dropna=False, sort=False):
-                rows.append(_row(declared, spec, metric, cell, bases))
+                row = _row(declared, spec, metric, cell, bases)
+                if row is not None:
+                    rows.append(row)
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
-def _row(declared: Declared, spec: dict, metric: str, cell: pd.DataFrame, bases: pd.DataFrame) -> dict:
+def _row(declared: Declared, spec: dict, metric: str, cell: pd.DataFrame, bases: pd.DataFrame) -> dict | None:
+    """The comparison of one cell with its baseline; None where the cell is its own baseline (a
+    comparison that could not fail)."""
     first = cell.iloc[0]
     rest = _rest(first, spec["against"])
     base = bases.loc[pd.Series([_rest(r, spec["against"]) == rest for _, r in bases.iterrows()], index=bases.index, dtype=bool)]
     base_cells = base.groupby(CELL, dropna=False, sort=False)
+    if set(base["run_dir"]) == set(cell["run_dir"]):
+        return None
     row: dict[str, Any] = {
         "experiment": declared.name,
         **{k: first[k] for k in ("device_type", "model", "data", "schedule", "variant")},

@@ -259,6 +259,9 @@ def shift_control(runs: pd.DataFrame) -> pd.DataFrame:
     if SHIFT not in runs or not (runs[SHIFT].fillna(0) > 0).any():
         return pd.DataFrame()
     shifted = runs.assign(k=runs[SHIFT].fillna(0).astype(int), setup_variant=runs["variant"].map(_without_shift))
+    setup = ["model", "data", "schedule", "setup_variant"]
+    # Only the setups where some run shifted: the others' runs are no part of this control.
+    shifted = shifted.groupby(setup, dropna=False, sort=False).filter(lambda g: bool((g.k > 0).any()))
     rows = []
     for (model, data, schedule, variant, mode, k), group in shifted.groupby(["model", "data", "schedule", "setup_variant", "mode", "k"], sort=True):
         ok = results(group)

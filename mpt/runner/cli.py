@@ -291,6 +291,13 @@ def preflight(args: list[str]) -> str | None:
         parsed = OverridesParser.create().parse_overrides(words)
     except OverrideParseException as e:
         return str(e).splitlines()[0]
+    if {"-m", "--multirun"} & set(args):
+        # A preset's sweep (hydra.sweeper.params) is part of every run of `mpt-run -m`: its values
+        # first, the command line's replacing those of the same key, as Hydra's sweeper does.
+        given = {o.get_key_element() for o in parsed}
+        preset = [w for w in _preset_params(words, parsed) if w.split("=")[0] not in given]
+        words = preset + words
+        parsed = OverridesParser.create().parse_overrides(words)
     plain, sweeps = [], []
     for text, o in zip(words, parsed):
         if o.key_or_group.split(".")[0].split("/")[0] == "hydra":
@@ -325,6 +332,18 @@ def preflight(args: list[str]) -> str | None:
         except ConfigError as e:
             return str(e)
     return None
+
+
+def _preset_params(words: list[str], parsed: list) -> list[str]:
+    """The `key=value` items of the sweep a preset named on the command line sets (none without one)."""
+    if not any(o.key_or_group == "experiment" for o in parsed):
+        return []
+    from hydra import compose, initialize_config_module
+
+    plain = [w for w, o in zip(words, parsed) if not o.is_sweep_override() and not o.key_or_group.startswith("hydra")]
+    with initialize_config_module(config_module="mpt.configs", version_base="1.3"):
+        params = compose(config_name="config", overrides=plain, return_hydra_config=True).hydra.sweeper.get("params") or {}
+    return [f"{k}={v}" for k, v in params.items()]
 
 
 def sweep_size(args: list[str]) -> int | None:
