@@ -204,8 +204,9 @@ class ScaleConfig:
     std_devs: float = 3.09  # auto: standard deviations of headroom (OpenSeq2Seq's; 99.9% of a normal)
     margin_bits: float = 1.0  # auto: powers of two of headroom on top
     # A control for loss scaling, with any strategy: k multiplies the loss by 2^-k before the
-    # backward and the gradients by 2^k before the update. Exact in FP32 (the run is the same bit for
-    # bit); in FP16 it pushes the gradients down into and past FP16's subnormals.
+    # backward and the gradients by 2^k before the update. Exact in FP32 while the shifted gradients
+    # stay normal FP32 numbers (the run is the same bit for bit); in FP16 it pushes the gradients
+    # down into and past FP16's subnormals.
     shift_down: int = 0
 
 
@@ -404,7 +405,7 @@ class ComparisonConfig:
 
     cell: dict[str, Any] = field(default_factory=dict)
     against: dict[str, Any] = field(default_factory=dict)
-    expect: Verdict = Verdict.equivalent  # what the paper claims the comparison shows
+    expect: Optional[Verdict] = None  # what the paper claims the comparison shows (null: no claim, a measurement)
     claim: str = ""  # the paper's words, with where they are
 
 
@@ -418,6 +419,9 @@ class ExperimentConfig:
     metric: str = MISSING  # a key of the task's evaluation (top1, test_bleu, test_perplexity, ...)
     margin: float = MISSING  # in the metric's units (a fraction for top1), or
     relative: bool = False  # as a fraction of the baseline cell's mean (perplexity's 2%)
+    # whether a larger metric is better; null: the task's own direction for its metric and test_<metric>,
+    # lower for a *loss or *ppl
+    higher_is_better: Optional[bool] = None
     # FP32 reaches its plateau under this recipe, as measured (the preset's header says where):
     # only a converged experiment's verdicts say "reproduced" or "contradicted"
     converged: bool = False
@@ -454,6 +458,16 @@ class Config:
     resume: bool = True  # continue from the run folder's checkpoint when there is one
     checkpoint: bool = True  # write checkpoints (every schedule.checkpoint_every steps and at the end)
     logger: Optional[str] = "tensorboard"  # event files in the run's folder beside metrics.jsonl (runner/tensorboard_log.py) | none
+
+
+def _pow2(exponent: float, plus: float = 0) -> float:
+    """2^(exponent + plus): for a preset whose setting follows another (a dynamic scaler's range that
+    follows scale.shift_down, `${mpt_pow2:${scale.shift_down},16}`)."""
+    return 2.0 ** (float(exponent) + float(plus))
+
+
+if not OmegaConf.has_resolver("mpt_pow2"):
+    OmegaConf.register_new_resolver("mpt_pow2", _pow2)
 
 
 def register_configs() -> None:

@@ -14,7 +14,7 @@ if [ "${1:-}" = --report-only ]; then
   shift
 fi
 out=${OUT:-results/converged/$setting}  # OUT: another folder (a dry run)
-presets=$(cd configs/experiment && ls "$setting".yaml "$setting"_*.yaml 2>/dev/null | sed 's/\.yaml$//')
+presets=$(cd configs/experiment && for f in "$setting".yaml "$setting"_*.yaml; do [ -e "$f" ] && echo "${f%.yaml}"; done || true)
 if [ -z "$presets" ] || [ ! -e "configs/experiment/$setting.yaml" ]; then
   echo "scripts/converged.sh: no preset configs/experiment/$setting.yaml (expected cifar10_resnet20, multi30k_gnmt or ptb_biglstm)" >&2
   exit 2

@@ -41,6 +41,7 @@ def run(precision: str, seed: int, value: float | None, scale: str = "none", sta
         "variant": variant,
         "mode": mode_label(precision, scale, None),
         "seed": seed,
+        "primary_metric": "top1",
         "higher_is_better": True,
         "skipped_every_step": False,
         "metric.top1": value,
@@ -162,3 +163,30 @@ def test_a_cell_that_is_its_own_baseline_is_not_compared():
     rows = [run("fp32", s, v, declared=own) for s, v in enumerate(FP32)] + [run("fp32", s, v, scale="dynamic", declared=own) for s, v in enumerate(FP32)]
     t = table(rows)
     assert list(t.cell) == ["fp32 + LS (dynamic)"] and t.iloc[0]["verdict"] == "equivalent"
+
+
+def test_a_lower_is_better_metric_turns_a_rise_into_worse():
+    lm = {**DECLARED, "metric": "test_ppl", "margin": 0.02, "relative": True}
+    rows = [{**run("fp32", s, None, declared=lm), "primary_metric": "ppl", "higher_is_better": False, "metric.test_ppl": 200.0 + s} for s in range(3)]
+    rows += [{**run("mixed", s, None, declared=lm), "primary_metric": "ppl", "higher_is_better": False, "metric.test_ppl": 215.0 + s * 1.1} for s in range(3)]
+    t = table(rows).iloc[0]
+    assert t["delta"] > 0 and t["ci_low"] > t["margin"] and t["verdict"] == "worse"
+
+
+def test_a_metric_not_the_tasks_own_takes_its_direction_from_its_name_or_the_declaration():
+    loss = {**DECLARED, "metric": "val_loss", "margin": 0.01}
+    rows = [{**run("fp32", s, 0.9, declared=loss), "metric.val_loss": 1.0 + s * 0.01} for s in range(3)]
+    rows += [{**run("mixed", s, 0.9, declared=loss), "metric.val_loss": 0.9 + s * 0.011} for s in range(3)]
+    assert table(rows).iloc[0]["verdict"] == "better"  # a lower loss, on a task whose top1 is higher-is-better
+    odd = {**DECLARED, "metric": "top5"}
+    with pytest.raises(DeclarationError, match="metric=top5 is not the task's own"):
+        table([{**run(p, 0, 0.9, declared=odd), "metric.top5": 0.9} for p in ("fp32", "mixed")])
+    rows = [{**run(p, s, 0.9, declared={**odd, "higher_is_better": True}), "metric.top5": 0.9 + s / 100} for p in ("fp32", "mixed") for s in range(3)]
+    assert table(rows).iloc[0]["verdict"] == "equivalent"
+
+
+def test_one_cells_seed_twice_is_refused_naming_both_runs():
+    rows = [run("fp32", 0, 0.9), run("fp32", 1, 0.9), run("mixed", 0, 0.9), run("mixed", 1, 0.9)]
+    rows.append({**run("fp32", 1, 0.91), "run_dir": "elsewhere/fp32_1"})
+    with pytest.raises(DeclarationError, match="elsewhere/fp32_1 are one cell's seed 1 twice"):
+        table(rows)

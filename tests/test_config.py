@@ -229,3 +229,9 @@ def test_an_experiments_declaration_is_recorded_but_names_no_folder_and_changes_
     plain = OmegaConf.to_container(compose_cfg("experiment=cifar10_resnet20"), resolve=True)
     other = {**plain, "experiment": {**plain["experiment"], "margin": 0.01}}
     assert plain["experiment"]["margin"] == 0.003 and identity.differences(plain, other) == []
+
+
+def test_the_shift_presets_dynamic_scaler_moves_its_range_with_k():
+    cfg = compose_cfg("experiment=cifar10_resnet20_shift", *first_cell("cifar10_resnet20_shift"), "scale=dynamic", "scale.shift_down=20")
+    validate(cfg)
+    assert (cfg.scale.init, cfg.scale.max) == (2.0**36, 2.0**44)

@@ -394,15 +394,19 @@ def test_a_shifted_fp16_gradient_is_rounded_there_and_shifted_back_in_fp32(shift
         assert engine.master_weights()[0][:2].lt(1.0).all() and engine.master_weights()[0][2:].eq(1.0).all()
 
 
-def test_dynamic_scaling_recovers_what_the_shift_pushes_below_fp16():
+def test_a_scale_as_large_as_the_shift_recovers_what_it_pushed_below_fp16():
     G = torch.tensor([1e-3, 3e-5])
     unscaled, unscaled_engine = make_engine(torch.ones(2), "mixed", lr=1.0, extra=["scale.shift_down=24"])
-    scaled, scaled_engine = make_engine(torch.ones(2), "mixed", "dynamic", lr=1.0, extra=["scale.shift_down=24"])
-    train_step(unscaled, unscaled_engine, G)
-    train_step(scaled, scaled_engine, G)  # the scaler's first scale, 2^16, fits: 2^16 * 2^-24 = 2^-8
-    assert unscaled_engine.master_weights()[0].eq(1.0).all()
-    expected = 1 - torch.tensor([float(torch.tensor(g * 2.0**-8).half()) * 2.0**8 for g in G.double().tolist()], dtype=torch.float64)
-    torch.testing.assert_close(scaled_engine.master_weights()[0].double(), expected, rtol=0, atol=1e-7)
+    reference, reference_engine = make_engine(torch.ones(2), "mixed", lr=1.0)  # no shift, no scale
+    # a dynamic scaler whose range moved with k (as the shift preset's does): its first scale 2^24
+    # undoes the shift, and the run is the unshifted one's
+    scaled, scaled_engine = make_engine(
+        torch.ones(2), "mixed", "dynamic", lr=1.0, extra=["scale.shift_down=24", f"scale.init={2.0**24}", f"scale.max={2.0**32}"]
+    )
+    for model, engine in ((unscaled, unscaled_engine), (reference, reference_engine), (scaled, scaled_engine)):
+        train_step(model, engine, G)
+    assert unscaled_engine.master_weights()[0].eq(1.0).all() and reference_engine.master_weights()[0].lt(1.0).all()
+    assert torch.equal(scaled_engine.master_weights()[0], reference_engine.master_weights()[0])
 
 
 def test_fp16_weights_divide_the_shift_out_inside_their_update():
@@ -452,5 +456,5 @@ def test_fp16_weights_with_fp32_batch_norm_update_it_by_their_rule_in_fp32(preci
     for name, p in model.named_parameters():
         w, g = before[name]
         expected = (w - 0.05 * (g / 64 + 1e-3 * w)).to(p.dtype)
-        # FP32: within the FP32 update arithmetic's few roundings; FP16: one FP16 ulp of these weights
+        # FP32: within the FP32 update arithmetic's few roundings; FP16: a few FP16 ulps of these weights
         torch.testing.assert_close(p.detach(), expected, rtol=1e-6 if p.dtype == torch.float32 else 0, atol=1e-9 if p.dtype == torch.float32 else 1e-3)

@@ -6,10 +6,11 @@ compared with the cell that its `against` settings make of it, everything else e
 paired by seed, and the paired differences (cell minus baseline) give a mean and a 95% interval,
 Student's t over the pairs. The verdict:
 
-- equivalent: the whole interval lies within +-margin (this takes precedence: a difference the
+- worse, first, where a seed of the cell diverged and its pair finished: the paper's own
+  "diverges", whatever the finished pairs say;
+- equivalent: the whole interval lies within +-margin (this comes before the next: a difference the
   experiment declared negligible is not called better or worse, however sure its sign);
 - worse or better: the whole interval lies beyond zero, on that side (by the metric's direction);
-- worse, too, where a seed of the cell diverged and its pair finished: the paper's own "diverges";
 - inconclusive: anything else, and fewer than two finished pairs.
 
 The finding words the README uses: on a converged experiment, `reproduced` where the verdict is what
@@ -50,6 +51,7 @@ class Declared:
     margin: float
     relative: bool
     converged: bool
+    higher_is_better: bool | None
     comparisons: tuple[dict, ...]
     source: str = IN_RECORDS
     runs: tuple[str, ...] = field(default=(), compare=False)  # run_dir of the runs it covers
@@ -71,9 +73,28 @@ class Declared:
             float(node["margin"]),
             bool(node.get("relative", False)),
             bool(node.get("converged", False)),
+            None if _missing(node.get("higher_is_better")) else bool(node["higher_is_better"]),
             comparisons,
             source,
         )
+
+
+def _missing(value: Any) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def direction(declared: Declared, run: pd.Series) -> bool:
+    """Whether a larger value of the declared metric is better: as declared; else the task's own
+    direction for its metric and the test split's; else lower for a loss or a perplexity."""
+    if declared.higher_is_better is not None:
+        return declared.higher_is_better
+    if declared.metric in (run["primary_metric"], f"test_{run['primary_metric']}"):
+        return bool(run["higher_is_better"])
+    if declared.metric.endswith(("loss", "ppl")):
+        return False
+    raise DeclarationError(
+        f"experiment {declared.name}: metric={declared.metric} is not the task's own ({run['primary_metric']}); declare experiment.higher_is_better for it"
+    )
 
 
 def load_declaration(path: Path) -> Declared:
@@ -241,7 +262,12 @@ def _row(declared: Declared, spec: dict, metric: str, cell: pd.DataFrame, bases:
     other = base["variant"].iloc[0]  # the baseline's own variant, by tag, where it is not the cell's
     row["against_variant"] = other
     row["against"] = base["mode"].iloc[0] + (f" (variant {identity.tag(other)})" if other not in ("", first["variant"]) else "")
-    higher = bool(first["higher_is_better"])
+    higher = direction(declared, first)
+    for side in (cell, base):
+        twice = side[side.duplicated("seed", keep=False)]
+        if len(twice):
+            a, b = twice["run_dir"].iloc[:2]
+            raise DeclarationError(f"experiment {declared.name}: {a} and {b} are one cell's seed {twice['seed'].iloc[0]} twice; report one of them")
     finished_base = results(base).set_index("seed")
     diffs, cell_values, base_values, diverged = [], [], [], 0
     for _, run in cell.iterrows():

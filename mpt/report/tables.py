@@ -281,7 +281,7 @@ def shift_control(runs: pd.DataFrame) -> pd.DataFrame:
                 "k": k,
                 "metric": group.primary_metric.iloc[0],
                 "runs": len(group),
-                "diverged": int((group.status == "diverged").sum() + skipped_every_step(group).sum()),
+                "diverged": int(((group.status == "diverged") | skipped_every_step(group)).sum()),
                 "n": len(values),
                 "mean": values.mean() if len(values) else math.nan,
                 "std": values.std(ddof=1) if len(values) > 1 else math.nan,

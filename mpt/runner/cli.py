@@ -295,7 +295,10 @@ def preflight(args: list[str]) -> str | None:
         # A preset's sweep (hydra.sweeper.params) is part of every run of `mpt-run -m`: its values
         # first, the command line's replacing those of the same key, as Hydra's sweeper does.
         given = {o.get_key_element() for o in parsed}
-        preset = [w for w in _preset_params(words, parsed) if w.split("=")[0] not in given]
+        try:
+            preset = [w for w in _preset_params(words, parsed) if w.split("=")[0] not in given]
+        except Exception:  # noqa: BLE001  # a command line that does not compose: the checks below name its fault
+            preset = []
         words = preset + words
         parsed = OverridesParser.create().parse_overrides(words)
     plain, sweeps = [], []
