@@ -270,11 +270,12 @@ def _row(declared: Declared, spec: dict, metric: str, cell: pd.DataFrame, bases:
             raise DeclarationError(f"experiment {declared.name}: {a} and {b} are one cell's seed {twice['seed'].iloc[0]} twice; report one of them")
     finished_base = results(base).set_index("seed")
     diffs, cell_values, base_values, diverged = [], [], [], 0
-    for _, run in cell.iterrows():
+    skipped_all = skipped_every_step(cell)
+    for index, run in cell.iterrows():
         if run["seed"] not in finished_base.index:
             continue
         paired = finished_base.loc[run["seed"]]
-        if run["status"] == "diverged" or skipped_every_step(cell.loc[[run.name]]).iloc[0]:
+        if run["status"] == "diverged" or skipped_all[index]:
             diverged += 1
         elif run["status"] == "ok" and pd.notna(run.get(metric)) and pd.notna(paired.get(metric)):
             diffs.append(float(run[metric]) - float(paired[metric]))
@@ -323,7 +324,7 @@ def render(table: pd.DataFrame) -> str:
                 for d, m, data, s, v in zip(table.device_type.fillna(""), table.model, table.data, table.schedule, table.variant)
             ],
             "cell": table.cell,
-            "against": table.against.fillna("-"),
+            "against": table.against,  # the rows without one are listed below the table
             "metric": table.metric,
             "n": table.n.astype(int).astype(str) + table.diverged.map(lambda d: f" (+{int(d)} diverged)" if d else ""),
             "Δ": [_number(m, v, signed=True) for m, v in zip(table.metric, table.delta)],
