@@ -138,6 +138,12 @@ class LanguageModelConfig(ModelConfig):
     # those modes quantize as they do the sampled logits' (and autocast modes run in their dtype,
     # where the dot product stays FP32).
     true_logit: str = "dot"
+    # How validation and test are scored. "carried": the split as one stream cut into batch_size rows,
+    # the state carried from zeros across the windows (f-lm's and Zaremba et al.'s evaluation).
+    # "sentence": each sentence from a zero state, so a cell that latches (its cell state growing
+    # by about 1 a word without bound, which some weights do on some streams) harms one sentence,
+    # not the rest of a row. docs/tasks-and-data.md, "Language-model evaluation".
+    eval_state: str = "carried"
 
 
 @dataclass

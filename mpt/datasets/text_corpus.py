@@ -3,7 +3,9 @@
 Batches follow Jozefowicz et al.'s training: each epoch shuffles the training sentences, joins them
 (each ending with </s>) into one stream, cuts it into `batch_size` rows and walks the rows `bptt`
 tokens at a time; the model carries its state from one window to the next. Validation and test
-streams keep the file order. Ids are ranked by training frequency (</s> 0, <unk> 1, then words), as the
+keep the file order and are read as the model's `eval_state` says: `carried`, the split cut into
+rows and windows as above (f-lm's and Zaremba et al.'s evaluation), or `sentence`, whole sentences
+padded into batches, each scored from a zero state. Ids are ranked by training frequency (</s> 0, <unk> 1, then words), as the
 log-uniform sampler of the sampled softmax assumes.
 """
 
@@ -26,6 +28,8 @@ from .sampling import EpochOrder, validate_sample_counts
 
 EOS_TOKEN, UNK_TOKEN = "</s>", "<unk>"
 EOS, UNK = 0, 1
+PAD_TARGET = -100  # a padded position of a sentence batch: cross-entropy's ignore_index, no token
+EVAL_STATES = ("carried", "sentence")
 
 
 class Sentences:
@@ -87,8 +91,10 @@ class LMData(EpochOrder):
         seed: int,
         device: torch.device,
         shard: Dist = Dist(),
+        eval_state: str = "carried",
     ):
         self.shard = shard  # under torchrun: this rank's rows (streams) of each global batch
+        self.eval_state = eval_state  # how val and test are read (EVAL_STATES)
         self.train, self.val_sentences, self.test_sentences = train, val, test
         self.batch_size, self.bptt, self.device = batch_size, bptt, device
         self.steps_per_epoch = (train.tokens // batch_size - 1) // bptt
@@ -117,12 +123,32 @@ class LMData(EpochOrder):
         for _ in range(start, self.steps_per_epoch):  # full windows only, so every step has batch_size x bptt targets
             yield next(windows)
 
+    def _sentence_batches(self, sentences: Sentences) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """batch_size sentences at a time, in file order: inputs </s> w1 .. wn, targets w1 .. wn </s>,
+        padded at the end (inputs with </s>, targets with PAD_TARGET). Every token is a target once,
+        as in the carried stream (whose first token alone is none)."""
+        lengths = np.diff(sentences.starts)
+        for first in range(0, len(sentences), self.batch_size):
+            last = min(first + self.batch_size, len(sentences))
+            width = int(lengths[first:last].max())
+            targets = np.full((last - first, width), PAD_TARGET, dtype=np.int64)
+            for row, (a, b) in enumerate(zip(sentences.starts[first:last], sentences.starts[first + 1 : last + 1])):
+                targets[row, : b - a] = sentences.ids[a:b]
+            inputs = np.full_like(targets, EOS)
+            inputs[:, 1:] = np.where(targets[:, :-1] == PAD_TARGET, EOS, targets[:, :-1])
+            yield torch.from_numpy(inputs).to(self.device), torch.from_numpy(targets).to(self.device)
+
+    def _evaluation(self, sentences: Sentences) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        if self.eval_state == "sentence":
+            return self._sentence_batches(sentences)
+        return self._windows(rows_of(sentences.stream(), self.batch_size))
+
     def val(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        return self._windows(rows_of(self.val_sentences.stream(), self.batch_size))
+        return self._evaluation(self.val_sentences)
 
     def test(self) -> Optional[Iterator[tuple[torch.Tensor, torch.Tensor]]]:
         """The test split (data.test_split), or None without one."""
-        return None if self.test_sentences is None else self._windows(rows_of(self.test_sentences.stream(), self.batch_size))
+        return None if self.test_sentences is None else self._evaluation(self.test_sentences)
 
 
 # --- text files
@@ -217,7 +243,7 @@ def text_corpus(cfg: DictConfig, device: torch.device, workdir: Optional[Path] =
         "val_oov_rate": float((val_ids.ids == UNK).mean()),
     }
     test_ids = ids(test_files, "test_split") if test_files is not None else None
-    return LMData(train_ids, val_ids, test_ids, info, cfg.schedule.batch_size, cfg.model.bptt, cfg.seed, device, shard)
+    return LMData(train_ids, val_ids, test_ids, info, cfg.schedule.batch_size, cfg.model.bptt, cfg.seed, device, shard, cfg.model.eval_state)
 
 
 # --- a Markov source with a known entropy rate
@@ -287,4 +313,4 @@ def synthetic_lm(cfg: DictConfig, device: torch.device, workdir: Optional[Path] 
         "entropy_rate_nats": source.entropy_rate,
         "ppl_floor": math.exp(source.entropy_rate),
     }
-    return LMData(train, val, None, info, cfg.schedule.batch_size, cfg.model.bptt, cfg.seed, device, shard)
+    return LMData(train, val, None, info, cfg.schedule.batch_size, cfg.model.bptt, cfg.seed, device, shard, cfg.model.eval_state)

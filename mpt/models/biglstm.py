@@ -21,6 +21,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from ..config import ConfigError, positive
+from ..datasets.text_corpus import EVAL_STATES, PAD_TARGET
 from ..distributed import Dist
 from ..precision.quantized_products import BatchMatmul
 from . import LossTerm, OneNetwork
@@ -110,7 +111,7 @@ class BigLSTM(nn.Module):
         chunk = max(1, EVAL_LOGITS // self.vocab)  # the full logits of a One Billion Word batch would not fit at once
         for i in range(0, len(flat), chunk):
             logits = self.logits(out[i : i + chunk], self.softmax_w.t()) + self.softmax_b
-            total = total + F.cross_entropy(logits.float(), flat[i : i + chunk], reduction="sum")
+            total = total + F.cross_entropy(logits.float(), flat[i : i + chunk], reduction="sum", ignore_index=PAD_TARGET)
         return total, state
 
 
@@ -151,20 +152,28 @@ class LanguageModel(OneNetwork):
 
     @torch.no_grad()
     def evaluate(self, batches: Iterable, forward_context: Callable[[], ContextManager]) -> dict[str, float]:
-        """Perplexity with the full softmax, the state carried across the stream's windows from zeros."""
+        """Perplexity with the full softmax. model.eval_state=carried: the state carried across the
+        stream's windows from zeros, and val_cell_max, the largest |cell state| at a window's end (a
+        latched cell shows as hundreds or thousands where the rest stay in the tens); sentence: each
+        batch of padded sentences from zeros."""
         self.net.eval()
+        carried = self.cfg.eval_state == "carried"
         total = torch.zeros((), dtype=torch.float64)
+        cell_max = torch.zeros(())
         tokens, state = 0, None
         for inputs, targets in batches:
             with forward_context():
-                nll, state = self.net("nll", inputs, targets, state)
+                nll, state = self.net("nll", inputs, targets, state if carried else None)
             total += nll.double().cpu()
-            tokens += targets.numel()
+            tokens += int((targets != PAD_TARGET).sum())
+            if carried:
+                cell_max = torch.maximum(cell_max, state[1].detach().abs().max().float().cpu())
         self.net.train()
         if tokens == 0:
             raise ValueError("evaluation saw no tokens: the validation set is empty")
         loss = float(total) / tokens
-        return {"ppl": math.exp(min(loss, 700.0)), "val_loss": loss, "val_tokens": tokens}
+        metrics = {"ppl": math.exp(min(loss, 700.0)), "val_loss": loss, "val_tokens": tokens}
+        return {**metrics, "val_cell_max": float(cell_max)} if carried else metrics
 
 
 def validate(cfg: DictConfig) -> None:
@@ -177,6 +186,8 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"model.dropout={m.dropout}: must be in [0, 1)")
     if m.true_logit not in ("dot", "product"):
         raise ConfigError(f"model.true_logit={m.true_logit}: expected dot or product")
+    if m.eval_state not in EVAL_STATES:
+        raise ConfigError(f"model.eval_state={m.eval_state}: expected {' or '.join(EVAL_STATES)}")
 
 
 def build(cfg: DictConfig, data_info: dict, shard: Dist = Dist()) -> LanguageModel:
