@@ -76,6 +76,11 @@ lm)
   sweep "${common[@]}" precision=mixed scale=static scale.value=128
   # Where the gradients lie against FP16's range, for the verdict on loss scaling: FP32, one seed.
   seeds=0 sweep "${common[@]}" stats.grad_hist=true precision=fp32 scale=none
+  # The same cells with each sentence scored from a zero state: the runs above carried the state
+  # across the split, where one latched stream can double a perplexity (docs/tasks-and-data.md,
+  # "Language-model evaluation").
+  sweep "${common[@]}" model.eval_state=sentence precision=fp32,mixed scale=none
+  sweep "${common[@]}" model.eval_state=sentence precision=mixed scale=static scale.value=128
   ;;
 detection)
   # Multibox SSD300 (VGG-16, random init: no ImageNet weights here) on the raccoon set (160
