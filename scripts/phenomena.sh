@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The paper's phenomena at reduced scale on the real data in ../shared/data (issue 21), one sweep per
 # phenomenon, 3 seeds per cell, into results/phenomena/<name>/ with its report:
-#   scripts/phenomena.sh classifiers|detection|translation|lm|gan|fp8|lstm_rounding [--report-only]
+#   scripts/phenomena.sh classifiers|detection|translation|lm|lm_sentence|gan|fp8|lstm_rounding [--report-only]
 # Run from the project root of a clean checkout: each record names the commit it ran. A relaunch
 # skips the runs already finished (their folders are named from their choices), so a sweep can be
 # spread over several sittings. Tarred data is unpacked once into the ignored .data/. Sizes and
@@ -9,7 +9,7 @@
 # learning rate falls 100x (two drops of 10x, at 1/2 and 3/4 of the run, or at epochs), since
 # updates are lost only once it is small. README, "What we reproduced", says what each one shows.
 set -euo pipefail
-name=${1:?usage: scripts/phenomena.sh classifiers|detection|translation|lm|gan|fp8|lstm_rounding [--report-only]}
+name=${1:?usage: scripts/phenomena.sh classifiers|detection|translation|lm|lm_sentence|gan|fp8|lstm_rounding [--report-only]}
 report_only=${2:-}
 data=../shared/data
 out=results/phenomena/$name
@@ -76,11 +76,6 @@ lm)
   sweep "${common[@]}" precision=mixed scale=static scale.value=128
   # Where the gradients lie against FP16's range, for the verdict on loss scaling: FP32, one seed.
   seeds=0 sweep "${common[@]}" stats.grad_hist=true precision=fp32 scale=none
-  # The same cells with each sentence scored from a zero state: the runs above carried the state
-  # across the split, where one latched stream can double a perplexity (docs/tasks-and-data.md,
-  # "Language-model evaluation").
-  sweep "${common[@]}" model.eval_state=sentence precision=fp32,mixed scale=none
-  sweep "${common[@]}" model.eval_state=sentence precision=mixed scale=static scale.value=128
   ;;
 detection)
   # Multibox SSD300 (VGG-16, random init: no ImageNet weights here) on the raccoon set (160
@@ -127,6 +122,15 @@ fp8)
   also=(results/phenomena/classifiers/resnet50_fp32_none_* results/phenomena/classifiers/resnet50_mixed_none_*
     results/phenomena/lm/biglstm_tiny_fp32_none_* results/phenomena/lm/biglstm_tiny_mixed_none_*)
   ;;
+lm_sentence)
+  # The cells of `lm` again, each sentence scored from a zero state (model.eval_state=sentence):
+  # `lm` carried the state across the split, where one latched stream can double a perplexity
+  # (docs/tasks-and-data.md, "Language-model evaluation"). Their own folder: `lm`'s mixed runs
+  # predate the LSTM gate rounding, so a relaunch of `lm` would make them again.
+  language_model
+  sweep "${common[@]}" model.eval_state=sentence precision=fp32,mixed scale=none
+  sweep "${common[@]}" model.eval_state=sentence precision=mixed scale=static scale.value=128
+  ;;
 lstm_rounding)
   # The LSTM cells of `lm`, `translation` and `fp8` that compute in FP16 or BF16, again under the
   # emulation that rounds each gate product as an H100's cuDNN does (7fba77d; those sweeps ran with
@@ -154,12 +158,12 @@ gan)
     stats.lost_updates=true stats.every=50 precision=fp32,mixed scale=none
   ;;
 *)
-  echo "scripts/phenomena.sh: no phenomenon '$name' (expected classifiers, detection, translation, lm, gan, fp8 or lstm_rounding)" >&2
+  echo "scripts/phenomena.sh: no phenomenon '$name' (expected classifiers, detection, translation, lm, lm_sentence, gan, fp8 or lstm_rounding)" >&2
   exit 2
   ;;
 esac
-# The comparisons each sweep makes, declared after its runs (these runs predate declarations in
-# presets): its verdicts in report/tables/comparisons.md.
+# The comparisons each sweep makes, in its folder's comparisons*.yaml (declared after the runs, which
+# predate declarations in presets, except lm_sentence's): its verdicts in report/tables/comparisons.md.
 declared=()
 for file in "$out"/comparisons*.yaml; do
   [ -e "$file" ] && declared+=(--comparisons "$file")
