@@ -432,6 +432,9 @@ class ExperimentConfig:
     # only a converged experiment's verdicts say "reproduced" or "contradicted"
     converged: bool = False
     comparisons: list[ComparisonConfig] = field(default_factory=list)
+    # what the runs' measurement is known to lack, found after them (a declaration file's, mostly):
+    # the comparisons table prints it under its rows
+    caveat: Optional[str] = None
 
 
 @dataclass

@@ -156,6 +156,17 @@ def test_a_declaration_given_after_the_runs_covers_only_undeclared_runs_and_says
         comparisons.load_declaration(tmp_path / "bad.yaml")
 
 
+def test_a_caveat_found_after_the_runs_rides_with_its_rows_and_is_printed_under_the_table(tmp_path):
+    preset = tmp_path / "late.yaml"
+    caveat = "measured before the latched cell was found"
+    preset.write_text("experiment:\n" + "".join(f"  {k}: {json.dumps(v)}\n" for k, v in {**DECLARED, "caveat": caveat}.items()))
+    rows = [run("fp32", s, v, declared=None) for s, v in enumerate(FP32)] + [run("mixed", s, v, declared=None) for s, v in enumerate(FP32)]
+    t = table(rows, [comparisons.load_declaration(preset)])
+    assert list(t["caveat"]) == [caveat] and comparisons.render(t).endswith(f"Caveat, toy: {caveat}")
+    plain = table([run("fp32", s, v) for s, v in enumerate(FP32)] + [run("mixed", s, v) for s, v in enumerate(FP32)])
+    assert list(plain["caveat"]) == [""] and "Caveat" not in comparisons.render(plain)
+
+
 def test_a_cell_that_is_its_own_baseline_is_not_compared():
     # {precision: fp32} against {precision: fp32, ...}: the FP32 cell itself would be compared with
     # itself, a difference of exactly zero that could not have come out otherwise.

@@ -54,6 +54,7 @@ class Declared:
     higher_is_better: bool | None
     comparisons: tuple[dict, ...]
     source: str = IN_RECORDS
+    caveat: str = ""  # what the runs' measurement is known to lack (ExperimentConfig.caveat)
     runs: tuple[str, ...] = field(default=(), compare=False)  # run_dir of the runs it covers
 
     @classmethod
@@ -76,6 +77,7 @@ class Declared:
             None if _missing(node.get("higher_is_better")) else bool(node["higher_is_better"]),
             comparisons,
             source,
+            "" if _missing(node.get("caveat")) else str(node["caveat"]),
         )
 
 
@@ -215,7 +217,7 @@ def finding(found: Verdict, expect: str | None, converged: bool) -> str:
 COLUMNS = [
     "experiment", "device_type", "model", "data", "schedule", "variant", "cell", "against", "against_variant", "metric", "n", "diverged",
     "cell_mean", "against_mean", "delta", "ci_low", "ci_high", "margin", "verdict", "expect", "finding",
-    "converged", "declared", "claim", "note",
+    "converged", "declared", "claim", "note", "caveat",
 ]  # fmt: skip
 
 
@@ -254,6 +256,7 @@ def _row(declared: Declared, spec: dict, metric: str, cell: pd.DataFrame, bases:
         "declared": declared.source,
         "claim": spec.get("claim", ""),
         "note": "",
+        "caveat": declared.caveat,
     }
     if base_cells.ngroups != 1:
         row.update(n=0, diverged=0, against=None, verdict=Verdict.inconclusive.value, finding="not tested")
@@ -343,4 +346,8 @@ def render(table: pd.DataFrame) -> str:
     missing = [f"{r.cell} ({r.model}{f', variant {identity.tag(r.variant)}' if r.variant else ''}; {r.experiment}): {r.note}" for r in unpaired.itertuples()]
     text = _md(shown) if len(table) else "(no compared cell has its baseline among these runs)"
     text += "\n\nCells a comparison matches without a baseline (not tested): " + "; ".join(missing) if missing else ""
+    caveats = dict.fromkeys(
+        f"{e}: {c}" for e, c in zip(pd.concat([table.experiment, unpaired.experiment]), pd.concat([table.caveat, unpaired.caveat])) if isinstance(c, str) and c
+    )
+    text += "".join(f"\n\nCaveat, {c}" for c in caveats)
     return text + "".join(f"\n\nvariant {identity.tag(v)}: `{v}`" for v in variants)
