@@ -433,7 +433,7 @@ class ExperimentConfig:
     converged: bool = False
     comparisons: list[ComparisonConfig] = field(default_factory=list)
     # what the runs' measurement is known to lack, found after them (a declaration file's, mostly):
-    # the comparisons table prints it under its rows
+    # the comparisons table prints it under its rows, and draws no finding from their verdicts
     caveat: Optional[str] = None
 
 

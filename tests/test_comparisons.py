@@ -163,8 +163,22 @@ def test_a_caveat_found_after_the_runs_rides_with_its_rows_and_is_printed_under_
     rows = [run("fp32", s, v, declared=None) for s, v in enumerate(FP32)] + [run("mixed", s, v, declared=None) for s, v in enumerate(FP32)]
     t = table(rows, [comparisons.load_declaration(preset)])
     assert list(t["caveat"]) == [caveat] and comparisons.render(t).endswith(f"Caveat, toy: {caveat}")
+    assert t.iloc[0]["verdict"] == "equivalent" and t.iloc[0]["finding"] == "not tested"  # no finding from a doubted metric
     plain = table([run("fp32", s, v) for s, v in enumerate(FP32)] + [run("mixed", s, v) for s, v in enumerate(FP32)])
-    assert list(plain["caveat"]) == [""] and "Caveat" not in comparisons.render(plain)
+    assert list(plain["caveat"]) == [""] and "Caveat" not in comparisons.render(plain) and plain.iloc[0]["finding"] == "reproduced"
+
+
+def test_a_latched_language_model_evaluation_is_named_in_the_note():
+    declared = {**DECLARED, "metric": "test_ppl", "margin": 0.02, "relative": True}
+    rows = [run("fp32", s, 212.0 + s, declared=declared) for s in range(3)] + [run("mixed", s, 213.0 + s, declared=declared) for s in range(3)]
+    for r in rows:
+        r["metric.test_ppl"], r["metric.test_cell_max"] = r.pop("metric.top1"), 20.0
+    rows[4]["metric.test_cell_max"] = 2157.0  # mixed seed 1
+    t = table(rows)
+    assert t.iloc[0]["note"] == f"{mode_label('mixed', 'none', None)} seed 1's evaluation latched (cell state 2157)"
+    assert "seed 1's evaluation latched (cell state 2157) |" in comparisons.render(t)
+    rows[4]["metric.test_cell_max"] = 30.0
+    assert table(rows).iloc[0]["note"] == "" and "latched" not in comparisons.render(table(rows))
 
 
 def test_a_cell_that_is_its_own_baseline_is_not_compared():

@@ -298,11 +298,28 @@ def _row(declared: Declared, spec: dict, metric: str, cell: pd.DataFrame, bases:
         ci_high=high,
         margin=margin,
         verdict=found.value,
-        finding=finding(found, spec.get("expect"), declared.converged),
+        # a caveat says the metric itself is in doubt: the verdict is shown, no finding drawn from it
+        finding="not tested" if declared.caveat else finding(found, spec.get("expect"), declared.converged),
     )
-    if diverged:
-        row["note"] = f"diverged in {diverged} of {diverged + len(diffs)} paired seeds"
+    notes = [f"diverged in {diverged} of {diverged + len(diffs)} paired seeds"] if diverged else []
+    notes += latched(pd.concat([cell, base]), declared.metric)
+    row["note"] = "; ".join(notes)
     return row
+
+
+# A language model's carried evaluation whose largest |cell state| passed this has a latched stream
+# (docs/tasks-and-data.md, "Language-model evaluation"): healthy streams measured 5 to 33, latched
+# ones in the thousands.
+LATCHED_CELL = 100.0
+
+
+def latched(runs: pd.DataFrame, metric: str) -> list[str]:
+    """The runs whose evaluation of the compared split latched, by seed and cell."""
+    column = f"metric.{'test_' if metric.startswith('test_') else 'val_'}cell_max"
+    if column not in runs:
+        return []
+    hit = runs[pd.to_numeric(runs[column], errors="coerce") > LATCHED_CELL]
+    return [f"{mode} seed {seed}'s evaluation latched (cell state {value:.0f})" for mode, seed, value in zip(hit["mode"], hit["seed"], hit[column])]
 
 
 def _number(metric: str, value: float, signed: bool = False) -> str:
@@ -341,6 +358,8 @@ def render(table: pd.DataFrame) -> str:
             "declared": table.declared,
         }
     )
+    if table.note.fillna("").astype(bool).any():  # a diverged or latched seed, said beside its row
+        shown["note"] = table.note.fillna("").values
     variants = sorted(v for v in pd.concat([table.variant, unpaired.variant]).dropna().unique() if v)
     variants += sorted({v for v in table.against_variant.dropna() if v and v not in variants}) if "against_variant" in table else []
     missing = [f"{r.cell} ({r.model}{f', variant {identity.tag(r.variant)}' if r.variant else ''}; {r.experiment}): {r.note}" for r in unpaired.itertuples()]
