@@ -159,21 +159,24 @@ class LanguageModel(OneNetwork):
         self.net.eval()
         carried = self.cfg.eval_state == "carried"
         total = torch.zeros((), dtype=torch.float64)
-        cell_max = torch.zeros(())
+        cell_max = None  # on the device: read once, at the end
         tokens, state = 0, None
         for inputs, targets in batches:
             with forward_context():
                 nll, state = self.net("nll", inputs, targets, state if carried else None)
             total += nll.double().cpu()
-            tokens += int((targets != PAD_TARGET).sum())
             if carried:
-                cell_max = torch.maximum(cell_max, state[1].detach().abs().max().float().cpu())
+                tokens += targets.numel()
+                window_max = state[1].detach().abs().amax().float()
+                cell_max = window_max if cell_max is None else torch.maximum(cell_max, window_max)
+            else:
+                tokens += int((targets != PAD_TARGET).sum())
         self.net.train()
         if tokens == 0:
             raise ValueError("evaluation saw no tokens: the validation set is empty")
         loss = float(total) / tokens
         metrics = {"ppl": math.exp(min(loss, 700.0)), "val_loss": loss, "val_tokens": tokens}
-        return {**metrics, "val_cell_max": float(cell_max)} if carried else metrics
+        return {**metrics, "val_cell_max": float(cell_max)} if cell_max is not None else metrics
 
 
 def validate(cfg: DictConfig) -> None:
