@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from mpt.datasets import build_data
-from mpt.datasets.text_corpus import build_vocabulary, count_words, read_vocabulary, split_files
+from mpt.datasets.text_corpus import split_files
+from mpt.datasets.text_corpus import vocabulary as vocabulary_of
 from mpt.models import build_task
 from mpt.runner import checkpoint
 
@@ -35,9 +36,7 @@ def vocabulary(cfg) -> list[str]:
     d = cfg.data
     if d.name != "text_corpus":
         return []
-    if d.vocab_file:
-        return read_vocabulary(Path(d.vocab_file).expanduser())
-    return build_vocabulary(count_words(split_files(Path(d.root).expanduser(), d.train_split, "train_split")), d.min_count, d.max_vocab)
+    return vocabulary_of(d, split_files(Path(d.root).expanduser(), d.train_split, "train_split"))
 
 
 def trace(path: Path, split: str) -> list[dict]:

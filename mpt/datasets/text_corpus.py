@@ -218,6 +218,11 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"data.max_vocab={d.max_vocab}: needs at least 3 (</s>, <unk> and a word)")
 
 
+def vocabulary(d: DictConfig, train_files: list[Path]) -> list[str]:
+    """The ids' words: data.vocab_file's, or counted from the training files."""
+    return read_vocabulary(Path(d.vocab_file).expanduser()) if d.vocab_file else build_vocabulary(count_words(train_files), d.min_count, d.max_vocab)
+
+
 def text_corpus(cfg: DictConfig, device: torch.device, workdir: Optional[Path] = None, resuming: bool = False, shard: Dist = Dist()) -> LMData:
     d = cfg.data
     root = Path(d.root).expanduser()
@@ -226,7 +231,7 @@ def text_corpus(cfg: DictConfig, device: torch.device, workdir: Optional[Path] =
     train_files = split_files(root, d.train_split, "train_split")
     val_files = split_files(root, d.val_split, "val_split")
     test_files = split_files(root, d.test_split, "test_split") if d.test_split is not None else None
-    vocab = read_vocabulary(Path(d.vocab_file).expanduser()) if d.vocab_file else build_vocabulary(count_words(train_files), d.min_count, d.max_vocab)
+    vocab = vocabulary(d, train_files)
     index = {w: i for i, w in enumerate(vocab)}
 
     def ids(files: list[Path], key: str) -> Sentences:
