@@ -55,6 +55,19 @@ class Update(Enum):
 
 
 @dataclass
+class LookaheadConfig:
+    """Jordan 2024's lookahead averaging (precision/lookahead.py): from epoch `start_epoch` on, at
+    every `every`-th step, a running average ema += (1 - rho) * (w - ema), rho = decay_base^every *
+    (step / total steps)^decay_pow, replaces the weights; at each epoch's end the weights become it.
+    start_epoch null: no averaging."""
+
+    start_epoch: Optional[int] = None
+    every: int = 5
+    decay_base: float = 0.95
+    decay_pow: float = 3.0
+
+
+@dataclass
 class PaperRecipe:
     """The published training recipe of a model (used by schedule=paper and as optimizer defaults)."""
 
@@ -70,8 +83,13 @@ class PaperRecipe:
     lr_milestones: list[float] = field(default_factory=lambda: [30.0, 60.0])  # in the unit of the length
     lr_gamma: float = 0.1
     warmup_steps: int = 0  # GNMT's exponential warm-up from 1% of the lr
+    lr_shape: str = "step"  # step: milestones | triangle: Jordan 2024's (ScheduleConfig.lr_triangle)
+    lr_triangle: list[float] = field(default_factory=lambda: [0.2, 0.23, 0.07])
     clip_grad_norm: Optional[float] = None
     initial_accumulator: float = 0.0  # adagrad
+    nesterov: bool = False  # sgd
+    norm_bias_lr_scale: float = 1.0  # OptimConfig's
+    lookahead: LookaheadConfig = field(default_factory=LookaheadConfig)
     source: str = ""
 
 
@@ -99,6 +117,13 @@ class ModelConfig:
     dropout: Optional[float] = None  # classifiers with dropout (AlexNet, VGG, GoogLeNet, Inception v3): its rate; null: torchvision's
     backbone_weights: Optional[str] = None  # detection: a local torchvision vgg16 state dict to start from (null: random init)
     input_convention: str = "unit_variance"  # detection: unit_variance ([0,1], ImageNet mean/std) | caffe (0-255 minus the mean pixel)
+    # Classifiers: the loss's label smoothing and reduction over the batch (mean | sum), and the
+    # test-time augmentation of each evaluation (0: none, 1: the mirror image too, 2: and the image
+    # translated by one pixel up-left and down-right, Jordan 2024's levels).
+    label_smoothing: float = 0.0
+    loss_reduction: str = "mean"
+    tta: int = 0
+    whiten_bias_epochs: Optional[int] = None  # airbench94: epochs its whitening layer's bias trains (null: all)
     recipe: PaperRecipe = field(default_factory=PaperRecipe)
     short: ShortRun = field(default_factory=ShortRun)
 
@@ -262,6 +287,7 @@ class ImageFolderDataConfig(FileDataConfig):
     resize_ratio: float = 256 / 224  # validation: Resize(image_size * ratio) then CenterCrop(image_size)
     # training augmentation: imagenet (RandomResizedCrop and flip, the ImageNet recipes') | cifar
     # (4 pixels of zero padding, a random crop of image_size and flip, He et al. 2016's CIFAR recipe)
+    # | airbench (2 reflected pixels, a random crop and alternating flips, Jordan 2024's)
     augment: str = "imagenet"
 
 
@@ -335,6 +361,10 @@ class ScheduleConfig:
     lr_milestones: list[float] = field(default_factory=list)  # in the unit of the length (epochs or steps)
     lr_gamma: float = 0.1
     lr_warmup_steps: int = 0  # exponential warm-up from 1% of the lr (GNMT's)
+    # step: the lr falls by lr_gamma at each milestone | triangle: the lr's multiple runs linearly
+    # from lr_triangle[0] to 1 at the share lr_triangle[1] of the run, then to lr_triangle[2] at its end
+    lr_shape: str = "step"
+    lr_triangle: list[float] = field(default_factory=lambda: [0.2, 0.23, 0.07])
     image_size: Optional[int] = MISSING  # null for models that take no images
     eval_every: Optional[int] = None  # steps between evaluations; null: once per epoch with epochs, else at the end
     eval_batches: Optional[int] = None  # cap on validation batches per evaluation
@@ -356,6 +386,11 @@ class OptimConfig:
     initial_accumulator: float = 0.0  # adagrad
     weight_decay: float = 1e-4
     clip_grad_norm: Optional[float] = None  # applied to unscaled gradients
+    nesterov: bool = False  # sgd on torch's optimizer
+    # The lr of batch-norm biases, times this (Jordan 2024's 64); their weight decay per step stays
+    # the other weights' (torch's weight_decay for them divided by it)
+    norm_bias_lr_scale: float = 1.0
+    lookahead: LookaheadConfig = field(default_factory=LookaheadConfig)
     # torch's optimizers (every mode but fp16/fp16_modmom, whose FP16 update is this project's):
     # default (torch's choice: foreach on CUDA) | for_loop | foreach | fused (one kernel per step)
     implementation: str = "default"
@@ -515,6 +550,34 @@ def positive(cfg: DictConfig, key: str, allow_none: bool = False) -> None:
         raise ConfigError(f"{key}={value}: must be a positive number")
 
 
+LR_SHAPES = ("step", "triangle")
+
+
+def validate_schedule_shape(schedule: DictConfig) -> None:
+    if schedule.lr_shape not in LR_SHAPES:
+        raise ConfigError(f"schedule.lr_shape={schedule.lr_shape}: expected one of {', '.join(LR_SHAPES)}")
+    if schedule.lr_shape == "triangle":
+        tri = list(schedule.lr_triangle)
+        if len(tri) != 3 or not (tri[0] >= 0 and tri[2] >= 0 and 0 < tri[1] < 1):
+            raise ConfigError(f"schedule.lr_triangle={tri}: expected [start multiple >= 0, peak's share of the run in (0, 1), end multiple >= 0]")
+        if schedule.lr_milestones or schedule.lr_warmup_steps:
+            raise ConfigError("schedule.lr_shape=triangle: the triangle is the whole schedule; set schedule.lr_milestones=[] and schedule.lr_warmup_steps=0")
+
+
+def validate_update_extras(cfg: DictConfig) -> None:
+    """Nesterov momentum, the batch-norm biases' lr multiple and lookahead (Jordan 2024's recipe)."""
+    o = cfg.optim
+    if o.nesterov and (o.name != "sgd" or Update(cfg.precision.update_rule) != Update.optimizer or o.momentum <= 0):
+        raise ConfigError(
+            f"optim.nesterov=true: needs optim.name=sgd with momentum > 0 on torch's optimizer (got {o.name}, momentum {o.momentum}, precision={cfg.precision.name})"
+        )
+    if not (o.norm_bias_lr_scale > 0 and math.isfinite(o.norm_bias_lr_scale)):
+        raise ConfigError(f"optim.norm_bias_lr_scale={o.norm_bias_lr_scale}: must be a positive number")
+    la = o.lookahead
+    if la.start_epoch is not None and not (la.start_epoch >= 0 and la.every >= 1 and 0 < la.decay_base <= 1 and la.decay_pow >= 0):
+        raise ConfigError(f"optim.lookahead={OmegaConf.to_container(la)}: need start_epoch >= 0, every >= 1, decay_base in (0, 1] and decay_pow >= 0")
+
+
 LOGGERS = ("tensorboard", "none")
 MAX_SHIFT_DOWN = 126
 MAX_SEED = 2**32 - 1
@@ -550,6 +613,8 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError("logger=tensorboard: the tensorboard package is not installed; pip install tensorboard, or set logger=none")
     if (cfg.schedule.steps is None) == (cfg.schedule.epochs is None):
         raise ConfigError(f"schedule: set exactly one of schedule.steps and schedule.epochs (got steps={cfg.schedule.steps}, epochs={cfg.schedule.epochs})")
+    validate_schedule_shape(cfg.schedule)
+    validate_update_extras(cfg)
     if cfg.optim.implementation not in OPTIM_IMPLEMENTATIONS:
         raise ConfigError(f"optim.implementation={cfg.optim.implementation}: expected one of {', '.join(OPTIM_IMPLEMENTATIONS)}")
     if cfg.optim.implementation != "default" and Update(cfg.precision.update_rule) != Update.optimizer:

@@ -30,6 +30,7 @@ GROUPS = {
         "biglstm_tiny",
         "dcgan",
         "dcgan64",
+        "airbench94",
     ],
     "precision": ["fp32", "fp16", "mixed", "fp16_modmom", "amp", "bf16", "tf32", "fp8", "fp8_delayed", "mxfp8", "mxfp6", "mxfp4"],
     "scale": ["none", "static", "dynamic", "auto"],
@@ -125,7 +126,7 @@ def test_out_of_range_values_are_rejected_naming_the_key(overrides, named):
     [
         (
             ["model=lenet"],
-            "model=lenet: no such option; choose one of alexnet, biglstm, biglstm_small, biglstm_tiny, dcgan, dcgan64, gnmt, gnmt8, gnmt_nmt_one, gnmt_small, googlenet, inception_v3, mobilenet_v3_small, resnet20, resnet50, resnet56, ssd, vgg16",
+            "model=lenet: no such option; choose one of airbench94, alexnet, biglstm, biglstm_small, biglstm_tiny, dcgan, dcgan64, gnmt, gnmt8, gnmt_nmt_one, gnmt_small, googlenet, inception_v3, mobilenet_v3_small, resnet20, resnet50, resnet56, ssd, vgg16",
         ),
         (
             ["precision=fp4"],

@@ -3,7 +3,9 @@
 Training: RandomResizedCrop(image_size) and horizontal flip; validation: Resize(image_size *
 resize_ratio) and CenterCrop(image_size), 256/224 by default, as the PyTorch ImageNet example does.
 With data.augment=cifar, CIFAR's recipe instead: a random crop of the image padded by 4 pixels, and
-flip; normalized by CIFAR-10's channel statistics.
+flip; normalized by CIFAR-10's channel statistics. With data.augment=airbench, Jordan 2024's: a
+random crop of the image padded by 2 reflected pixels, and alternating flips (each image mirrored
+or not at random in the first epoch, then the other way each following epoch); CIFAR-10's statistics.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 # CIFAR-10's training images' per-channel mean and std, for augment=cifar.
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
-AUGMENTS = ("imagenet", "cifar")
+AUGMENTS = ("imagenet", "cifar", "airbench")
 
 
 class CorruptImage(RuntimeError):
@@ -67,6 +69,15 @@ def validate(cfg: DictConfig) -> None:
 
 
 def train_transform(augment: str, size: int) -> transforms.Compose:
+    if augment == "airbench":  # the flip is AlternatingFlips', which knows the epoch
+        return transforms.Compose(
+            [
+                transforms.Resize(size),
+                transforms.RandomCrop(size, padding=2, padding_mode="reflect"),
+                transforms.ToTensor(),
+                transforms.Normalize(CIFAR10_MEAN, CIFAR10_STD),
+            ]
+        )
     if augment == "cifar":
         # He et al. 2016, section 4.2: pad 4 pixels on each side, take a random crop of the original
         # size or its horizontal flip; images smaller or larger than `size` are resized first.
@@ -84,13 +95,27 @@ def train_transform(augment: str, size: int) -> transforms.Compose:
     )
 
 
+class AlternatingFlips(SeededSamples):
+    """Jordan 2024's flips: image i is mirrored in epoch e if its first-epoch coin (drawn once, from
+    the run's seed) xor e is odd, so every image is seen both ways in every two epochs."""
+
+    def __init__(self, dataset, seed: int):
+        super().__init__(dataset, seed)
+        self.first_flip = torch.rand(len(dataset), generator=torch.Generator().manual_seed(30_000 + seed)) < 0.5
+
+    def __getitem__(self, key: tuple[int, int]):
+        epoch, index = key
+        image, label = super().__getitem__(key)
+        return (image.flip(-1) if bool(self.first_flip[index]) != bool(epoch % 2) else image), label
+
+
 class ImageFolderData(LoaderData):
     def __init__(self, data: DictConfig, schedule: DictConfig, seed: int, device: torch.device, shard: Dist = Dist()):
         root = Path(os.path.expanduser(data.root))
         if not root.is_dir():
             raise ConfigError(f"data.root={root}: no such folder (expected {data.train_split}/<class>/<image> and {data.val_split}/<class>/<image>)")
         size = schedule.image_size
-        normalize = transforms.Normalize(*((CIFAR10_MEAN, CIFAR10_STD) if data.augment == "cifar" else (IMAGENET_MEAN, IMAGENET_STD)))
+        normalize = transforms.Normalize(*((CIFAR10_MEAN, CIFAR10_STD) if data.augment in ("cifar", "airbench") else (IMAGENET_MEAN, IMAGENET_STD)))
         train_tf = train_transform(data.augment, size)
         val_tf = transforms.Compose([transforms.Resize(round(size * data.resize_ratio)), transforms.CenterCrop(size), transforms.ToTensor(), normalize])
         self.train_set = open_split(root, data.train_split, train_tf)
@@ -108,13 +133,15 @@ class ImageFolderData(LoaderData):
         common: dict[str, Any] = dict(num_workers=workers, pin_memory=device.type == "cuda", persistent_workers=workers > 0, worker_init_fn=shielded_worker)
         self.order = torch.Generator().manual_seed(seed)
         self.batches = EpochBatches(len(self.train_set), schedule.batch_size, self.order, shard)
-        self.train_loader = DataLoader(SeededSamples(self.train_set, seed), batch_sampler=self.batches, generator=torch.Generator().manual_seed(seed), **common)
+        samples = AlternatingFlips(self.train_set, seed) if data.augment == "airbench" else SeededSamples(self.train_set, seed)
+        self.train_loader = DataLoader(samples, batch_sampler=self.batches, generator=torch.Generator().manual_seed(seed), **common)
         # ImageFolder lists a split class by class, so a capped evaluation (schedule.eval_batches)
         # would score the first classes only. One fixed order, the same for every seed and mode,
         # makes any prefix a uniform sample and lets every run score the same images.
         val_order = torch.randperm(len(self.val_set), generator=torch.Generator().manual_seed(0)).tolist()
         self.val_loader = DataLoader(self.val_set, batch_size=schedule.batch_size, sampler=val_order, generator=torch.Generator().manual_seed(seed), **common)
         self.steps_per_epoch = len(self.train_set) // schedule.batch_size
+        self.plain = (root, data.train_split, val_tf)
         self.info = {
             "num_classes": len(self.train_set.classes),
             "classes": self.train_set.classes,
@@ -123,6 +150,14 @@ class ImageFolderData(LoaderData):
             "resident": False,
             "num_workers": workers,
         }
+
+    def plain_train_images(self, n: int) -> torch.Tensor:
+        """n training images drawn uniformly (the same for every seed), as evaluation sees images:
+        not augmented, normalized. On the run's device."""
+        root, split, tf = self.plain
+        plain = open_split(root, split, tf)
+        chosen = torch.randperm(len(plain), generator=torch.Generator().manual_seed(0))[:n].tolist()
+        return torch.stack([plain[i][0] for i in chosen]).to(self.device)
 
     def to_device(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         images, labels = batch

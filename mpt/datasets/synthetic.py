@@ -50,6 +50,10 @@ class SyntheticImages(EpochOrder):
             idx = perm[slice(*self.shard.shard(i * self.batch_size, (i + 1) * self.batch_size))]
             yield self.train_images[idx], self.train_labels[idx]
 
+    def plain_train_images(self, n: int) -> torch.Tensor:
+        """The first n training images (they are in no class order)."""
+        return self.train_images[:n]
+
     def val(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for i in range(0, self.val_labels.shape[0], self.batch_size):
             yield self.val_images[i : i + self.batch_size], self.val_labels[i : i + self.batch_size]

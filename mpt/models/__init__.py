@@ -92,6 +92,13 @@ class Task:
         """The weights of network `name` that optim.clip_grad_norm covers; None: all of them."""
         return None
 
+    def prepare(self, data: Any) -> None:
+        """Set what the network takes from the training data before it trains (airbench94's
+        whitening), from the run's data source; once, before the precision engines cast it."""
+
+    def begin_epoch(self, epoch: int) -> None:
+        """Called as each epoch of training data begins, and at a resumed run's epoch."""
+
     def stream_buffers(self, name: str) -> dict[str, int]:
         """Buffers of network `name` holding one row per stream of the batch, by name and batch
         dimension (bigLSTM's carried state): under torchrun each rank keeps its own streams' (no

@@ -1,5 +1,11 @@
-"""Image classification with torchvision's ILSVRC architectures (the paper's Table 1) and He et al.'s CIFAR
-ResNets (cifar_resnet.py), random init."""
+"""Image classification with torchvision's ILSVRC architectures (the paper's Table 1), He et al.'s CIFAR
+ResNets (cifar_resnet.py) and Jordan 2024's airbench94 (airbench.py), random init.
+
+The loss is cross-entropy with the model's label smoothing, its mean or (airbench94's) sum over the
+batch. An evaluation scores the model's test-time augmentation (model.tta): the logits averaged over
+the image and its mirror (level 1), and at level 2, with weight one half, over the mirrored pairs of
+the image translated by one pixel up-left and down-right (reflected at the border), as Jordan 2024.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +19,7 @@ from omegaconf import DictConfig
 from ..config import ConfigError
 from ..distributed import Dist
 from . import LossTerm, OneNetwork, validate_image_size
+from .airbench import Airbench94, airbench94
 from .cifar_resnet import resnet20, resnet56
 
 # Architectures whose constructors need extra arguments to build without pretrained weights.
@@ -21,7 +28,10 @@ _BUILD_KWARGS = {
     "inception_v3": dict(aux_logits=True, init_weights=True, transform_input=False),
 }
 # Architectures torchvision does not have, built by mpt's own code.
-_OWN_ARCHS = {"resnet20": resnet20, "resnet56": resnet56}
+_OWN_ARCHS = {"resnet20": resnet20, "resnet56": resnet56, "airbench94": airbench94}
+LOSS_REDUCTIONS = ("mean", "sum")
+TTA_LEVELS = (0, 1, 2)
+WHITENING_IMAGES = 5000  # training images whose patches set airbench94's whitening (Jordan 2024's count)
 
 
 class Classification(OneNetwork):
@@ -44,17 +54,21 @@ class Classification(OneNetwork):
                 raise ConfigError(f"model.dropout={model_cfg.dropout}: {model_cfg.name} has no dropout to set") from None
             raise
         self.num_classes = num_classes
+        self.base = self.net  # the network as built, while self.net may become a wrapper of it
 
     def train_losses(self, batch: Any) -> Iterator[LossTerm]:
         images, labels = batch
         out = self.net(images)
         if isinstance(out, tuple):  # GoogLeNet / Inception v3 in training: (logits, aux...)
             logits, *aux = [o for o in out if o is not None]
-            main = F.cross_entropy(logits, labels)
-            loss = main + self.cfg.aux_loss_weight * sum(F.cross_entropy(a, labels) for a in aux)
+            main = self._loss(logits, labels)
+            loss = main + self.cfg.aux_loss_weight * sum(self._loss(a, labels) for a in aux)
             yield LossTerm("model", loss, {"main_loss": main.detach()})
             return
-        yield LossTerm("model", F.cross_entropy(out, labels))
+        yield LossTerm("model", self._loss(out, labels))
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits, labels, label_smoothing=self.cfg.label_smoothing, reduction=self.cfg.loss_reduction)
 
     def count_samples(self, batch: Any) -> int:
         return int(batch[1].shape[0])
@@ -67,7 +81,7 @@ class Classification(OneNetwork):
         loss_sum = torch.zeros((), dtype=torch.float64)
         for images, labels in batches:
             with forward_context():
-                logits = self.net(images).float()
+                logits = self._tta_logits(images).float()
             loss_sum += F.cross_entropy(logits, labels, reduction="sum").double().cpu()
             topk = logits.topk(k, dim=1).indices
             hits = topk.eq(labels[:, None])
@@ -79,8 +93,47 @@ class Classification(OneNetwork):
             raise ValueError("evaluation saw no samples: the validation set is empty")
         return {"top1": correct1 / seen, f"top{k}": correct5 / seen, "val_loss": float(loss_sum) / seen, "val_samples": seen}
 
+    def _tta_logits(self, images: torch.Tensor) -> torch.Tensor:
+        def mirrored(x: torch.Tensor) -> torch.Tensor:
+            return 0.5 * self.net(x) + 0.5 * self.net(x.flip(-1))
 
-validate = validate_image_size
+        if self.cfg.tta == 0:
+            return self.net(images)
+        if self.cfg.tta == 1:
+            return mirrored(images)
+        h, w = images.shape[-2:]
+        padded = F.pad(images, (1, 1, 1, 1), mode="reflect")
+        shifted = 0.5 * mirrored(padded[..., :h, :w]) + 0.5 * mirrored(padded[..., 2 : h + 2, 2 : w + 2])
+        return 0.5 * mirrored(images) + 0.5 * shifted
+
+    def prepare(self, data: Any) -> None:
+        """airbench94's whitening filters, from the patches of a fixed sample of training images."""
+        net = self.base
+        if isinstance(net, Airbench94):
+            if not hasattr(data, "plain_train_images"):
+                raise ConfigError(
+                    f"model={self.cfg.name} sets its whitening from training images, which {type(data).__name__} does not give; use data=imagefolder or data=synthetic"
+                )
+            net.init_whitening(data.plain_train_images(WHITENING_IMAGES))
+
+    def begin_epoch(self, epoch: int) -> None:
+        """airbench94's whitening bias trains for model.whiten_bias_epochs epochs, then stays."""
+        net = self.base
+        if isinstance(net, Airbench94) and self.cfg.whiten_bias_epochs is not None:
+            net.whiten_bias.requires_grad_(epoch < self.cfg.whiten_bias_epochs)
+
+
+def validate(cfg: DictConfig) -> None:
+    validate_image_size(cfg)
+    m = cfg.model
+    if not 0 <= m.label_smoothing < 1:
+        raise ConfigError(f"model.label_smoothing={m.label_smoothing}: must be in [0, 1)")
+    if m.loss_reduction not in LOSS_REDUCTIONS:
+        raise ConfigError(f"model.loss_reduction={m.loss_reduction}: must be one of {', '.join(LOSS_REDUCTIONS)}")
+    if m.tta not in TTA_LEVELS:
+        raise ConfigError(f"model.tta={m.tta}: must be 0 (none), 1 (mirror) or 2 (mirror and translate)")
+    if m.whiten_bias_epochs is not None and (m.arch != "airbench94" or m.whiten_bias_epochs < 0):
+        raise ConfigError(f"model.whiten_bias_epochs={m.whiten_bias_epochs}: a number of epochs >= 0 for airbench94's whitening layer, null otherwise")
 
 
 def build(cfg: DictConfig, data_info: dict, shard: Dist = Dist()) -> Classification:

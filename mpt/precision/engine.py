@@ -32,8 +32,9 @@ from ..config import ConfigError, DType, Update
 from . import quantized_products
 from .cpu_tensor_cores import TensorCoreArithmetic
 from .cuda_autocast import cuda_autocast, cuda_lists
+from .lookahead import Lookahead
 from .lost_updates import LostUpdates
-from .optim import FP16MomentumSGD, build_torch_optimizer, effective_lr, lr_factor
+from .optim import FP16MomentumSGD, build_torch_optimizer, effective_lr, lr_factor, param_groups, triangle_factor
 from .scaler import LossScaler
 
 TORCH_DTYPES = {DType.float32: torch.float32, DType.float16: torch.float16, DType.bfloat16: torch.bfloat16}
@@ -170,14 +171,23 @@ class _TorchUpdate:
     carries_scale = False  # gradients are unscaled in place before the update
     in_place_fp16 = False  # lost updates are those FP16 weights would lose
 
-    def __init__(self, params: list[nn.Parameter], cfg: DictConfig, lr: float, fp32_values: dict[nn.Parameter, torch.Tensor]):
+    def __init__(self, params: list[nn.Parameter], cfg: DictConfig, lr: float, fp32_values: dict[nn.Parameter, torch.Tensor], lr_scaled: set[int]):
         self.params = params
         # Only low-precision weights get a master; FP32 ones (batch-norm under mixed) are updated directly.
         # A master starts from the weight's FP32 value, as the paper keeps it; only the working copy is rounded.
         keep_master = cfg.precision.master_weights
         self.masters = [fp32_values[p] if keep_master and p.dtype != torch.float32 else p for p in params]
         self.low_pairs = [(p, m) for p, m in zip(params, self.masters) if m is not p]
-        self.optimizer = build_torch_optimizer(self.masters, cfg, lr)
+        scaled = [id(p) in lr_scaled for p in params]
+        self.optimizer = build_torch_optimizer(param_groups(self.masters, scaled, cfg.optim, lr), cfg, lr)
+
+    def written(self) -> list[torch.Tensor]:
+        """The tensors the update writes: the masters, and the weights that have none."""
+        return self.masters
+
+    def copy_back(self) -> None:
+        if self.low_pairs:
+            torch._foreach_copy_([p for p, _ in self.low_pairs], [m for _, m in self.low_pairs])
 
     def grads(self) -> list[torch.Tensor]:
         for p, m in self.low_pairs:
@@ -194,8 +204,7 @@ class _TorchUpdate:
         if coef is not None:
             torch._foreach_mul_([g for g, c in zip(grads, clipped) if c], coef)
         self.optimizer.step()
-        if self.low_pairs:
-            torch._foreach_copy_([p for p, _ in self.low_pairs], [m for _, m in self.low_pairs])
+        self.copy_back()
 
     def master_weights(self) -> list[torch.Tensor]:
         return [m for _, m in self.low_pairs]
@@ -220,11 +229,18 @@ class _FP16Update:
     carries_scale = True
     in_place_fp16 = True  # lost updates are those the FP16 weights did lose
 
-    def __init__(self, params: list[nn.Parameter], cfg: DictConfig, lr: float, fp32_values: dict[nn.Parameter, torch.Tensor]):
+    def __init__(self, params: list[nn.Parameter], cfg: DictConfig, lr: float, fp32_values: dict[nn.Parameter, torch.Tensor], lr_scaled: set[int]):
         self.params = params
         modified = cfg.precision.update_rule == Update.fp16_modified_momentum
         o = cfg.optim
-        self.optimizer = FP16MomentumSGD(params, lr=lr, momentum=o.momentum, weight_decay=o.weight_decay, modified=modified)
+        groups = param_groups(params, [id(p) in lr_scaled for p in params], o, lr)
+        self.optimizer = FP16MomentumSGD(groups, lr=lr, momentum=o.momentum, weight_decay=o.weight_decay, modified=modified)
+
+    def written(self) -> list[torch.Tensor]:
+        return list(self.params)
+
+    def copy_back(self) -> None:
+        """Nothing to copy: the weights are what the update writes."""
 
     def grads(self) -> list[torch.Tensor]:
         return [p.grad for p in self.params if p.grad is not None]
@@ -262,6 +278,7 @@ class PrecisionEngine:
         reduce_max: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
         clipped: list[nn.Parameter] | None = None,
         channels_last: bool = False,
+        total_steps: int | None = None,
     ):
         model.to(device=device)
         # The FP32 values of the weights prepare_model will round: their masters start from these.
@@ -289,10 +306,20 @@ class PrecisionEngine:
         params = [q for q in model.parameters() if q.requires_grad]
         # What optim.clip_grad_norm covers: every weight, or those the task names (bigLSTM: its LSTM's)
         self.clip_ids = {id(q) for q in (params if clipped is None else clipped)}
+        # optim.norm_bias_lr_scale's weights: batch-norm biases (Jordan 2024's "bias scaler")
+        norm_biases = {id(m.bias) for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.bias is not None}
         update_cls = _TorchUpdate if cfg.precision.update_rule == Update.optimizer else _FP16Update
-        self.update = update_cls(params, cfg, effective_lr(cfg), fp32_values)
+        self.update = update_cls(params, cfg, effective_lr(cfg), fp32_values, norm_biases)
         self.optimizer = self.update.optimizer
-        self.scheduler = build_lr_schedule(self.optimizer, lr_milestones, cfg.schedule.lr_gamma, cfg.schedule.lr_warmup_steps)
+        s = cfg.schedule
+        if s.lr_shape == "triangle" and total_steps is None:
+            raise ValueError("schedule.lr_shape=triangle: the engine needs the run's total_steps")
+        self.scheduler = build_lr_schedule(self.optimizer, lr_milestones, s.lr_gamma, s.lr_warmup_steps, s.lr_shape, list(s.lr_triangle), total_steps)
+        self.lookahead: Lookahead | None = None
+        if cfg.optim.lookahead.start_epoch is not None:
+            if total_steps is None:
+                raise ValueError("optim.lookahead: the engine needs the run's total_steps")
+            self.lookahead = Lookahead(cfg.optim.lookahead, total_steps)
         self.last_grad_norm: torch.Tensor | None = None
         self.steps_taken = 0  # calls of step(), applied or skipped
 
@@ -348,6 +375,21 @@ class PrecisionEngine:
         self._zero_grad()
         return True
 
+    def _averaged(self) -> list[torch.Tensor]:
+        return [*self.update.written(), *(b for b in self.model.buffers() if b.is_floating_point())]
+
+    @torch.no_grad()
+    def average(self, step: int, epoch: int) -> None:
+        """optim.lookahead's averaging after the update of step count `step` (from 1), in `epoch`."""
+        if self.lookahead is not None and self.lookahead.after_step(step, epoch, self._averaged()):
+            self.update.copy_back()
+
+    @torch.no_grad()
+    def settle(self) -> None:
+        """An epoch's end: under optim.lookahead the weights become the average."""
+        if self.lookahead is not None and self.lookahead.settle(self._averaged()):
+            self.update.copy_back()
+
     def _check_and_unscale(self, grads: list[torch.Tensor], unscale: float, left_scale: float | None) -> tuple[bool, float | None]:
         """Whether any gradient is non-finite, after unscaling them by `unscale`. With `left_scale`
         (the scale the gradients still carry afterwards), also the largest |gradient| unscaled,
@@ -395,6 +437,7 @@ class PrecisionEngine:
             "scaler": self.scaler.full_state_dict(),
             "masters": [m.detach().clone() for m in self.master_weights()],
             "products": self.products.state_dict() if self.products is not None else {},
+            **({"lookahead": self.lookahead.state_dict()} if self.lookahead is not None else {}),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -406,9 +449,24 @@ class PrecisionEngine:
                 m.copy_(saved)
         if self.products is not None:
             self.products.load_state_dict(state.get("products", {}))
+        if self.lookahead is not None:
+            self.lookahead.load_state_dict(state.get("lookahead", {}))
 
 
-def build_lr_schedule(optimizer: torch.optim.Optimizer, milestones: list[int], gamma: float, warmup_steps: int):
+def build_lr_schedule(
+    optimizer: torch.optim.Optimizer,
+    milestones: list[int],
+    gamma: float,
+    warmup_steps: int,
+    shape: str = "step",
+    triangle: list[float] | None = None,
+    total_steps: int | None = None,
+):
+    if shape == "triangle":
+        assert triangle is not None and total_steps is not None  # checked by the engine and the config
+        return torch.optim.lr_scheduler.LambdaLR(
+            optimizer, functools.partial(triangle_factor, total_steps=total_steps, triangle=(triangle[0], triangle[1], triangle[2]))
+        )
     if warmup_steps == 0:  # the schedule earlier checkpoints hold
         return torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=milestones, gamma=gamma)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(lr_factor, milestones=milestones, gamma=gamma, warmup_steps=warmup_steps))

@@ -108,12 +108,34 @@ def build_torch_optimizer(params, cfg: DictConfig, lr: float) -> torch.optim.Opt
     # torch's three implementations compute the same update; they differ in kernel launches.
     how = {} if o.implementation == "default" else {"foreach": o.implementation == "foreach", "fused": o.implementation == "fused"}
     if o.name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=o.momentum, weight_decay=o.weight_decay, **how)
+        return torch.optim.SGD(params, lr=lr, momentum=o.momentum, weight_decay=o.weight_decay, nesterov=o.nesterov, **how)
     if o.name == "adagrad":
         return torch.optim.Adagrad(params, lr=lr, initial_accumulator_value=o.initial_accumulator, eps=o.eps, weight_decay=o.weight_decay, **how)
     if o.name == "adam":
         return torch.optim.Adam(params, lr=lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay, **how)
     raise ValueError(f"optim.name={o.name}: expected sgd, adam or adagrad")
+
+
+def param_groups(tensors: list, scaled: list[bool], o: DictConfig, lr: float) -> list:
+    """The tensors as one group, or, under optim.norm_bias_lr_scale != 1, two: the others, then those
+    flagged `scaled` (batch-norm biases) at lr times the scale and weight decay divided by it, so
+    that the decay each step applies, lr times weight decay, stays the others' (Jordan 2024)."""
+    k = o.norm_bias_lr_scale
+    chosen = [t for t, f in zip(tensors, scaled) if f]
+    if k == 1 or not chosen:
+        return list(tensors)  # one group: an optimizer state as earlier runs' checkpoints hold it
+    rest = [t for t, f in zip(tensors, scaled) if not f]
+    return [{"params": rest}, {"params": chosen, "lr": lr * k, "weight_decay": o.weight_decay / k}]
+
+
+def triangle_factor(step: int, total_steps: int, triangle: tuple[float, float, float]) -> float:
+    """Jordan 2024's schedule: the lr's multiple at step `step`, linear from `start` at step 0 to 1 at
+    step floor(peak * total_steps), then to `end` at total_steps."""
+    start, peak, end = triangle
+    top = int(peak * total_steps)
+    if step <= top:
+        return start + (1.0 - start) * step / top if top > 0 else 1.0
+    return 1.0 + (end - 1.0) * min(step - top, total_steps - top) / (total_steps - top)
 
 
 def effective_lr(cfg: DictConfig) -> float:

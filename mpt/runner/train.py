@@ -128,6 +128,7 @@ class Run:
         saved = self._checkpoint_to_resume()
         self.data = build_data(cfg, self.device, workdir=run_dir, resuming=saved is not None, shard=self.dist)
         self.task = build_task(cfg, self.data.info, shard=self.dist)
+        self.task.prepare(self.data)
         s = cfg.schedule
         per_epoch = self.data.steps_per_epoch
         self.total_steps = int(s.steps) if s.steps is not None else max(1, math.ceil(s.epochs * per_epoch))
@@ -146,6 +147,7 @@ class Run:
                 reduce_max=self.dist.reduce_max,
                 clipped=self.task.clipped_parameters(name),
                 channels_last=self.channels_last,
+                total_steps=self.total_steps,
             )
             for name, net in self.task.networks().items()
         }
@@ -589,12 +591,14 @@ class Run:
     def steps(self) -> Iterator[int]:
         """The training loop, yielding after each step (a benchmark can drive it a window at a time)."""
         batches = self.data.epoch(self.epoch, self.batch_in_epoch)
+        self.task.begin_epoch(self.epoch)
         while self.step < self.total_steps:
             t0 = time.perf_counter()
             batch = next(batches, None)
             if batch is None:
                 self.epoch, self.batch_in_epoch = self.epoch + 1, 0
                 batches = self.data.epoch(self.epoch)
+                self.task.begin_epoch(self.epoch)
                 continue
             self.batch_in_epoch += 1
             wait = time.perf_counter() - t0
@@ -614,6 +618,9 @@ class Run:
             if stats_step["sampled"] and stats_step["seconds"] is None:
                 self.meter.interrupt()  # a sampled step that was not timed: its window cannot be corrected
             self.step += 1
+            if self.batch_in_epoch == self.data.steps_per_epoch or self.step == self.total_steps:
+                for engine in self.engines.values():  # optim.lookahead: the weights become the average
+                    engine.settle()
             n = self.task.count_samples(batch)
             self.samples += n
             # A sampled step's hooks are not training's work: the step is left out of throughput (its
@@ -663,6 +670,8 @@ class Run:
             try:
                 with self.grad_stats.update(term.group, engine):
                     applied = engine.step()
+                if applied:
+                    engine.average(step + 1, self.epoch)
             except Diverged:  # an overflow at the scaler's smallest scale: trace it too
                 if rng is not None and engine.scaler.checks_overflow:
                     self._trace_overflow(step, batch, index, term.group, row["scale"], rng)
