@@ -567,10 +567,8 @@ def validate_schedule_shape(schedule: DictConfig) -> None:
 def validate_update_extras(cfg: DictConfig) -> None:
     """Nesterov momentum, the batch-norm biases' lr multiple and lookahead (Jordan 2024's recipe)."""
     o = cfg.optim
-    if o.nesterov and (o.name != "sgd" or Update(cfg.precision.update_rule) != Update.optimizer or o.momentum <= 0):
-        raise ConfigError(
-            f"optim.nesterov=true: needs optim.name=sgd with momentum > 0 on torch's optimizer (got {o.name}, momentum {o.momentum}, precision={cfg.precision.name})"
-        )
+    if o.nesterov and (o.name != "sgd" or o.momentum <= 0):
+        raise ConfigError(f"optim.nesterov=true: needs optim.name=sgd with momentum > 0 (got {o.name}, momentum {o.momentum})")
     if not (o.norm_bias_lr_scale > 0 and math.isfinite(o.norm_bias_lr_scale)):
         raise ConfigError(f"optim.norm_bias_lr_scale={o.norm_bias_lr_scale}: must be a positive number")
     la = o.lookahead

@@ -206,7 +206,7 @@ def test_airbench_settings_are_checked():
             validate_model(compose_cfg(*bad))
     for bad, named in [
         (("model=airbench94", "optim.name=adam"), "optim.nesterov=true"),
-        (("model=airbench94", "precision=fp16"), "optim.nesterov=true"),
+        (("model=airbench94", "optim.momentum=0"), "optim.nesterov=true"),
         (("model=airbench94", "schedule.lr_shape=cosine"), "schedule.lr_shape=cosine"),
         (("model=airbench94", "schedule=paper", "schedule.lr_triangle=[0.2,1.5,0.1]"), r"schedule.lr_triangle"),
         (("model=airbench94", "optim.norm_bias_lr_scale=0"), "optim.norm_bias_lr_scale=0"),
@@ -237,3 +237,32 @@ def test_a_mixed_run_of_airbench_trains_averages_and_scores_with_tta(tmp_path, i
         assert torch.equal(p, m.to(p.dtype))
     assert engine.lookahead is not None and engine.lookahead.ema is not None
     torch.testing.assert_close(engine.update.masters[0], engine.lookahead.ema[0])
+
+
+@pytest.mark.parametrize("modified", [False, True])
+def test_fp16_weights_step_by_nesterov_as_the_formula_rounded_to_fp16(modified):
+    from mpt.precision.optim import FP16MomentumSGD, momentum_headroom
+
+    g = torch.Generator().manual_seed(1)
+    w0 = torch.randn(64, generator=g).half()
+    grads = [torch.randn(64, generator=g).half() for _ in range(4)]
+    p = nn.Parameter(w0.clone())
+    lr, m, wd, S = 0.05, 0.85, 0.01, 8.0
+    opt = FP16MomentumSGD([p], lr=lr, momentum=m, weight_decay=wd, modified=modified, nesterov=True)
+    w, buf, h = w0.double(), torch.zeros(64, dtype=torch.float64), momentum_headroom(m)
+    for grad in grads:
+        p.grad = (grad.float() * S).half()  # arrives scaled
+        opt.step(grad_scale=S)
+        gd = (grad.float() * S).half().double() / S + wd * w
+        if modified:  # G kept times h*S in FP16; the step looks ahead along it
+            G = (buf / (h * S)) * m + gd
+            buf = (G * h * S).half().double()
+            step = -lr * (gd + m * G)
+        else:
+            v = buf * m - lr * gd
+            buf = v.half().double()
+            step = m * v - lr * gd
+        w = (w + step).half().double()
+        # one FP16 ulp: the oracle rounds once from float64, the update from FP32 registers
+        torch.testing.assert_close(p.detach().double(), w, rtol=0, atol=float(torch.finfo(torch.float16).eps) * 4)
+    assert not torch.equal(p.detach(), w0)

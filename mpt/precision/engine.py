@@ -234,7 +234,7 @@ class _FP16Update:
         modified = cfg.precision.update_rule == Update.fp16_modified_momentum
         o = cfg.optim
         groups = param_groups(params, [id(p) in lr_scaled for p in params], o, lr)
-        self.optimizer = FP16MomentumSGD(groups, lr=lr, momentum=o.momentum, weight_decay=o.weight_decay, modified=modified)
+        self.optimizer = FP16MomentumSGD(groups, lr=lr, momentum=o.momentum, weight_decay=o.weight_decay, modified=modified, nesterov=o.nesterov)
 
     def written(self) -> list[torch.Tensor]:
         return list(self.params)

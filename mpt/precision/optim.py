@@ -24,6 +24,9 @@ class FP16MomentumSGD(torch.optim.Optimizer):
     classic (NVCaffe):      v = m*v - lr*(g + wd*w);   w = w + v        (v in weight units)
     modified (Naruse 2017): G = m*G + (g + wd*w);      w = w - lr*G     (G in gradient units)
 
+    With nesterov, the step looks ahead along the momentum, as torch's SGD(nesterov=True) does:
+    classic w = w + m*v - lr*(g + wd*w), modified w = w - lr*((g + wd*w) + m*G).
+
     With loss scaling, G is kept multiplied by h*S, so it stays as far from underflow as the scaled
     gradients are, and rescaled when S changes. h = 2^-ceil(log2(1/(1-m))) is headroom: G sums
     gradients with weights up to 1/(1-m) (10x at m = 0.9), so held at S alone it would overflow FP16
@@ -32,9 +35,9 @@ class FP16MomentumSGD(torch.optim.Optimizer):
     gradient. h is a power of two, so the rescaling is exact.
     """
 
-    def __init__(self, params, lr: float, momentum: float, weight_decay: float, modified: bool):
+    def __init__(self, params, lr: float, momentum: float, weight_decay: float, modified: bool, nesterov: bool = False):
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay))
-        self.modified = modified
+        self.modified, self.nesterov = modified, nesterov
         self.lost: dict[torch.nn.Parameter, LostUpdates] | None = None  # while a dict, steps count the updates each weight lost
         for group in self.param_groups:
             for p in group["params"]:
@@ -68,15 +71,18 @@ class FP16MomentumSGD(torch.optim.Optimizer):
                         g = g16.float().mul_(coef * held / grad_scale).add_(w, alpha=wd * held)
                         G = buf.float().mul_(m * held / state["scale"]).add_(g)
                         buf.copy_(G)
-                        w16.copy_(w.sub_(G, alpha=lr / held))
+                        step = g.add_(G, alpha=m) if self.nesterov else G  # in gradient units, times held
+                        w16.copy_(w.sub_(step, alpha=lr / held))
+                        applied = step.mul_(-lr / held) if lost is not None else None
                     else:
                         g = g16.float().mul_(coef / grad_scale).add_(w, alpha=wd)
                         v = buf.float().mul_(m).sub_(g, alpha=lr)
                         buf.copy_(v)
-                        w16.copy_(w.add_(v))
+                        applied = v.mul(m).sub_(g, alpha=lr) if self.nesterov else v  # in weight units
+                        w16.copy_(w.add_(applied))
                     if lost is not None:
-                        assert before is not None  # cloned above whenever lost is set
-                        lost.add_applied(before, w16, G.mul_(-lr / held) if self.modified else v)
+                        assert before is not None and applied is not None  # set above whenever lost is
+                        lost.add_applied(before, w16, applied)
                 state["scale"] = held
         return None
 
