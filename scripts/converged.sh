@@ -2,11 +2,11 @@
 # A converged setting: every preset of its family (configs/experiment/<setting>*.yaml, each declaring
 # the setting's metric, margin and comparisons before its runs), into results/converged/<setting>/,
 # then its report, whose tables/comparisons.md holds the verdicts:
-#   scripts/converged.sh cifar10_resnet20|multi30k_gnmt|ptb_biglstm [--report-only] [override ...]
+#   scripts/converged.sh cifar10_resnet20|cifar10_airbench|multi30k_gnmt|ptb_biglstm [--report-only] [override ...]
 # Overrides go to every preset (seed=0,1,2,3,4 for a GPU's five seeds; device=cpu). A relaunch skips
 # the runs already finished and resumes an interrupted one from its checkpoint.
 set -euo pipefail
-setting=${1:?usage: scripts/converged.sh cifar10_resnet20|multi30k_gnmt|ptb_biglstm [--report-only] [override ...]}
+setting=${1:?usage: scripts/converged.sh cifar10_resnet20|cifar10_airbench|multi30k_gnmt|ptb_biglstm [--report-only] [override ...]}
 shift
 report_only=false
 if [ "${1:-}" = --report-only ]; then
@@ -16,10 +16,10 @@ fi
 out=${OUT:-results/converged/$setting}  # OUT: another folder (a dry run)
 presets=$(cd configs/experiment && for f in "$setting".yaml "$setting"_*.yaml; do [ -e "$f" ] && echo "${f%.yaml}"; done || true)
 if [ -z "$presets" ] || [ ! -e "configs/experiment/$setting.yaml" ]; then
-  echo "scripts/converged.sh: no preset configs/experiment/$setting.yaml (expected cifar10_resnet20, multi30k_gnmt or ptb_biglstm)" >&2
+  echo "scripts/converged.sh: no preset configs/experiment/$setting.yaml (expected cifar10_resnet20, cifar10_airbench, multi30k_gnmt or ptb_biglstm)" >&2
   exit 2
 fi
-if [ "$setting" = cifar10_resnet20 ] && [ ! -d .data/cifar10 ]; then
+if [[ "$setting" == cifar10_* ]] && [ ! -d .data/cifar10 ]; then
   mkdir -p .data && tar -xzf ../shared/data/cifar10.tar.gz -C .data  # the presets read .data/cifar10
 fi
 # One sweep per preset: a preset's cells are its own sweeper's (a sweep over presets would not apply them).
