@@ -223,10 +223,11 @@ def test_a_mixed_run_of_airbench_trains_averages_and_scores_with_tta(tmp_path, i
         "scale=dynamic",
         "optim.lookahead.start_epoch=0",
         "optim.lookahead.every=2",
-        "data.train_samples=128",
-        "schedule.batch_size=32",
+        "data.train_samples=64",
+        "data.val_samples=32",
+        "schedule.batch_size=16",
         "schedule.steps=8",
-        "schedule.eval_every=4",
+        "schedule.eval_every=8",
     )
     assert run.execute().status == "ok"
     rec = read_record(tmp_path)
