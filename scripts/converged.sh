@@ -5,8 +5,8 @@
 #   scripts/converged.sh cifar10_resnet20|cifar10_airbench|multi30k_gnmt|ptb_biglstm [--report-only] [override ...]
 # Overrides go to every preset (seed=0,1,2,3,4 for a GPU's five seeds; device=cpu). A relaunch skips
 # the runs already finished and resumes an interrupted one from its checkpoint.
-# JOBS=N runs N copies of the loop side by side, each on its share of the CPU's cores (a 1-thread
-# LSTM is more than half as fast as a 2-thread one): each run folder's lock lets one copy run it
+# JOBS=N runs N copies of the loop side by side, each on its share of the CPU's cores (a small run
+# does not keep every core busy): each run folder's lock lets one copy run it
 # and the others skip to the next, so the copies share out the runs. The report is written once.
 set -euo pipefail
 setting=${1:?usage: scripts/converged.sh cifar10_resnet20|cifar10_airbench|multi30k_gnmt|ptb_biglstm [--report-only] [override ...]}
