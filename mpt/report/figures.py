@@ -154,7 +154,7 @@ def throughput_bars(table: pd.DataFrame, out: Path) -> list[Path]:
 
 def shift_control(table: pd.DataFrame, out: Path) -> list[Path]:
     """The loss-scaling control against k (the loss times 2^-k, the gradients times 2^k): the final
-    metric (mean over seeds, each seed a dot) above the share of activation gradients left zero,
+    metric (mean over seeds, the bar one standard deviation) above the share of activation gradients left zero,
     one line per mode. The paper's claim shows as FP32 flat, unscaled mixed falling once FP16
     flushes a growing share, and dynamic scaling flat."""
     written: list[Path] = []
