@@ -3,6 +3,8 @@ the recipe against an independent computation (numpy, float64, the paper's formu
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -159,9 +161,9 @@ def test_lookahead_follows_the_papers_rule():
 def test_the_whitening_bias_stops_training_after_its_epochs():
     task = build_task(compose_cfg(*AIRBENCH), {"num_classes": 10})
     task.begin_epoch(2)
-    assert task.net.whiten.bias.requires_grad
+    assert task.frozen_parameters("model") == []
     task.begin_epoch(3)
-    assert not task.net.whiten.bias.requires_grad
+    assert [id(p) for p in task.frozen_parameters("model")] == [id(task.net.whiten.bias)]
 
 
 def _asymmetric_folder(root, n=8):
@@ -215,29 +217,66 @@ def test_airbench_settings_are_checked():
             validate(compose_cfg(*bad))
 
 
-def test_a_mixed_run_of_airbench_trains_averages_and_scores_with_tta(tmp_path, in_process):
+def test_a_mixed_run_of_airbench_trains_averages_and_scores_with_tta(tmp_path, in_process, monkeypatch):
+    # 4 steps an epoch, 7 steps: averaging from step 2 of epoch 0 every 2 steps, the whitening bias
+    # trained in epoch 0 only; the last step (7) is no averaging step, so only the run's end settles it
+    calls: list[tuple[int, int]] = []
+    after_step = Lookahead.after_step
+    monkeypatch.setattr(Lookahead, "after_step", lambda self, step, epoch, tensors: calls.append((step, epoch)) or after_step(self, step, epoch, tensors))
     run = build_run(
         tmp_path,
         *AIRBENCH,
         "precision=mixed",
-        "scale=dynamic",
+        "scale=static",
+        "scale.value=1",
         "optim.lookahead.start_epoch=0",
         "optim.lookahead.every=2",
+        "model.whiten_bias_epochs=1",
+        "schedule.lr_shape=triangle",
+        "schedule.lr_milestones=[]",
         "data.train_samples=64",
         "data.val_samples=32",
         "schedule.batch_size=16",
-        "schedule.steps=8",
-        "schedule.eval_every=8",
+        "schedule.steps=7",
+        "schedule.eval_every=7",
+        "schedule.log_every=1",
     )
-    assert run.execute().status == "ok"
-    rec = read_record(tmp_path)
-    assert rec["status"] == "ok" and 0 <= rec["metrics"]["top1"] <= 1
+    net = run.task.base
+    # the whitening is the training images' (set before the engine rounded it to FP16)
+    reference = Airbench94()
+    reference.init_whitening(run.data.plain_train_images(5000))
+    torch.testing.assert_close(net.whiten.weight, reference.whiten.weight.to(net.whiten.weight.dtype))
+    bias_after_epoch0 = None
+    for step in run.steps():
+        if step == 4:
+            bias_after_epoch0 = net.whiten.bias.detach().clone()
+    assert calls == [(s, (s - 1) // 4) for s in range(1, 8)]
+    assert bias_after_epoch0 is not None and torch.equal(net.whiten.bias, bias_after_epoch0)  # frozen from epoch 1
     engine = run.engines["model"]
-    # the run ended at an epoch's end: the FP16 weights are the FP16 rounding of the averaged masters
+    assert engine.lookahead is not None and engine.lookahead.ema is not None
+    buffers = [b for b in engine.model.buffers() if b.is_floating_point()]
+    assert len(engine.lookahead.ema) == len(engine.update.written()) + len(buffers) and buffers  # batch-norm's statistics too
+    # the run's end settled the weights onto the average: masters, their FP16 copies and the statistics
+    for t, e in zip([*engine.update.written(), *buffers], engine.lookahead.ema):
+        assert torch.equal(t, e)
     for p, m in engine.update.low_pairs:
         assert torch.equal(p, m.to(p.dtype))
-    assert engine.lookahead is not None and engine.lookahead.ema is not None
-    torch.testing.assert_close(engine.update.masters[0], engine.lookahead.ema[0])
+    # the lr of each step is the triangle's (read from the per-step log)
+    run.save_record()
+    lrs = [r["lr"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
+    expected = cfg_lr(run) * np.interp(np.arange(7), [0, int(0.23 * 7), 7], [0.2, 1.0, 0.07])
+    np.testing.assert_allclose(lrs, expected, rtol=1e-6)
+
+
+def cfg_lr(run) -> float:
+    return float(run.cfg.optim.lr)
+
+
+def test_a_run_of_airbench_ends_with_a_record_scored_with_tta(tmp_path, in_process):
+    run = build_run(tmp_path, *AIRBENCH, "data.train_samples=32", "data.val_samples=16", "schedule.batch_size=16", "schedule.steps=2")
+    assert run.execute().status == "ok"
+    rec = read_record(tmp_path)
+    assert rec["status"] == "ok" and 0 <= rec["metrics"]["top1"] <= 1 and rec["metrics"]["val_samples"] == 16
 
 
 @pytest.mark.parametrize("modified", [False, True])

@@ -141,7 +141,8 @@ class ImageFolderData(LoaderData):
         val_order = torch.randperm(len(self.val_set), generator=torch.Generator().manual_seed(0)).tolist()
         self.val_loader = DataLoader(self.val_set, batch_size=schedule.batch_size, sampler=val_order, generator=torch.Generator().manual_seed(seed), **common)
         self.steps_per_epoch = len(self.train_set) // schedule.batch_size
-        self.plain = (root, data.train_split, val_tf)
+        # Whole images at the training size, not evaluation's resize-and-crop (whose ratio may zoom)
+        self.plain = (root, data.train_split, transforms.Compose([transforms.Resize(size), transforms.CenterCrop(size), transforms.ToTensor(), normalize]))
         self.info = {
             "num_classes": len(self.train_set.classes),
             "classes": self.train_set.classes,
@@ -152,8 +153,8 @@ class ImageFolderData(LoaderData):
         }
 
     def plain_train_images(self, n: int) -> torch.Tensor:
-        """n training images drawn uniformly (the same for every seed), as evaluation sees images:
-        not augmented, normalized. On the run's device."""
+        """n training images drawn uniformly (the same for every seed), whole at the training size, not
+        augmented, normalized. On the run's device."""
         root, split, tf = self.plain
         plain = open_split(root, split, tf)
         chosen = torch.randperm(len(plain), generator=torch.Generator().manual_seed(0))[:n].tolist()

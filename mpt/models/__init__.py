@@ -99,6 +99,11 @@ class Task:
     def begin_epoch(self, epoch: int) -> None:
         """Called as each epoch of training data begins, and at a resumed run's epoch."""
 
+    def frozen_parameters(self, name: str) -> list[nn.Parameter]:
+        """The weights of network `name` that the current epoch does not update (their gradients are
+        dropped before the update); the loop asks again as each epoch begins."""
+        return []
+
     def stream_buffers(self, name: str) -> dict[str, int]:
         """Buffers of network `name` holding one row per stream of the batch, by name and batch
         dimension (bigLSTM's carried state): under torchrun each rank keeps its own streams' (no

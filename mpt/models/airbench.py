@@ -62,11 +62,14 @@ class Airbench94(nn.Module):
         width = 2 * 3 * WHITEN_KERNEL**2
         self.whiten = nn.Conv2d(3, width, WHITEN_KERNEL, padding=0, bias=True)
         self.whiten.weight.requires_grad_(False)  # set from the data by init_whitening, never trained
-        self.whiten_bias = cast(nn.Parameter, self.whiten.bias)  # built with bias=True
         with torch.no_grad():
             self.whiten_bias.zero_()
         self.blocks = nn.Sequential(ConvGroup(width, WIDTHS[0]), ConvGroup(WIDTHS[0], WIDTHS[1]), ConvGroup(WIDTHS[1], WIDTHS[2]))
         self.head = nn.Linear(WIDTHS[2], num_classes, bias=False)
+
+    @property
+    def whiten_bias(self) -> nn.Parameter:
+        return cast(nn.Parameter, self.whiten.bias)  # built with bias=True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.blocks(F.gelu(self.whiten(x)))

@@ -39,8 +39,12 @@ class Classification(OneNetwork):
     primary_metric = "top1"
     higher_is_better = True
 
-    def __init__(self, model_cfg: DictConfig, num_classes: int):
+    def __init__(self, model_cfg: DictConfig, num_classes: int, world_size: int = 1):
         self.cfg = model_cfg
+        # A loss summed over the global batch: each process sums its share and data parallelism
+        # averages the gradients over processes, so each share's sum counts world_size times.
+        self.sum_factor = float(world_size) if model_cfg.loss_reduction == "sum" else 1.0
+        self.frozen: list[torch.nn.Parameter] = []
         kwargs = dict(_BUILD_KWARGS.get(model_cfg.arch, {}))
         if model_cfg.dropout is not None:
             kwargs["dropout"] = model_cfg.dropout
@@ -68,7 +72,8 @@ class Classification(OneNetwork):
         yield LossTerm("model", self._loss(out, labels))
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits, labels, label_smoothing=self.cfg.label_smoothing, reduction=self.cfg.loss_reduction)
+        loss = F.cross_entropy(logits, labels, label_smoothing=self.cfg.label_smoothing, reduction=self.cfg.loss_reduction)
+        return loss * self.sum_factor if self.sum_factor != 1.0 else loss
 
     def count_samples(self, batch: Any) -> int:
         return int(batch[1].shape[0])
@@ -117,10 +122,14 @@ class Classification(OneNetwork):
             net.init_whitening(data.plain_train_images(WHITENING_IMAGES))
 
     def begin_epoch(self, epoch: int) -> None:
-        """airbench94's whitening bias trains for model.whiten_bias_epochs epochs, then stays."""
-        net = self.base
-        if isinstance(net, Airbench94) and self.cfg.whiten_bias_epochs is not None:
-            net.whiten_bias.requires_grad_(epoch < self.cfg.whiten_bias_epochs)
+        """airbench94's whitening bias trains for model.whiten_bias_epochs epochs, then stays: its
+        gradient is dropped before each update (frozen_parameters), which skips it as torch's SGD
+        skips a weight without a gradient, and leaves data parallelism's buckets as they were."""
+        net, epochs = self.base, self.cfg.whiten_bias_epochs
+        self.frozen = [net.whiten_bias] if isinstance(net, Airbench94) and epochs is not None and epoch >= epochs else []
+
+    def frozen_parameters(self, name: str) -> list[torch.nn.Parameter]:
+        return self.frozen
 
 
 def validate(cfg: DictConfig) -> None:
@@ -137,4 +146,4 @@ def validate(cfg: DictConfig) -> None:
 
 
 def build(cfg: DictConfig, data_info: dict, shard: Dist = Dist()) -> Classification:
-    return Classification(cfg.model, num_classes=data_info["num_classes"])
+    return Classification(cfg.model, num_classes=data_info["num_classes"], world_size=shard.world_size)

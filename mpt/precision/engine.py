@@ -322,6 +322,7 @@ class PrecisionEngine:
             self.lookahead = Lookahead(cfg.optim.lookahead, total_steps)
         self.last_grad_norm: torch.Tensor | None = None
         self.steps_taken = 0  # calls of step(), applied or skipped
+        self.frozen: set[int] = set()  # ids of weights whose gradients step() drops (Task.frozen_parameters)
 
     @property
     def lr(self) -> float:
@@ -355,6 +356,9 @@ class PrecisionEngine:
         self.steps_taken += 1
         if self.products is not None:  # a skipped step's amax counts too, as in Transformer Engine
             self.products.end_step(self.reduce_max)
+        for p in self.update.params:
+            if id(p) in self.frozen:
+                p.grad = None
         grads = self.update.grads()
         scale = self.backward_scale  # what the gradients carry
         unscale = 1.0 if self.update.carries_scale else 1.0 / scale
@@ -450,7 +454,7 @@ class PrecisionEngine:
         if self.products is not None:
             self.products.load_state_dict(state.get("products", {}))
         if self.lookahead is not None:
-            self.lookahead.load_state_dict(state.get("lookahead", {}))
+            self.lookahead.load_state_dict(state.get("lookahead", {}), like=self._averaged())
 
 
 def build_lr_schedule(

@@ -51,5 +51,7 @@ class Lookahead:
     def state_dict(self) -> dict:
         return {"ema": None if self.ema is None else [t.clone() for t in self.ema]}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.ema = None if state.get("ema") is None else [t.clone() for t in state["ema"]]
+    def load_state_dict(self, state: dict, like: list[torch.Tensor]) -> None:
+        """The saved average, into tensors of the device and dtype of `like` (the averaged tensors)."""
+        saved = state.get("ema")
+        self.ema = None if saved is None else [t.detach().clone().copy_(s) for t, s in zip(like, saved)]

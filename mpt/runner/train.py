@@ -591,14 +591,14 @@ class Run:
     def steps(self) -> Iterator[int]:
         """The training loop, yielding after each step (a benchmark can drive it a window at a time)."""
         batches = self.data.epoch(self.epoch, self.batch_in_epoch)
-        self.task.begin_epoch(self.epoch)
+        self._begin_epoch()
         while self.step < self.total_steps:
             t0 = time.perf_counter()
             batch = next(batches, None)
             if batch is None:
                 self.epoch, self.batch_in_epoch = self.epoch + 1, 0
                 batches = self.data.epoch(self.epoch)
-                self.task.begin_epoch(self.epoch)
+                self._begin_epoch()
                 continue
             self.batch_in_epoch += 1
             wait = time.perf_counter() - t0
@@ -643,6 +643,11 @@ class Run:
                     self.save_checkpoint()
                 raise preemption.Preempted(preemption.requested() or signal.SIGTERM, self.step, checkpointed=self.cfg.checkpoint)
             yield self.step
+
+    def _begin_epoch(self) -> None:
+        self.task.begin_epoch(self.epoch)
+        for name, engine in self.engines.items():
+            engine.frozen = {id(p) for p in self.task.frozen_parameters(name)}
 
     def _preempted(self) -> bool:
         """Whether to stop here for a preemption signal. Under torchrun, whether any rank got one, as
