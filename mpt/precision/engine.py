@@ -171,14 +171,13 @@ class _TorchUpdate:
     carries_scale = False  # gradients are unscaled in place before the update
     in_place_fp16 = False  # lost updates are those FP16 weights would lose
 
-    def __init__(self, params: list[nn.Parameter], cfg: DictConfig, lr: float, fp32_values: dict[nn.Parameter, torch.Tensor], lr_scaled: set[int]):
+    def __init__(self, params: list[nn.Parameter], cfg: DictConfig, lr: float, fp32_values: dict[nn.Parameter, torch.Tensor], scaled: list[bool]):
         self.params = params
         # Only low-precision weights get a master; FP32 ones (batch-norm under mixed) are updated directly.
         # A master starts from the weight's FP32 value, as the paper keeps it; only the working copy is rounded.
         keep_master = cfg.precision.master_weights
         self.masters = [fp32_values[p] if keep_master and p.dtype != torch.float32 else p for p in params]
         self.low_pairs = [(p, m) for p, m in zip(params, self.masters) if m is not p]
-        scaled = [id(p) in lr_scaled for p in params]
         self.optimizer = build_torch_optimizer(param_groups(self.masters, scaled, cfg.optim, lr), cfg, lr)
 
     def written(self) -> list[torch.Tensor]:
@@ -229,11 +228,11 @@ class _FP16Update:
     carries_scale = True
     in_place_fp16 = True  # lost updates are those the FP16 weights did lose
 
-    def __init__(self, params: list[nn.Parameter], cfg: DictConfig, lr: float, fp32_values: dict[nn.Parameter, torch.Tensor], lr_scaled: set[int]):
+    def __init__(self, params: list[nn.Parameter], cfg: DictConfig, lr: float, fp32_values: dict[nn.Parameter, torch.Tensor], scaled: list[bool]):
         self.params = params
         modified = cfg.precision.update_rule == Update.fp16_modified_momentum
         o = cfg.optim
-        groups = param_groups(params, [id(p) in lr_scaled for p in params], o, lr)
+        groups = param_groups(params, scaled, o, lr)
         self.optimizer = FP16MomentumSGD(groups, lr=lr, momentum=o.momentum, weight_decay=o.weight_decay, modified=modified, nesterov=o.nesterov)
 
     def written(self) -> list[torch.Tensor]:
@@ -309,7 +308,7 @@ class PrecisionEngine:
         # optim.norm_bias_lr_scale's weights: batch-norm biases (Jordan 2024's "bias scaler")
         norm_biases = {id(m.bias) for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.bias is not None}
         update_cls = _TorchUpdate if cfg.precision.update_rule == Update.optimizer else _FP16Update
-        self.update = update_cls(params, cfg, effective_lr(cfg), fp32_values, norm_biases)
+        self.update = update_cls(params, cfg, effective_lr(cfg), fp32_values, [id(q) in norm_biases for q in params])
         self.optimizer = self.update.optimizer
         s = cfg.schedule
         if s.lr_shape == "triangle" and total_steps is None:
