@@ -466,6 +466,10 @@ class ExperimentConfig:
     # FP32 reaches its plateau under this recipe, as measured (the preset's header says where):
     # only a converged experiment's verdicts say "reproduced" or "contradicted"
     converged: bool = False
+    # the seeds its sweeps run, each a planned pair of every comparison: until all have finished, a
+    # comparison draws no finding (incomplete), and a run of another seed is refused. null: the pairs
+    # that finished, as a declaration made before the field has it
+    seeds: Optional[list[int]] = None
     comparisons: list[ComparisonConfig] = field(default_factory=list)
     # what the runs' measurement is known to lack, found after them (a declaration file's, mostly):
     # the comparisons table prints it under its rows, and draws no finding from their verdicts
@@ -702,6 +706,12 @@ def validate_experiment(cfg: DictConfig) -> None:
     e = cfg.experiment
     if not (e.margin >= 0 and math.isfinite(e.margin)):
         raise ConfigError(f"experiment.margin={e.margin}: must be a finite number >= 0")
+    if e.seeds is not None:
+        seeds = list(e.seeds)
+        if len(seeds) < 2 or len(set(seeds)) != len(seeds) or min(seeds) < 0:
+            raise ConfigError(f"experiment.seeds={seeds}: must be two or more distinct seeds >= 0 (an interval needs two pairs)")
+        if cfg.seed not in seeds:
+            raise ConfigError(f"seed={cfg.seed} is not among experiment.seeds={seeds}, the pairs planned before the runs: run one of them")
     for i, c in enumerate(e.comparisons):
         if not c.against:
             raise ConfigError(f"experiment.comparisons[{i}].against is empty: name the settings that make the baseline, e.g. {{precision: fp32}}")

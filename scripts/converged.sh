@@ -3,7 +3,8 @@
 # the setting's metric, margin and comparisons before its runs), into results/converged/<setting>/,
 # then its report, whose tables/comparisons.md holds the verdicts:
 #   scripts/converged.sh cifar10_resnet20|cifar10_airbench|multi30k_gnmt|ptb_biglstm [--report-only] [override ...]
-# Overrides go to every preset (seed=0,1,2,3,4 for a GPU's five seeds; device=cpu). A relaunch skips
+# Overrides go to every preset (device=cpu). SEEDS=0,1,2,3,4 runs those seeds and plans them as the
+# comparisons' pairs (a GPU's five seeds), instead of the presets' own. A relaunch skips
 # the runs already finished and resumes an interrupted one from its checkpoint.
 # JOBS=N runs N copies of the loop side by side, each on its share of the CPU's cores (a small run
 # does not keep every core busy): each run folder's lock lets one copy run it
@@ -26,9 +27,11 @@ if [[ "$setting" == cifar10_* ]] && [ ! -d .data/cifar10 ]; then
   mkdir -p .data && tar -xzf ../shared/data/cifar10.tar.gz -C .data  # the presets read .data/cifar10
 fi
 # One sweep per preset: a preset's cells are its own sweeper's (a sweep over presets would not apply them).
+planned=()
+[ -z "${SEEDS:-}" ] || planned=("seed=$SEEDS" "experiment.seeds=[$SEEDS]")
 sweeps() {
   for preset in $presets; do
-    python -m mpt.runner.cli -m "experiment=$preset" "hydra.sweep.dir=$out" "$@"
+    python -m mpt.runner.cli -m "experiment=$preset" "hydra.sweep.dir=$out" "${planned[@]}" "$@"
   done
 }
 jobs=${JOBS:-1}

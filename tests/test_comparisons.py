@@ -215,3 +215,47 @@ def test_one_cells_seed_twice_is_refused_naming_both_runs():
     rows.append({**run("fp32", 1, 0.91), "run_dir": "elsewhere/fp32_1"})
     with pytest.raises(DeclarationError, match="elsewhere/fp32_1 are one cell's seed 1 twice"):
         table(rows)
+
+
+PLANNED = {**DECLARED, "seeds": [0, 1, 2]}
+
+
+def test_a_planned_pair_not_yet_finished_draws_no_finding_and_the_note_names_it():
+    mixed = [FP32[0] + 0.0005, FP32[1] + 0.0006, FP32[2] + 0.0004]
+    rows = [run("fp32", s, v, declared=PLANNED) for s, v in enumerate(FP32[:3])]
+    rows += [run("mixed", s, v, declared=PLANNED) for s, v in enumerate(mixed[:2])]
+    rows.append(run("mixed", 2, None, status="preempted", declared=PLANNED))  # its checkpoint waits for a relaunch
+    t = table(rows).set_index("cell")
+    # the two finished pairs alone are equivalent, as the unplanned declaration reads them
+    assert t.loc["mixed", "verdict"] == "equivalent" and t.loc["mixed", "n"] == 2
+    assert t.loc["mixed", "finding"] == "incomplete" and "2 of 3 planned pairs finished; seed 2 not yet" in t.loc["mixed", "note"]
+    unplanned = table([{**r, "config.experiment.seeds": None} for r in rows]).set_index("cell")
+    assert unplanned.loc["mixed", "finding"] == "reproduced"
+    rows[-1] = run("mixed", 2, mixed[2], declared=PLANNED)
+    done = table(rows).set_index("cell")
+    assert done.loc["mixed", "finding"] == "reproduced" and done.loc["mixed", "n"] == 3 and done.loc["mixed", "note"] == ""
+
+
+def test_a_diverged_seed_finishes_its_pair_and_an_unplanned_seed_is_left_out():
+    rows = [run("fp32", s, v, declared=PLANNED) for s, v in enumerate(FP32)]  # seeds 3 and 4 were never planned
+    rows += [run("fp16", s, 0.80, declared=PLANNED, **{"precision.norm_fp32": True}) for s in (0, 1)]
+    rows.append(run("fp16", 2, None, status="diverged", declared=PLANNED, **{"precision.norm_fp32": True}))
+    rows += [run("fp16", s, FP32[s], declared=PLANNED, **{"precision.norm_fp32": True}) for s in (3, 4)]
+    t = table(rows).set_index("cell")
+    assert t.loc["fp16", "n"] == 2 and t.loc["fp16", "diverged"] == 1  # seeds 3 and 4 not counted
+    assert t.loc["fp16", "verdict"] == "worse" and t.loc["fp16", "finding"] == "reproduced"
+
+
+def test_records_made_before_seeds_were_declared_join_the_ones_that_declare_them():
+    rows = [run("fp32", s, v) for s, v in enumerate(FP32[:3])]  # an older record: no experiment.seeds
+    rows = [{k: v for k, v in r.items() if k != "config.experiment.seeds"} for r in rows]
+    rows += [run("mixed", s, v, declared=PLANNED) for s, v in enumerate(FP32[:2])]
+    t = table(rows).set_index("cell")
+    assert t.loc["mixed", "finding"] == "incomplete" and "seed 2 not yet" in t.loc["mixed", "note"]
+
+
+def test_records_that_plan_different_seeds_are_refused():
+    rows = [run("fp32", s, v, declared=PLANNED) for s, v in enumerate(FP32[:3])]
+    rows.append(run("mixed", 0, 0.9, declared={**DECLARED, "seeds": [0, 1, 2, 3, 4]}))
+    with pytest.raises(DeclarationError, match=r"plans seeds \[0, 1, 2\] in .* and \[0, 1, 2, 3, 4\] in"):
+        table(rows)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf, open_dict
 
-from mpt.config import ConfigError
+from mpt.config import ConfigError, validate_experiment
 from mpt.runner.validation import validate
 
 from .conftest import ROOT, build_run, compose_cfg, mpt_run
@@ -214,6 +214,30 @@ def test_every_experiment_preset_composes_and_its_declaration_names_real_setting
 
         declared = Declared.from_dict(OmegaConf.to_container(cfg.experiment, resolve=True))
         assert declared.margin > 0 and declared.comparisons
+
+
+def swept_seeds(preset: str) -> list[int]:
+    """The seeds a preset's sweep runs."""
+    from hydra import compose, initialize_config_module
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    with initialize_config_module(config_module="mpt.configs", version_base="1.3"):
+        params = compose(config_name="config", overrides=[f"experiment={preset}"], return_hydra_config=True).hydra.sweeper.params
+    (seed,) = OverridesParser.create().parse_overrides([f"seed={params['seed']}"])
+    return sorted(int(s) for s in seed.sweep_string_iterator())
+
+
+@pytest.mark.parametrize("preset", [p for p in PRESETS if compose_cfg(f"experiment={p}").experiment is not None])
+def test_every_declared_experiment_plans_the_seeds_its_sweep_runs(preset):
+    assert sorted(compose_cfg(f"experiment={preset}").experiment.seeds) == swept_seeds(preset)
+
+
+def test_a_seed_outside_the_planned_pairs_and_a_plan_of_one_seed_are_refused_in_one_line():
+    with pytest.raises(ConfigError, match=r"^seed=3 is not among experiment.seeds=\[0, 1, 2\], the pairs planned before the runs: run one of them$"):
+        validate_experiment(compose_cfg("experiment=ptb_biglstm", "seed=3"))
+    validate_experiment(compose_cfg("experiment=ptb_biglstm", "seed=3", "experiment.seeds=[0,1,2,3]"))
+    with pytest.raises(ConfigError, match=r"^experiment.seeds=\[0\]: must be two or more distinct seeds"):
+        validate_experiment(compose_cfg("experiment=ptb_biglstm", "experiment.seeds=[0]"))
 
 
 def test_a_comparison_naming_no_setting_is_refused_in_one_line():

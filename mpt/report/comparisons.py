@@ -13,9 +13,14 @@ Student's t over the pairs. The verdict:
 - worse or better: the whole interval lies beyond zero, on that side (by the metric's direction);
 - inconclusive: anything else, and fewer than two finished pairs.
 
+Where the experiment declares the seeds it plans (`seeds`), only those pairs count, and until each
+has finished on both sides (ok or diverged) the comparison draws no finding: `incomplete`, so that a
+grid read halfway is never taken for its result.
+
 The finding words the README uses: on a converged experiment, `reproduced` where the verdict is what
 the paper claims, `contradicted` where it is another decided verdict, `inconclusive` where none was
-decided; on a run far from its plateau, `consistent at toy scale` or `not shown at toy scale`.
+decided; on a run far from its plateau, `consistent at toy scale` or `not shown at toy scale`;
+`incomplete` while a planned pair has not finished.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ class Declared:
     comparisons: tuple[dict, ...]
     source: str = IN_RECORDS
     caveat: str = ""  # what the runs' measurement is known to lack (ExperimentConfig.caveat)
+    seeds: tuple[int, ...] | None = None  # the planned pairs (ExperimentConfig.seeds); None: those that finished
     runs: tuple[str, ...] = field(default=(), compare=False)  # run_dir of the runs it covers
 
     @classmethod
@@ -78,7 +84,15 @@ class Declared:
             comparisons,
             source,
             "" if _missing(node.get("caveat")) else str(node["caveat"]),
+            _seeds(node.get("seeds")),
         )
+
+
+def _seeds(value: Any) -> tuple[int, ...] | None:
+    """Planned seeds as a preset (a list) or a record's flattened config (its JSON) holds them."""
+    if isinstance(value, str):
+        value = json.loads(value)
+    return None if _missing(value) else tuple(sorted(int(s) for s in value))
 
 
 def _missing(value: Any) -> bool:
@@ -123,19 +137,28 @@ def declarations(runs: pd.DataFrame, extra: Iterable[Declared] = ()) -> list[Dec
     named = runs[column].notna() if column in runs else pd.Series(False, index=runs.index)
     for name, group in runs[named].groupby(column, sort=True) if named.any() else []:
         seen: dict[str, tuple[Declared, str]] = {}
+        planned: dict[tuple[int, ...], str] = {}
         for _, run in group.iterrows():
             node = {k.removeprefix("config.experiment."): run[k] for k in run.index if k.startswith("config.experiment.")}
             node["comparisons"] = json.loads(node.get("comparisons") or "[]")
             declared = Declared.from_dict(node)
-            seen.setdefault(json.dumps(declared.__dict__, sort_keys=True, default=str), (declared, run["run_dir"]))
+            if declared.seeds is not None:
+                planned.setdefault(declared.seeds, run["run_dir"])
+            # A record made before `seeds` existed declares none: it ran one of the seeds its preset swept.
+            seen.setdefault(json.dumps({**declared.__dict__, "seeds": None}, sort_keys=True, default=str), (declared, run["run_dir"]))
         if len(seen) > 1:
             (a, a_dir), (b, b_dir) = list(seen.values())[:2]
             raise DeclarationError(
                 f"experiment {name} is declared differently by {a_dir} and {b_dir} (margin {a.margin} and {b.margin}, "
                 f"{len(a.comparisons)} and {len(b.comparisons)} comparisons): its verdicts need one declaration made before its runs"
             )
+        if len(planned) > 1:
+            (a_seeds, a_dir), (b_seeds, b_dir) = list(planned.items())[:2]
+            raise DeclarationError(
+                f"experiment {name} plans seeds {list(a_seeds)} in {a_dir} and {list(b_seeds)} in {b_dir}: its pairs are planned once, before its runs"
+            )
         ((declared, _),) = seen.values()
-        found.append(_covering(declared, group))
+        found.append(_covering(Declared(**{**declared.__dict__, "seeds": next(iter(planned), None)}), group))
     for late in extra if (~named).any() else []:
         found.append(_covering(late, runs[~named]))
     return found
@@ -266,6 +289,8 @@ def _row(declared: Declared, spec: dict, metric: str, cell: pd.DataFrame, bases:
     row["against_variant"] = other
     row["against"] = base["mode"].iloc[0] + (f" (variant {identity.tag(other)})" if other not in ("", first["variant"]) else "")
     higher = direction(declared, first)
+    if declared.seeds is not None:  # only the planned pairs count
+        cell, base = cell[cell["seed"].isin(declared.seeds)], base[base["seed"].isin(declared.seeds)]
     for side in (cell, base):
         twice = side[side.duplicated("seed", keep=False)]
         if len(twice):
@@ -288,6 +313,7 @@ def _row(declared: Declared, spec: dict, metric: str, cell: pd.DataFrame, bases:
     base_mean = sum(base_values) / len(base_values) if base_values else math.nan
     margin = declared.margin * abs(base_mean) if declared.relative else declared.margin
     found = verdict(low, high, margin, higher, diverged)
+    unfinished = _unfinished(declared.seeds, cell, base)
     row.update(
         n=len(diffs),
         diverged=diverged,
@@ -299,12 +325,27 @@ def _row(declared: Declared, spec: dict, metric: str, cell: pd.DataFrame, bases:
         margin=margin,
         verdict=found.value,
         # a caveat says the metric itself is in doubt: the verdict is shown, no finding drawn from it
-        finding="not tested" if declared.caveat else finding(found, spec.get("expect"), declared.converged),
+        finding="not tested" if declared.caveat else "incomplete" if unfinished else finding(found, spec.get("expect"), declared.converged),
     )
     notes = [f"diverged in {diverged} of {diverged + len(diffs)} paired seeds"] if diverged else []
+    if unfinished:
+        assert declared.seeds is not None  # nothing is unfinished without a plan
+        seeds = ", ".join(str(s) for s in unfinished)
+        notes.append(
+            f"{len(declared.seeds) - len(unfinished)} of {len(declared.seeds)} planned pairs finished; seed{'s' * (len(unfinished) > 1)} {seeds} not yet"
+        )
     notes += latched(pd.concat([cell, base]), declared.metric)
     row["note"] = "; ".join(notes)
     return row
+
+
+def _unfinished(planned: tuple[int, ...] | None, cell: pd.DataFrame, base: pd.DataFrame) -> list[int]:
+    """The planned seeds without a final record (ok or diverged) on both sides of the pair."""
+    if planned is None:
+        return []
+    final = ("ok", "diverged")
+    done = set(cell.loc[cell["status"].isin(final), "seed"]) & set(base.loc[base["status"].isin(final), "seed"])
+    return [s for s in planned if s not in done]
 
 
 # A language model's carried evaluation whose largest |cell state| passed this has a latched stream
