@@ -289,6 +289,10 @@ class ImageFolderDataConfig(FileDataConfig):
     # (4 pixels of zero padding, a random crop of image_size and flip, He et al. 2016's CIFAR recipe)
     # | airbench (2 reflected pixels, a random crop and alternating flips, Jordan 2024's)
     augment: str = "imagenet"
+    # true: both splits decoded once into uint8 tensors on the device, each batch augmented there
+    # (cifar or airbench; datasets/resident_images.py): CIFAR-sized data at a GPU's pace, no workers
+    resident: bool = False
+    cache_dir: Optional[str] = ".data/cache"  # where a resident source caches the decoded splits; null: no cache
 
 
 @dataclass

@@ -95,13 +95,18 @@ def train_transform(augment: str, size: int) -> transforms.Compose:
     )
 
 
+def first_flips(n: int, seed: int) -> torch.Tensor:
+    """Alternating flips' first-epoch coins, one per image, drawn once from the run's seed."""
+    return torch.rand(n, generator=torch.Generator().manual_seed(30_000 + seed)) < 0.5
+
+
 class AlternatingFlips(SeededSamples):
     """Jordan 2024's flips: image i is mirrored in epoch e if its first-epoch coin (drawn once, from
     the run's seed) xor e is odd, so every image is seen both ways in every two epochs."""
 
     def __init__(self, dataset, seed: int):
         super().__init__(dataset, seed)
-        self.first_flip = torch.rand(len(dataset), generator=torch.Generator().manual_seed(30_000 + seed)) < 0.5
+        self.first_flip = first_flips(len(dataset), seed)
 
     def __getitem__(self, key: tuple[int, int]):
         epoch, index = key

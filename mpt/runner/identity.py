@@ -24,6 +24,7 @@ NOT_COMPUTATIONAL = (
     "schedule.log_every",
     "schedule.throughput_warmup",
     "schedule.throughput_window",
+    "data.cache_dir",  # where decoded images are kept: the same images from any copy
     "model.static_scale_source",  # citations, not settings
     "model.recipe.source",
     "experiment",  # the comparisons a preset declares: a report's business, not the run's
