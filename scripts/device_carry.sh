@@ -27,11 +27,11 @@ case $part in
     git --git-dir="${DLE_GIT:?set DLE_GIT}" archive HEAD PyTorch/Classification/ConvNets | tar -x -C .data/peer/ConvNets --strip-components=3
     git --git-dir="${DLLOGGER_GIT:?set DLLOGGER_GIT}" archive HEAD dllogger | tar -x -C .data/peer/dllogger
     git --git-dir="$DLE_GIT" rev-parse HEAD > .data/peer/COMMIT ;;
-  cifar|classifier|next|others) cp "$shared/cifar10.tar.gz" .data/ ;;  # next and others: one carry for both calls
+  accuracy|cifar|classifier|next|others) cp "$shared/cifar10.tar.gz" .data/ ;;  # next and others: one carry for both calls
   ssd) cp -r "$shared/raccoon" .data/ ;;
   gnmt) cp -r "$shared/multi30k" .data/ ;;
   biglstm) cp -r "$shared/ptb" .data/ ;;
   dcgan) cp "$shared/utkface.tar.gz" .data/ ;;
-  *) echo "device_carry.sh: PART=$part: expected one of suite, arithmetic, bench, options, peer, next, others, classifier, cifar, ssd, gnmt, biglstm, dcgan" >&2; exit 2 ;;
+  *) echo "device_carry.sh: PART=$part: expected one of accuracy, suite, arithmetic, bench, options, peer, next, others, classifier, cifar, ssd, gnmt, biglstm, dcgan" >&2; exit 2 ;;
 esac
 du -sh .whl .data

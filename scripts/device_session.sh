@@ -33,6 +33,13 @@
 #   others     the second call after `next`, at most 5 minutes (the same carry): ResNet-50's cells of
 #              the CPU classifier sweep (scripts/phenomena.sh classifiers: CIFAR-10 at 32 px, batch
 #              64, 600 steps, its overrides below), seed 0, on CUDA's own kernels
+#   accuracy   the converged CIFAR-10 grid (experiment=cifar10_airbench, _mixed, _fp16: 12 cells), seeds
+#              0-4 planned (SEEDS narrows them), seed-major: every cell's seed 0, then every cell's seed
+#              1, ...; then the loss-scaling control (cifar10_airbench_shift: k = 0, 12, 24, seeds 0-1).
+#              Records in grid/ and shift/, CIFAR-10 decoded once and kept on the GPU (data.resident).
+#
+# DRY_RUN=1: the part on this machine's CPU, without wheels, GPU or carried commit: the same runs,
+# two steps each, on ../shared/data/cifar10-mini (accuracy only; tests/test_device_session.py).
 #
 # PART_SECONDS=N: the part stops its commands N seconds after it starts (runs get SIGTERM, stop
 # after a step and record `preempted`; the suite gets SIGINT, so pytest reports), and still packs.
@@ -58,8 +65,11 @@ limited() {
   timeout -k 20 "$left" "$@"
 }
 OUT=${OUT:-/tmp/out}
-W=/tmp/mpt/$part
+base=${WORK:-/tmp/mpt}  # WORK: another folder for the parts' runs (a dry run's)
+W=$base/$part
 mkdir -p "$OUT" "$W"
+dry=${DRY_RUN:-}
+if [ -z "$dry" ]; then
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD
 # Uninstalled, mpt.configs is where pip puts configs/ (pyproject.toml's package-dir).
@@ -78,11 +88,14 @@ export MPT_GIT_COMMIT MPT_GIT_DIRTY
 # first GPU call's records named the session's first commit): hide it.
 export GIT_DIR=/nonexistent
 echo "commit $MPT_GIT_COMMIT dirty $MPT_GIT_DIRTY" >> "$W/device.txt"
+else
+  echo "dry run on $(nproc) CPU cores" | tee "$W/device.txt"
+fi
 # After every command the tarball is rewritten: a call cut off by its time limit still returns
 # the runs that finished (the device tool returns only what is under $OUT).
 # It is also rewritten every minute meanwhile, so a sweep cut off midway returns its finished runs.
 rc=0
-pack() { tar --exclude=checkpoint.pt -czf "$W.$BASHPID.tgz" -C /tmp/mpt "$part" 2>/dev/null && mv -f "$W.$BASHPID.tgz" "$OUT/$part.tar.gz"; }
+pack() { tar --exclude=checkpoint.pt -czf "$W.$BASHPID.tgz" -C "$base" "$part" 2>/dev/null && mv -f "$W.$BASHPID.tgz" "$OUT/$part.tar.gz"; }
 run() { limited python3 -m mpt.runner.cli "$@" 2>&1 | tee -a "$W/$part.log" || rc=$?; pack; }
 ( while sleep 60; do pack; done ) &
 packer=$!
@@ -131,6 +144,27 @@ case $part in
     limited python3 scripts/peer_resnet50.py --peer "$D/peer/ConvNets" --peer-commit "$(cat "$D/peer/COMMIT")" \
         --pythonpath "$D/peer/dllogger" --out "$W/peer" "$@" 2>&1 | tee -a "$W/$part.log" || rc=$?
     pack ;;
+  accuracy)
+    # Seed-major over the three presets, so that a call cut off by its limit has every cell's first
+    # seeds; every run plans all of SEEDS, so that the report calls a cut-off grid incomplete.
+    all=${SEEDS:-0,1,2,3,4}
+    common=(checkpoint=false "data.cache_dir=$base/cache" "experiment.seeds=[$all]")
+    if [ -n "$dry" ]; then
+      root=$(cd ../shared/data/cifar10-mini && pwd)
+      common+=(device=cpu schedule.steps=2 schedule.epochs=null schedule.batch_size=100 data.num_workers=0)
+    else
+      root=$(cifar_root)
+      common+=(device=cuda)
+    fi
+    for s in ${all//,/ }; do
+      for preset in cifar10_airbench cifar10_airbench_mixed cifar10_airbench_fp16; do
+        run -m "experiment=$preset" "seed=$s" data=imagefolder "data.root=$root" "${common[@]}" hydra.sweep.dir="$W/grid" "$@"
+      done
+    done
+    common[2]="experiment.seeds=[0,1]"
+    for s in 0 1; do
+      run -m experiment=cifar10_airbench_shift "seed=$s" data=imagefolder "data.root=$root" "${common[@]}" hydra.sweep.dir="$W/shift" "$@"
+    done ;;
   classifier)  # scripts/phenomena.sh's classifier() for ResNet-50, seed 0
     root=$(cifar_root)
     common=(model=resnet50 data=imagefolder data.root="$root" data.val_split=test data.resize_ratio=1.0 schedule.batch_size=64
@@ -171,6 +205,6 @@ case $part in
     root=$(dirname "$(find /tmp/utk -name '*.jpg' | head -1)")
     run -m model=dcgan64 data=image_dir data.root="$root" schedule.batch_size=128 schedule.steps=2000 schedule.eval_every=500 \
         precision=fp32,mixed scale=none checkpoint=false $seeds hydra.sweep.dir="$W/dcgan" "$@" ;;
-  *) echo "device_session.sh: PART=$part: expected one of suite, arithmetic, bench, options, peer, next, others, classifier, cifar, ssd, gnmt, biglstm, dcgan" >&2; exit 2 ;;
+  *) echo "device_session.sh: PART=$part: expected one of accuracy, suite, arithmetic, bench, options, peer, next, others, classifier, cifar, ssd, gnmt, biglstm, dcgan" >&2; exit 2 ;;
 esac
 exit $rc

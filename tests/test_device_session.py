@@ -1,0 +1,42 @@
+"""The GPU's prepared calls, dry-run on the CPU: a lent GPU is never spent on set-up or a bug."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import tarfile
+
+import pytest
+
+from mpt.report.comparisons import comparisons
+from mpt.report.records import load_runs
+
+from .conftest import ROOT
+
+GRID_CELLS = 12  # fp32, bf16; mixed unscaled and dynamic; fp16 and fp16_modmom x unscaled, dynamic x FP16, FP32 batch-norm
+SHIFT_CELLS = 6  # mixed unscaled and dynamic at k = 0, 12, 24
+
+
+@pytest.mark.slow
+def test_the_accuracy_call_runs_every_cell_seed_by_seed_and_its_report_compares_them(tmp_path):
+    env = {**os.environ, "DRY_RUN": "1", "SEEDS": "0,1", "WORK": str(tmp_path / "work"), "OUT": str(tmp_path / "out"), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(["bash", "scripts/device_session.sh", "accuracy"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # each run as it finished, in the order it ran: every cell's seed 0 before any cell's seed 1
+    finished = re.findall(r"record: +\S+/accuracy/(grid|shift)/\S+_seed(\d)_\S+/result.json", done.stdout)
+    grid = [int(seed) for part, seed in finished if part == "grid"]
+    assert grid == [0] * GRID_CELLS + [1] * GRID_CELLS
+    assert sorted(int(seed) for part, seed in finished if part == "shift") == [0] * SHIFT_CELLS + [1] * SHIFT_CELLS
+    # what comes back: one tarball with every record, and no checkpoint
+    with tarfile.open(tmp_path / "out" / "accuracy.tar.gz") as tar:
+        names = tar.getnames()
+        tar.extractall(tmp_path / "back", filter="data")
+    assert sum(n.endswith("result.json") for n in names) == 2 * (GRID_CELLS + SHIFT_CELLS) and not any(n.endswith(".pt") for n in names)
+    records = [json.loads(p.read_text()) for p in (tmp_path / "back").rglob("result.json")]
+    assert all(r["config"]["data"]["resident"] for r in records)
+    assert {tuple(r["config"]["experiment"]["seeds"]) for r in records} == {(0, 1)}
+    table = comparisons(load_runs([tmp_path / "back"]))
+    assert set(table.experiment) == {"cifar10_airbench", "cifar10_airbench_shift"}
+    assert "incomplete" not in set(table.finding) and (table.n + table.diverged).max() == 2
