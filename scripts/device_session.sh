@@ -34,12 +34,13 @@
 #              the CPU classifier sweep (scripts/phenomena.sh classifiers: CIFAR-10 at 32 px, batch
 #              64, 600 steps, its overrides below), seed 0, on CUDA's own kernels
 #   accuracy   the converged CIFAR-10 grid (experiment=cifar10_airbench, _mixed, _fp16: 12 cells), seeds
-#              0-4 planned (SEEDS narrows them), seed-major: every cell's seed 0, then every cell's seed
-#              1, ...; then the loss-scaling control (cifar10_airbench_shift: k = 0, 12, 24, seeds 0-1).
+#              0-4 planned (PLAN), seed-major: every cell's seed 0, then every cell's seed 1, ...; then
+#              the loss-scaling control (cifar10_airbench_shift: k = 0, 12, 24, seeds 0-1). A later call
+#              finishes a cut-off grid with SEEDS=3,4 SHIFT_SEEDS= (the same plan, the seeds left).
 #              Records in grid/ and shift/, CIFAR-10 decoded once and kept on the GPU (data.resident).
 #
 # DRY_RUN=1: the part on this machine's CPU, without wheels, GPU or carried commit: the same runs,
-# two steps each, on ../shared/data/cifar10-mini (accuracy only; tests/test_device_session.py).
+# two steps each, on ../shared/data/cifar10-mini (accuracy only; tests/test_device_session.py, PLAN=0,1).
 #
 # PART_SECONDS=N: the part stops its commands N seconds after it starts (runs get SIGTERM, stop
 # after a step and record `preempted`; the suite gets SIGINT, so pytest reports), and still packs.
@@ -146,9 +147,11 @@ case $part in
     pack ;;
   accuracy)
     # Seed-major over the three presets, so that a call cut off by its limit has every cell's first
-    # seeds; every run plans all of SEEDS, so that the report calls a cut-off grid incomplete.
-    all=${SEEDS:-0,1,2,3,4}
-    common=(checkpoint=false "data.cache_dir=$base/cache" "experiment.seeds=[$all]")
+    # seeds. Every run plans all of PLAN, so that the report calls a cut-off grid incomplete; SEEDS
+    # runs some of them (a later call's share), SHIFT_SEEDS the control's (empty: none).
+    plan=${PLAN:-0,1,2,3,4}
+    grid_seeds=${SEEDS:-$plan}
+    common=(checkpoint=false "data.cache_dir=$base/cache")
     if [ -n "$dry" ]; then
       root=$(cd ../shared/data/cifar10-mini && pwd)
       common+=(device=cpu schedule.steps=2 schedule.epochs=null schedule.batch_size=100 data.num_workers=0)
@@ -156,13 +159,14 @@ case $part in
       root=$(cifar_root)
       common+=(device=cuda)
     fi
-    for s in ${all//,/ }; do
+    for s in ${grid_seeds//,/ }; do
       for preset in cifar10_airbench cifar10_airbench_mixed cifar10_airbench_fp16; do
-        run -m "experiment=$preset" "seed=$s" data=imagefolder "data.root=$root" "${common[@]}" hydra.sweep.dir="$W/grid" "$@"
+        run -m "experiment=$preset" "seed=$s" "experiment.seeds=[$plan]" data=imagefolder "data.root=$root" "${common[@]}" \
+            hydra.sweep.dir="$W/grid" "$@"
       done
     done
-    common[2]="experiment.seeds=[0,1]"
-    for s in 0 1; do
+    shift_seeds=${SHIFT_SEEDS-0,1}
+    for s in ${shift_seeds//,/ }; do  # the preset plans seeds 0 and 1
       run -m experiment=cifar10_airbench_shift "seed=$s" data=imagefolder "data.root=$root" "${common[@]}" hydra.sweep.dir="$W/shift" "$@"
     done ;;
   classifier)  # scripts/phenomena.sh's classifier() for ResNet-50, seed 0

@@ -228,7 +228,7 @@ def test_a_planned_pair_not_yet_finished_draws_no_finding_and_the_note_names_it(
     t = table(rows).set_index("cell")
     # the two finished pairs alone are equivalent, as the unplanned declaration reads them
     assert t.loc["mixed", "verdict"] == "equivalent" and t.loc["mixed", "n"] == 2
-    assert t.loc["mixed", "finding"] == "incomplete" and "2 of 3 planned pairs finished; seed 2 not yet" in t.loc["mixed", "note"]
+    assert t.loc["mixed", "finding"] == "incomplete" and "2 of 3 planned pairs finished; seed 2 (preempted) not yet" in t.loc["mixed", "note"]
     unplanned = table([{**r, "config.experiment.seeds": None} for r in rows]).set_index("cell")
     assert unplanned.loc["mixed", "finding"] == "reproduced"
     rows[-1] = run("mixed", 2, mixed[2], declared=PLANNED)
@@ -259,3 +259,23 @@ def test_records_that_plan_different_seeds_are_refused():
     rows.append(run("mixed", 0, 0.9, declared={**DECLARED, "seeds": [0, 1, 2, 3, 4]}))
     with pytest.raises(DeclarationError, match=r"plans seeds \[0, 1, 2\] in .* and \[0, 1, 2, 3, 4\] in"):
         table(rows)
+
+
+def test_a_records_plan_is_read_from_its_json_and_a_seed_cut_off_then_finished_elsewhere_counts_once():
+    as_recorded = {**PLANNED, "seeds": json.dumps(PLANNED["seeds"])}  # records.py flattens a list to JSON
+    rows = [run("fp32", s, v, declared=as_recorded) for s, v in enumerate(FP32[:3])]
+    rows += [run("mixed", s, FP32[s] + 0.0005, declared=as_recorded) for s in range(3)]
+    cut = {**run("mixed", 2, None, status="preempted", declared=as_recorded), "run_dir": "first-call/mixed_2"}
+    t = table([*rows, cut]).set_index("cell")
+    assert t.loc["mixed", "n"] == 3 and t.loc["mixed", "finding"] == "reproduced"
+    t = table([r for r in rows if not (r["precision"] == "mixed" and r["seed"] == 2)] + [cut, {**cut, "run_dir": "x"}]).set_index("cell")
+    assert t.loc["mixed", "finding"] == "incomplete" and "seed 2 (preempted) not yet" in t.loc["mixed", "note"]
+
+
+def test_unplanned_seeds_are_named_and_a_planned_baseline_not_yet_run_is_incomplete():
+    rows = [run("fp32", s, v, declared=PLANNED) for s, v in enumerate(FP32)]
+    rows += [run("mixed", s, v, declared=PLANNED) for s, v in enumerate(FP32)]
+    t = table(rows).set_index("cell")
+    assert "seeds 3, 4 not planned, left out" in t.loc["mixed", "note"] and t.loc["mixed", "n"] == 3
+    alone = table([run("mixed", s, 0.9, declared=PLANNED) for s in range(3)]).iloc[0]
+    assert alone["finding"] == "incomplete" and alone["note"] == "no baseline runs"

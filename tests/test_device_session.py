@@ -21,7 +21,7 @@ SHIFT_CELLS = 6  # mixed unscaled and dynamic at k = 0, 12, 24
 
 @pytest.mark.slow
 def test_the_accuracy_call_runs_every_cell_seed_by_seed_and_its_report_compares_them(tmp_path):
-    env = {**os.environ, "DRY_RUN": "1", "SEEDS": "0,1", "WORK": str(tmp_path / "work"), "OUT": str(tmp_path / "out"), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "DRY_RUN": "1", "PLAN": "0,1", "WORK": str(tmp_path / "work"), "OUT": str(tmp_path / "out"), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(["bash", "scripts/device_session.sh", "accuracy"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     # each run as it finished, in the order it ran: every cell's seed 0 before any cell's seed 1

@@ -6,11 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from mpt.config import ConfigError
 from mpt.datasets import resident_images
 from mpt.datasets.imagefolder import CIFAR10_MEAN, CIFAR10_STD, ImageFolderData, first_flips
 from mpt.datasets.resident_images import ResidentImages, crop_and_flip
+from mpt.distributed import Dist
 
 from .conftest import CPU, TINY, build_run, compose_cfg, read_record, shared_data
 
@@ -120,15 +122,38 @@ def test_a_resumed_epoch_draws_the_batches_an_uninterrupted_one_drew(tmp_path):
 
 
 def test_the_decoded_splits_are_cached_and_a_changed_folder_is_decoded_again(tmp_path):
-    c = cfg(tmp_path, "cifar")
+    root = tmp_path / "data"
+    for split in ("train", "test"):
+        for c in ("cat", "dog"):
+            (root / split / c).mkdir(parents=True)
+            for i in range(3):  # BMP: every file of one size, whatever its pixels
+                Image.new("RGB", (32, 32), color=(i * 40, 100, 200)).save(root / split / c / f"{i}.bmp")
+    c = compose_cfg(
+        "data=imagefolder", f"data.root={root}", "data.val_split=test", "data.num_workers=0", "data.augment=cifar",
+        "data.resize_ratio=1.0", "data.resident=true", f"data.cache_dir={tmp_path / 'cache'}", "schedule=smoke",
+        "schedule.image_size=32", "schedule.batch_size=2",
+    )  # fmt: skip
     first = resident(c)
     cached = sorted((tmp_path / "cache").glob("*.pt"))
     assert len(cached) == 2  # train and test
     stamps = [p.stat().st_mtime_ns for p in cached]
-    second = resident(c)
-    assert [p.stat().st_mtime_ns for p in cached] == stamps and torch.equal(first.train_images, second.train_images)
-    other = cfg(tmp_path, "cifar", "schedule.image_size=16")  # another transform, another file
-    assert resident(other).train_images.shape[-1] == 16 and len(list((tmp_path / "cache").glob("*.pt"))) == 4
+    assert torch.equal(resident(c).train_images, first.train_images)
+    assert [p.stat().st_mtime_ns for p in cached] == stamps  # read, not decoded again
+    image = root / "train" / "cat" / "0.bmp"
+    size = image.stat().st_size
+    Image.new("RGB", (32, 32), color=(255, 0, 0)).save(image)
+    assert image.stat().st_size == size
+    again = resident(c)
+    assert len(list((tmp_path / "cache").glob("*.pt"))) == 3  # a new training split, the same test split
+    assert again.train_images[0, :, 0, 0].tolist() == [255, 0, 0] and not torch.equal(again.train_images, first.train_images)
+
+
+def test_processes_sharing_a_batch_draw_what_one_process_draws(tmp_path):
+    c = cfg(tmp_path, "cifar")
+    whole = resident(c, seed=2)
+    parts = [ResidentImages(c.data, c.schedule, seed=2, device=CPU, shard=Dist(rank=r, world_size=2)) for r in (0, 1)]
+    for batch, (x0, y0), (x1, y1) in zip(whole.epoch(0), parts[0].epoch(0), parts[1].epoch(0)):
+        assert torch.equal(torch.cat([y0, y1]), batch[1]) and torch.equal(torch.cat([x0, x1]), batch[0])
 
 
 def test_a_resident_source_refuses_an_augmentation_it_does_not_compute(tmp_path):

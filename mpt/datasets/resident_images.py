@@ -1,14 +1,16 @@
 """ImageFolder data kept on the device (data.resident=true): CIFAR-sized images at GPU speed.
 
 The folder is read once, as the loader would read it, into uint8 tensors (50,000 CIFAR-10 training
-images are 150 MB), cached as a tensor file under data.cache_dir keyed by the folder's fingerprint,
+images are 150 MB), cached as a tensor file under data.cache_dir keyed by the folder's files and the transform,
 so the data on disk stays the standard ImageFolder tree. Each batch is gathered, augmented and
 normalized on the device: the crop of the padded image (data.augment=cifar: 4 zero pixels;
 airbench: 2 reflected pixels) and the flip (cifar: at random; airbench: the loader's alternating
 flips, the same mirror for the same image and epoch) drawn from a generator seeded by the run's
-seed, the epoch and the batch, so a resumed run draws what an uninterrupted one drew. The batches
-hold the images the loader's would, in its order (the same order generator); only the crops'
-random draws differ from the loader's. Validation scores the loader's fixed order too.
+seed, the epoch and the batch, so a resumed run draws what an uninterrupted one drew, whatever the
+number of processes sharing each batch. The batches hold the images the loader's would, in its
+order (the same order generator); the crops' random draws differ from the loader's, and a
+non-square image is center-cropped once at decoding where the loader crops it at random. Validation
+scores the loader's fixed order too.
 """
 
 from __future__ import annotations
@@ -28,8 +30,7 @@ from ..config import ConfigError
 from ..distributed import Dist
 from ..files import write_atomic
 from . import imagefolder
-from .fingerprint import fingerprint
-from .sampling import EpochOrder
+from .sampling import EpochOrder, shielded_worker
 
 # (pad, padding mode) of each augmentation a resident source computes on the device
 PADDING = {"cifar": (4, "constant"), "airbench": (2, "reflect")}
@@ -41,18 +42,25 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"data.resident=true: data.augment={cfg.data.augment} is not computed on the device (expected {' or '.join(PADDING)})")
 
 
+def stamp(folder: Path) -> str:
+    """What the folder's files are as the cache knows them: each one's path, size and modification
+    time (an image rewritten at the same size is decoded again), hashed."""
+    entries = sorted(f"{p.relative_to(folder).as_posix()}\t{p.stat().st_size}\t{p.stat().st_mtime_ns}" for p in folder.rglob("*") if p.is_file())
+    return hashlib.sha256("\n".join(entries).encode()).hexdigest()[:16]
+
+
 def decode(root: Path, split: str, tf: transforms.Compose, workers: int, cache_dir: Optional[Path]) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
     """A split's images as uint8 (N, 3, H, W), its labels and classes: read from the cache when the
     folder and the transform are those it was made from, else decoded and cached."""
     made = hashlib.sha256(repr(tf).encode()).hexdigest()[:8]  # the transform, its sizes and interpolation
-    key = f"{split}-{made}-{(fingerprint(root / split) or 'sha256:')[7:23]}"
+    key = f"{split}-{made}-{stamp(root / split)}"
     cached = cache_dir / f"{key}.pt" if cache_dir is not None else None
     if cached is not None and cached.is_file():
         found = torch.load(cached, weights_only=True)
         return found["images"], found["labels"], list(found["classes"])
     folder = imagefolder.open_split(root, split, transforms.Compose([*tf.transforms, transforms.PILToTensor()]))
     images, labels = [], []
-    for x, y in DataLoader(folder, batch_size=500, num_workers=workers):  # in the folder's order
+    for x, y in DataLoader(folder, batch_size=500, num_workers=workers, worker_init_fn=shielded_worker):  # in the folder's order
         images.append(x)
         labels.append(y)
     out = torch.cat(images), torch.cat(labels), folder.classes
@@ -112,23 +120,27 @@ class ResidentImages(EpochOrder):
         self.steps_per_epoch = len(train_labels) // schedule.batch_size
         self.info = {"num_classes": len(classes), "classes": classes, "train_samples": len(train_labels), "val_samples": len(val_labels), "resident": True}
 
-    def _augmented(self, idx: torch.Tensor, epoch: int, batch: int) -> torch.Tensor:
+    def _augmented(self, idx: torch.Tensor, epoch: int, batch: int, mine: slice) -> torch.Tensor:
+        """The images `idx` of one global batch, augmented; `mine`: this process's share of it. The
+        draws are the whole batch's, so a sample's crop does not depend on how many processes share it."""
         g = torch.Generator(device=self.device).manual_seed(((self.seed * 1_000_003 + epoch) * 100_000_007 + batch) % 2**63)
-        n, room = len(idx), 2 * self.pad + 1
-        dy = torch.randint(room, (n,), generator=g, device=self.device)
-        dx = torch.randint(room, (n,), generator=g, device=self.device)
+        n, room = self.batch_size, 2 * self.pad + 1
+        dy = torch.randint(room, (n,), generator=g, device=self.device)[mine]
+        dx = torch.randint(room, (n,), generator=g, device=self.device)[mine]
         if self.alternating:
             flip = self.first_flip[idx] != bool(epoch % 2)
         else:
-            flip = torch.rand(n, generator=g, device=self.device) < 0.5
+            flip = (torch.rand(n, generator=g, device=self.device) < 0.5)[mine]
         return normalized(crop_and_flip(self.train_images[idx], self.pad, self.mode, dy, dx, flip), self.mean, self.std)
 
     def epoch(self, epoch: int, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """One pass in the loader's random order, from batch `start` (a resumed run's position)."""
         perm = torch.randperm(len(self.train_labels), generator=self.begin_epoch()).to(self.device)
         for b in range(start, self.steps_per_epoch):
-            idx = perm[slice(*self.shard.shard(b * self.batch_size, (b + 1) * self.batch_size))]
-            yield self._augmented(idx, epoch, b), self.train_labels[idx]
+            first, stop = self.shard.shard(b * self.batch_size, (b + 1) * self.batch_size)
+            idx = perm[first:stop]
+            mine = slice(first - b * self.batch_size, stop - b * self.batch_size)
+            yield self._augmented(idx, epoch, b, mine), self.train_labels[idx]
 
     def val(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for i in range(0, len(self.val_labels), self.batch_size):

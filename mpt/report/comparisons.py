@@ -282,15 +282,20 @@ def _row(declared: Declared, spec: dict, metric: str, cell: pd.DataFrame, bases:
         "caveat": declared.caveat,
     }
     if base_cells.ngroups != 1:
-        row.update(n=0, diverged=0, against=None, verdict=Verdict.inconclusive.value, finding="not tested")
+        planned = declared.seeds is not None and base_cells.ngroups == 0  # its baseline is still to run
+        row.update(n=0, diverged=0, against=None, verdict=Verdict.inconclusive.value, finding="incomplete" if planned else "not tested")
         row["note"] = "no baseline runs" if base_cells.ngroups == 0 else f"{base_cells.ngroups} cells match `against`: name more settings"
         return row
     other = base["variant"].iloc[0]  # the baseline's own variant, by tag, where it is not the cell's
     row["against_variant"] = other
     row["against"] = base["mode"].iloc[0] + (f" (variant {identity.tag(other)})" if other not in ("", first["variant"]) else "")
     higher = direction(declared, first)
+    notes = []
     if declared.seeds is not None:  # only the planned pairs count
+        unplanned = sorted({int(s) for s in pd.concat([cell["seed"], base["seed"]]) if s not in declared.seeds})
+        notes += [f"seed{'s' * (len(unplanned) > 1)} {', '.join(map(str, unplanned))} not planned, left out"] if unplanned else []
         cell, base = cell[cell["seed"].isin(declared.seeds)], base[base["seed"].isin(declared.seeds)]
+    cell, base = _final_first(cell), _final_first(base)
     for side in (cell, base):
         twice = side[side.duplicated("seed", keep=False)]
         if len(twice):
@@ -327,24 +332,34 @@ def _row(declared: Declared, spec: dict, metric: str, cell: pd.DataFrame, bases:
         # a caveat says the metric itself is in doubt: the verdict is shown, no finding drawn from it
         finding="not tested" if declared.caveat else "incomplete" if unfinished else finding(found, spec.get("expect"), declared.converged),
     )
-    notes = [f"diverged in {diverged} of {diverged + len(diffs)} paired seeds"] if diverged else []
+    notes[:0] = [f"diverged in {diverged} of {diverged + len(diffs)} paired seeds"] if diverged else []
     if unfinished:
         assert declared.seeds is not None  # nothing is unfinished without a plan
-        seeds = ", ".join(str(s) for s in unfinished)
-        notes.append(
-            f"{len(declared.seeds) - len(unfinished)} of {len(declared.seeds)} planned pairs finished; seed{'s' * (len(unfinished) > 1)} {seeds} not yet"
-        )
+        ended = pd.concat([cell, base]).groupby("seed")["status"].agg(lambda st: ", ".join(sorted(set(st) - set(FINAL))))
+        says = ", ".join(f"{s} ({ended[s]})" if s in ended.index and ended[s] else str(s) for s in unfinished)
+        finished = len(declared.seeds) - len(unfinished)
+        notes.append(f"{finished} of {len(declared.seeds)} planned pairs finished; seed{'s' * (len(unfinished) > 1)} {says} not yet")
     notes += latched(pd.concat([cell, base]), declared.metric)
     row["note"] = "; ".join(notes)
     return row
+
+
+FINAL = ("ok", "diverged")  # a run's result; any other status (preempted, error, ...) is one still to come
+
+
+def _final_first(runs: pd.DataFrame) -> pd.DataFrame:
+    """One cell's runs: a seed's finished record without its unfinished ones (a run cut off in one
+    call and finished in the next, in another folder), and one record of a seed still unfinished."""
+    final = runs["status"].isin(FINAL)
+    still = runs[~final & ~runs["seed"].isin(runs.loc[final, "seed"])].drop_duplicates("seed")  # one says it
+    return pd.concat([runs[final], still])
 
 
 def _unfinished(planned: tuple[int, ...] | None, cell: pd.DataFrame, base: pd.DataFrame) -> list[int]:
     """The planned seeds without a final record (ok or diverged) on both sides of the pair."""
     if planned is None:
         return []
-    final = ("ok", "diverged")
-    done = set(cell.loc[cell["status"].isin(final), "seed"]) & set(base.loc[base["status"].isin(final), "seed"])
+    done = set(cell.loc[cell["status"].isin(FINAL), "seed"]) & set(base.loc[base["status"].isin(FINAL), "seed"])
     return [s for s in planned if s not in done]
 
 
