@@ -277,5 +277,6 @@ def test_unplanned_seeds_are_named_and_a_planned_baseline_not_yet_run_is_incompl
     rows += [run("mixed", s, v, declared=PLANNED) for s, v in enumerate(FP32)]
     t = table(rows).set_index("cell")
     assert "seeds 3, 4 not planned, left out" in t.loc["mixed", "note"] and t.loc["mixed", "n"] == 3
-    alone = table([run("mixed", s, 0.9, declared=PLANNED) for s in range(3)]).iloc[0]
-    assert alone["finding"] == "incomplete" and alone["note"] == "no baseline runs"
+    alone = table([run("mixed", s, 0.9, declared=PLANNED) for s in range(3)])
+    assert alone.iloc[0]["finding"] == "incomplete" and alone.iloc[0]["note"] == "no baseline runs"
+    assert "mixed (resnet20; toy): no baseline runs, incomplete" in comparisons.render(alone)

@@ -418,9 +418,12 @@ def render(table: pd.DataFrame) -> str:
         shown["note"] = table.note.fillna("").values
     variants = sorted(v for v in pd.concat([table.variant, unpaired.variant]).dropna().unique() if v)
     variants += sorted({v for v in table.against_variant.dropna() if v and v not in variants}) if "against_variant" in table else []
-    missing = [f"{r.cell} ({r.model}{f', variant {identity.tag(r.variant)}' if r.variant else ''}; {r.experiment}): {r.note}" for r in unpaired.itertuples()]
+    missing = [
+        f"{r.cell} ({r.model}{f', variant {identity.tag(r.variant)}' if r.variant else ''}; {r.experiment}): {r.note}, {r.finding}"
+        for r in unpaired.itertuples()
+    ]
     text = _md(shown) if len(table) else "(no compared cell has its baseline among these runs)"
-    text += "\n\nCells a comparison matches without a baseline (not tested): " + "; ".join(missing) if missing else ""
+    text += "\n\nCells a comparison matches without a baseline: " + "; ".join(missing) if missing else ""
     caveats = dict.fromkeys(
         f"{e}: {c}" for e, c in zip(pd.concat([table.experiment, unpaired.experiment]), pd.concat([table.caveat, unpaired.caveat])) if isinstance(c, str) and c
     )
