@@ -334,3 +334,23 @@ def test_a_deterministic_run_names_the_ops_torch_ran_without_a_deterministic_ker
     assert json.loads((tmp_path / "det" / "result.json").read_text())["nondeterministic_ops"] == ["put_"]  # once, for 3 steps
     assert build_run(tmp_path / "free", TINY, "schedule=smoke", "checkpoint=false").execute().status == "ok"
     assert json.loads((tmp_path / "free" / "result.json").read_text())["nondeterministic_ops"] is None
+
+
+def test_a_changed_record_or_sweep_file_under_results_leaves_the_tree_clean_and_code_does_not(tmp_path, monkeypatch):
+    import subprocess
+
+    from mpt.runner.record import git_commit as cached
+
+    git_commit = cached.__wrapped__
+    monkeypatch.delenv("MPT_GIT_COMMIT", raising=False)
+    repo = tmp_path / "repo"
+    (repo / "results" / "sweep").mkdir(parents=True)
+    (repo / "mpt").mkdir()
+    (repo / "results" / "sweep" / "multirun.yaml").write_text("a: 1\n")
+    (repo / "mpt" / "code.py").write_text("x = 1\n")
+    for args in (["init", "-q"], ["add", "."], ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c"]):
+        subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True)
+    (repo / "results" / "sweep" / "multirun.yaml").write_text("a: 2\n")  # a sweep rewrote it
+    assert git_commit(repo / "mpt")["dirty"] is False  # asked from below the top, as the runner asks
+    (repo / "mpt" / "code.py").write_text("x = 2\n")
+    assert git_commit(repo / "mpt")["dirty"] is True

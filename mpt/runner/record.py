@@ -211,7 +211,10 @@ def git_commit(start: Path) -> dict:
         return subprocess.run(["git", *args], cwd=start, capture_output=True, text=True, timeout=10, check=True).stdout.strip()
 
     try:
-        return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+        # results/ left out, as device_carry.sh's hash leaves it: a sweep rewriting its tracked
+        # multirun.yaml, or records added beside the code, change nothing a run computes
+        changed = git("status", "--porcelain", "--untracked-files=no", "--", ":(top)", ":(top,exclude)results")
+        return {"commit": git("rev-parse", "HEAD"), "dirty": bool(changed)}
     except (OSError, subprocess.SubprocessError):
         pass
     # A copy of the tree without .git (a remote GPU machine): scripts/device_carry.sh read the
