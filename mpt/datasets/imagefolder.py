@@ -114,23 +114,32 @@ class AlternatingFlips(SeededSamples):
         return (image.flip(-1) if bool(self.first_flip[index]) != bool(epoch % 2) else image), label
 
 
+def folder_root(data: DictConfig) -> Path:
+    """data.root, or a ConfigError naming the layout it should hold."""
+    root = Path(os.path.expanduser(data.root))
+    if not root.is_dir():
+        raise ConfigError(f"data.root={root}: no such folder (expected {data.train_split}/<class>/<image> and {data.val_split}/<class>/<image>)")
+    return root
+
+
+def check_splits(root: Path, data: DictConfig, classes: list[str], val_classes: list[str], train_samples: int, batch_size: int) -> None:
+    """Both splits name the same classes, and training has at least one batch."""
+    if val_classes != classes:
+        raise ConfigError(f"data.root={root}: {data.val_split}/ has classes {val_classes[:5]}... but {data.train_split}/ has {classes[:5]}...")
+    if train_samples < batch_size:
+        raise ConfigError(f"data.root={root}: {train_samples} training images, fewer than one batch of {batch_size}")
+
+
 class ImageFolderData(LoaderData):
     def __init__(self, data: DictConfig, schedule: DictConfig, seed: int, device: torch.device, shard: Dist = Dist()):
-        root = Path(os.path.expanduser(data.root))
-        if not root.is_dir():
-            raise ConfigError(f"data.root={root}: no such folder (expected {data.train_split}/<class>/<image> and {data.val_split}/<class>/<image>)")
+        root = folder_root(data)
         size = schedule.image_size
         normalize = transforms.Normalize(*((CIFAR10_MEAN, CIFAR10_STD) if data.augment in ("cifar", "airbench") else (IMAGENET_MEAN, IMAGENET_STD)))
         train_tf = train_transform(data.augment, size)
         val_tf = transforms.Compose([transforms.Resize(round(size * data.resize_ratio)), transforms.CenterCrop(size), transforms.ToTensor(), normalize])
         self.train_set = open_split(root, data.train_split, train_tf)
         self.val_set = open_split(root, data.val_split, val_tf)
-        if self.val_set.classes != self.train_set.classes:
-            raise ConfigError(
-                f"data.root={root}: {data.val_split}/ has classes {self.val_set.classes[:5]}... but {data.train_split}/ has {self.train_set.classes[:5]}..."
-            )
-        if len(self.train_set) < schedule.batch_size:
-            raise ConfigError(f"data.root={root}: {len(self.train_set)} training images, fewer than one batch of {schedule.batch_size}")
+        check_splits(root, data, self.train_set.classes, self.val_set.classes, len(self.train_set), schedule.batch_size)
         self.device = device
         workers = min(8, os.cpu_count() or 1) if data.num_workers == -1 else data.num_workers
         # Loaders get generators of their own, so iterating them never draws from the global RNG

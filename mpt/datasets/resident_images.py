@@ -91,9 +91,7 @@ def crop_and_flip(images: torch.Tensor, pad: int, mode: str, dy: torch.Tensor, d
 
 class ResidentImages(EpochOrder):
     def __init__(self, data: DictConfig, schedule: DictConfig, seed: int, device: torch.device, shard: Dist = Dist()):
-        root = Path(os.path.expanduser(data.root))
-        if not root.is_dir():
-            raise ConfigError(f"data.root={root}: no such folder (expected {data.train_split}/<class>/<image> and {data.val_split}/<class>/<image>)")
+        root = imagefolder.folder_root(data)
         size = schedule.image_size
         workers = min(8, os.cpu_count() or 1) if data.num_workers == -1 else data.num_workers
         cache = Path(os.path.expanduser(data.cache_dir)) if data.cache_dir else None
@@ -102,10 +100,7 @@ class ResidentImages(EpochOrder):
         val_tf = transforms.Compose([transforms.Resize(round(size * data.resize_ratio)), transforms.CenterCrop(size)])
         train_images, train_labels, classes = decode(root, data.train_split, whole, workers, cache)
         val_images, val_labels, val_classes = decode(root, data.val_split, val_tf, workers, cache)
-        if val_classes != classes:
-            raise ConfigError(f"data.root={root}: {data.val_split}/ has classes {val_classes[:5]}... but {data.train_split}/ has {classes[:5]}...")
-        if len(train_labels) < schedule.batch_size:
-            raise ConfigError(f"data.root={root}: {len(train_labels)} training images, fewer than one batch of {schedule.batch_size}")
+        imagefolder.check_splits(root, data, classes, val_classes, len(train_labels), schedule.batch_size)
         self.train_images, self.train_labels = train_images.to(device), train_labels.to(device)
         # the loader's fixed evaluation order (imagefolder.py): any prefix a uniform sample
         val_order = torch.randperm(len(val_labels), generator=torch.Generator().manual_seed(0))
