@@ -33,6 +33,10 @@
 #   others     the second call after `next`, at most 5 minutes (the same carry): ResNet-50's cells of
 #              the CPU classifier sweep (scripts/phenomena.sh classifiers: CIFAR-10 at 32 px, batch
 #              64, 600 steps, its overrides below), seed 0, on CUDA's own kernels
+#   sequences  the language model's and GNMT's converged settings (ptb_biglstm, _mixed; multi30k_gnmt,
+#              _mixed, _fp16, _adam), seeds 0-2 planned (PLAN; SEEDS runs some), seed-major; then
+#              bigLSTM's long run without scaling (ptb_biglstm_long) until the part's deadline.
+#              Records in lm/, mt/ and long/.
 #   accuracy   the converged CIFAR-10 grid (experiment=cifar10_airbench, _mixed, _fp16: 12 cells), seeds
 #              0-4 planned (PLAN), seed-major: every cell's seed 0, then every cell's seed 1, ...; then
 #              the loss-scaling control (cifar10_airbench_shift: k = 0, 12, 24, seeds 0-1). A later call
@@ -40,7 +44,7 @@
 #              Records in grid/ and shift/, CIFAR-10 decoded once and kept on the GPU (data.resident).
 #
 # DRY_RUN=1: the part on this machine's CPU, without wheels, GPU or carried commit: the same runs,
-# two steps each, on ../shared/data/cifar10-mini (accuracy only; tests/test_device_session.py, PLAN=0,1).
+# two steps each, on ../shared/data (accuracy and sequences; tests/test_device_session.py, PLAN=0,1).
 #
 # PART_SECONDS=N: the part stops its commands N seconds after it starts (runs get SIGTERM, stop
 # after a step and record `preempted`; the suite gets SIGINT, so pytest reports), and still packs.
@@ -169,6 +173,33 @@ case $part in
     for s in ${shift_seeds//,/ }; do  # the preset plans seeds 0 and 1
       run -m experiment=cifar10_airbench_shift "seed=$s" data=imagefolder "data.root=$root" "${common[@]}" hydra.sweep.dir="$W/shift" "$@"
     done ;;
+  sequences)
+    # The sequence models' converged settings, seed-major as accuracy's grid, then bigLSTM's long
+    # unscaled run for whatever time is left (stopped by the deadline, recorded `preempted`).
+    plan=${PLAN:-0,1,2}
+    grid_seeds=${SEEDS:-$plan}
+    common=(checkpoint=false)
+    if [ -n "$dry" ]; then
+      data=$(cd ../shared/data && pwd)
+      common+=(device=cpu schedule.steps=2 schedule.epochs=null)
+      long=(schedule.steps=4 stats.every=2 schedule.eval_every=4 schedule.checkpoint_every=4)
+    else
+      data=$D
+      common+=(device=cuda)
+      long=()
+    fi
+    lm=(data=text_corpus "data.root=$data/ptb")
+    mt=(data=parallel_text "data.root=$data/multi30k")
+    for s in ${grid_seeds//,/ }; do
+      for preset in ptb_biglstm ptb_biglstm_mixed; do
+        run -m "experiment=$preset" "seed=$s" "experiment.seeds=[$plan]" "${lm[@]}" "${common[@]}" hydra.sweep.dir="$W/lm" "$@"
+      done
+      for preset in multi30k_gnmt multi30k_gnmt_mixed multi30k_gnmt_fp16 multi30k_gnmt_adam; do
+        run -m "experiment=$preset" "seed=$s" "experiment.seeds=[$plan]" "${mt[@]}" "${common[@]}" hydra.sweep.dir="$W/mt" "$@"
+      done
+    done
+    # its own checkpoints, so that a later call could carry it further (they stay on the machine)
+    run -m experiment=ptb_biglstm_long "${lm[@]}" "${common[@]/checkpoint=false/checkpoint=true}" "${long[@]}" hydra.sweep.dir="$W/long" "$@" ;;
   classifier)  # scripts/phenomena.sh's classifier() for ResNet-50, seed 0
     root=$(cifar_root)
     common=(model=resnet50 data=imagefolder data.root="$root" data.val_split=test data.resize_ratio=1.0 schedule.batch_size=64
@@ -209,6 +240,6 @@ case $part in
     root=$(dirname "$(find /tmp/utk -name '*.jpg' | head -1)")
     run -m model=dcgan64 data=image_dir data.root="$root" schedule.batch_size=128 schedule.steps=2000 schedule.eval_every=500 \
         precision=fp32,mixed scale=none checkpoint=false $seeds hydra.sweep.dir="$W/dcgan" "$@" ;;
-  *) echo "device_session.sh: PART=$part: expected one of accuracy, suite, arithmetic, bench, options, peer, next, others, classifier, cifar, ssd, gnmt, biglstm, dcgan" >&2; exit 2 ;;
+  *) echo "device_session.sh: PART=$part: expected one of accuracy, sequences, suite, arithmetic, bench, options, peer, next, others, classifier, cifar, ssd, gnmt, biglstm, dcgan" >&2; exit 2 ;;
 esac
 exit $rc

@@ -40,3 +40,25 @@ def test_the_accuracy_call_runs_every_cell_seed_by_seed_and_its_report_compares_
     table = comparisons(load_runs([tmp_path / "back"]))
     assert set(table.experiment) == {"cifar10_airbench", "cifar10_airbench_shift"}
     assert "incomplete" not in set(table.finding) and (table.n + table.diverged).max() == 2
+
+
+LM_CELLS = 5  # fp32, bf16; mixed unscaled, 128, dynamic
+MT_CELLS = 10  # SGD: fp32, bf16, mixed unscaled and dynamic, fp16 unscaled and static; Adam: fp32 and mixed x unscaled, dynamic
+
+
+@pytest.mark.slow
+def test_the_sequences_call_runs_both_settings_seed_by_seed_then_the_long_run(tmp_path):
+    env = {**os.environ, "DRY_RUN": "1", "PLAN": "0,1", "WORK": str(tmp_path / "work"), "OUT": str(tmp_path / "out"), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(["bash", "scripts/device_session.sh", "sequences"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=2400)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    finished = re.findall(r"record: +\S+/sequences/(lm|mt|long)/\S+_seed(\d)_\S+/result.json", done.stdout)
+    order = [(part, int(seed)) for part, seed in finished]
+    per_seed = [("lm", 0)] * LM_CELLS + [("mt", 0)] * MT_CELLS + [("lm", 1)] * LM_CELLS + [("mt", 1)] * MT_CELLS
+    assert order == per_seed + [("long", 0)]
+    with tarfile.open(tmp_path / "out" / "sequences.tar.gz") as tar:
+        tar.extractall(tmp_path / "back", filter="data")
+    (long,) = (tmp_path / "back" / "sequences" / "long").rglob("result.json")
+    record = json.loads(long.read_text())
+    assert record["status"] == "ok" and record["config"]["scale"]["name"] == "none" and record["grad_stats"]
+    table = comparisons(load_runs([tmp_path / "back"]))
+    assert set(table.experiment) == {"ptb_biglstm", "multi30k_gnmt"} and "incomplete" not in set(table.finding)
