@@ -170,6 +170,9 @@ def shift_control(table: pd.DataFrame, out: Path) -> list[Path]:
             ax_zero.plot(rows.k, rows.activation_share_zero * 100, marker="o", lw=1.2, label=mode)
         metric = df.metric.iloc[0]
         ax.set(ylabel=f"{metric}{' (%)' if metric in PERCENT_METRICS else ''}\n(mean ± std over seeds)", title=f"loss shifted down by 2^k: {title}")
+        values = df["mean"][df["mean"] > 0]
+        if len(values) and values.max() > 100 * values.min():  # a perplexity that blew up would flatten the rest
+            ax.set_yscale("log")
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
         ax_zero.set(xlabel="k", ylabel="% of activation\ngradients zero")
