@@ -19,11 +19,17 @@ GRID_CELLS = 12  # fp32, bf16; mixed unscaled and dynamic; fp16 and fp16_modmom 
 SHIFT_CELLS = 6  # mixed unscaled and dynamic at k = 0, 12, 24
 
 
+def dry_run(part: str, tmp_path, timeout: int) -> subprocess.CompletedProcess:
+    """The part on this CPU, two steps a run, seeds 0 and 1 planned; its tarball under tmp_path/out."""
+    env = {**os.environ, "DRY_RUN": "1", "PLAN": "0,1", "WORK": str(tmp_path / "work"), "OUT": str(tmp_path / "out"), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(["bash", "scripts/device_session.sh", part], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
 @pytest.mark.slow
 def test_the_accuracy_call_runs_every_cell_seed_by_seed_and_its_report_compares_them(tmp_path):
-    env = {**os.environ, "DRY_RUN": "1", "PLAN": "0,1", "WORK": str(tmp_path / "work"), "OUT": str(tmp_path / "out"), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(["bash", "scripts/device_session.sh", "accuracy"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = dry_run("accuracy", tmp_path, timeout=1800)
     # each run as it finished, in the order it ran: every cell's seed 0 before any cell's seed 1
     finished = re.findall(r"record: +\S+/accuracy/(grid|shift)/\S+_seed(\d)_\S+/result.json", done.stdout)
     grid = [int(seed) for part, seed in finished if part == "grid"]
@@ -48,9 +54,7 @@ MT_CELLS = 10  # SGD: fp32, bf16, mixed unscaled and dynamic, fp16 unscaled and 
 
 @pytest.mark.slow
 def test_the_sequences_call_runs_both_settings_seed_by_seed_then_the_long_run(tmp_path):
-    env = {**os.environ, "DRY_RUN": "1", "PLAN": "0,1", "WORK": str(tmp_path / "work"), "OUT": str(tmp_path / "out"), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(["bash", "scripts/device_session.sh", "sequences"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=2400)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = dry_run("sequences", tmp_path, timeout=2400)
     finished = re.findall(r"record: +\S+/sequences/(lm|mt|long)/\S+_seed(\d)_\S+/result.json", done.stdout)
     order = [(part, int(seed)) for part, seed in finished]
     per_seed = [("lm", 0)] * LM_CELLS + [("mt", 0)] * MT_CELLS + [("lm", 1)] * LM_CELLS + [("mt", 1)] * MT_CELLS

@@ -114,6 +114,12 @@ class AlternatingFlips(SeededSamples):
         return (image.flip(-1) if bool(self.first_flip[index]) != bool(epoch % 2) else image), label
 
 
+def fixed_order(n: int) -> torch.Tensor:
+    """One permutation of n images, the same for every seed and mode: evaluation's order, whose
+    every prefix is a uniform sample, and the draw of whole training images."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(0))
+
+
 def folder_root(data: DictConfig) -> Path:
     """data.root, or a ConfigError naming the layout it should hold."""
     root = Path(os.path.expanduser(data.root))
@@ -152,7 +158,7 @@ class ImageFolderData(LoaderData):
         # ImageFolder lists a split class by class, so a capped evaluation (schedule.eval_batches)
         # would score the first classes only. One fixed order, the same for every seed and mode,
         # makes any prefix a uniform sample and lets every run score the same images.
-        val_order = torch.randperm(len(self.val_set), generator=torch.Generator().manual_seed(0)).tolist()
+        val_order = fixed_order(len(self.val_set)).tolist()
         self.val_loader = DataLoader(self.val_set, batch_size=schedule.batch_size, sampler=val_order, generator=torch.Generator().manual_seed(seed), **common)
         self.steps_per_epoch = len(self.train_set) // schedule.batch_size
         # Whole images at the training size, not evaluation's resize-and-crop (whose ratio may zoom)
@@ -171,7 +177,7 @@ class ImageFolderData(LoaderData):
         augmented, normalized. On the run's device."""
         root, split, tf = self.plain
         plain = open_split(root, split, tf)
-        chosen = torch.randperm(len(plain), generator=torch.Generator().manual_seed(0))[:n].tolist()
+        chosen = fixed_order(len(plain))[:n].tolist()
         return torch.stack([plain[i][0] for i in chosen]).to(self.device)
 
     def to_device(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -103,7 +103,7 @@ class ResidentImages(EpochOrder):
         imagefolder.check_splits(root, data, classes, val_classes, len(train_labels), schedule.batch_size)
         self.train_images, self.train_labels = train_images.to(device), train_labels.to(device)
         # the loader's fixed evaluation order (imagefolder.py): any prefix a uniform sample
-        val_order = torch.randperm(len(val_labels), generator=torch.Generator().manual_seed(0))
+        val_order = imagefolder.fixed_order(len(val_labels))
         self.val_images, self.val_labels = val_images[val_order].to(device), val_labels[val_order].to(device)
         stats = imagefolder.CIFAR10_MEAN, imagefolder.CIFAR10_STD
         self.mean, self.std = (torch.tensor(s, device=device).view(1, 3, 1, 1) for s in stats)
@@ -143,7 +143,7 @@ class ResidentImages(EpochOrder):
 
     def plain_train_images(self, n: int) -> torch.Tensor:
         """The loader's n uniformly drawn training images (the same for every seed), whole, not augmented."""
-        chosen = torch.randperm(len(self.train_labels), generator=torch.Generator().manual_seed(0))[:n].to(self.device)
+        chosen = imagefolder.fixed_order(len(self.train_labels))[:n].to(self.device)
         return normalized(self.train_images[chosen], self.mean, self.std)
 
 

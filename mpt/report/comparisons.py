@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -158,14 +158,14 @@ def declarations(runs: pd.DataFrame, extra: Iterable[Declared] = ()) -> list[Dec
                 f"experiment {name} plans seeds {list(a_seeds)} in {a_dir} and {list(b_seeds)} in {b_dir}: its pairs are planned once, before its runs"
             )
         ((declared, _),) = seen.values()
-        found.append(_covering(Declared(**{**declared.__dict__, "seeds": next(iter(planned), None)}), group))
+        found.append(_covering(replace(declared, seeds=next(iter(planned), None)), group))
     for late in extra if (~named).any() else []:
         found.append(_covering(late, runs[~named]))
     return found
 
 
 def _covering(declared: Declared, runs: pd.DataFrame) -> Declared:
-    return Declared(**{**declared.__dict__, "runs": tuple(runs["run_dir"])})
+    return replace(declared, runs=tuple(runs["run_dir"]))
 
 
 def _value(run: pd.Series, key: str) -> Any:
