@@ -272,11 +272,15 @@ def cfg_lr(run) -> float:
     return float(run.cfg.optim.lr)
 
 
-def test_a_run_of_airbench_ends_with_a_record_scored_with_tta(tmp_path, in_process):
-    run = build_run(tmp_path, *AIRBENCH, "data.train_samples=32", "data.val_samples=16", "schedule.batch_size=16", "schedule.steps=2")
+def test_a_run_of_airbench_ends_with_a_record_scored_with_tta_and_only_its_last_evaluation_uses_it(tmp_path, in_process):
+    run = build_run(tmp_path, *AIRBENCH, "data.train_samples=32", "data.val_samples=16", "schedule.batch_size=8", "schedule.steps=3", "schedule.eval_every=1")
+    scored: list[tuple[int, int]] = []  # (step, images scored with the augmentation)
+    tta = run.task._tta_logits
+    run.task._tta_logits = lambda images: scored.append((run.step, images.shape[0])) or tta(images)
     assert run.execute().status == "ok"
     rec = read_record(tmp_path)
     assert rec["status"] == "ok" and 0 <= rec["metrics"]["top1"] <= 1 and rec["metrics"]["val_samples"] == 16
+    assert scored == [(3, 8), (3, 8)]  # the two validation batches of the final evaluation, none before
 
 
 @pytest.mark.parametrize("modified", [False, True])

@@ -170,6 +170,22 @@ def test_throughput_speedup_is_over_fp32_on_the_same_device(report, swept):
     assert not tp.variant.fillna("").str.contains("optim.lr").any()  # the diverged run times nothing
 
 
+def test_the_time_to_result_table_holds_each_cells_median_time_and_mean_metric(report, swept):
+    ttr = pd.read_csv(report / "tables" / "time_to_result.csv", dtype={"variant": "string"})
+    recs = [r for r in records(swept).values() if r["status"] == "ok" and not r["variant"]]
+
+    def cell(precision):
+        mine = [r for r in recs if r["choices"]["precision"] == precision and r["choices"]["scale"] == "none"]
+        return statistics.median(r["time_to_result"]["seconds"] for r in mine), statistics.mean(r["metrics"]["top1"] for r in mine)
+
+    (fp16_s, fp16_top1), (fp32_s, _) = cell("fp16"), cell("fp32")
+    row = ttr[(ttr.precision == "fp16") & (ttr.scale == "none") & ttr.variant.isna()]
+    assert row.time_to_result_s.item() == pytest.approx(fp16_s)
+    assert row.ratio_to_fp32.item() == pytest.approx(fp16_s / fp32_s)
+    assert row.metric_mean.item() == pytest.approx(fp16_top1)
+    assert "Time to result" in (report / "report.md").read_text()
+
+
 def test_the_steady_peak_table_holds_each_cells_median_steady_peak(report, swept):
     mem = pd.read_csv(report / "tables" / "memory_steady.csv", dtype={"variant": "string"})
     recs = [r for r in records(swept).values() if r["status"] == "ok" and not r["variant"]]

@@ -81,7 +81,9 @@ class Task:
     def count_samples(self, batch: Any) -> int:
         raise NotImplementedError
 
-    def evaluate(self, batches: Iterable[Any], forward_context: Callable[[], ContextManager]) -> dict[str, float]:
+    def evaluate(self, batches: Iterable[Any], forward_context: Callable[[], ContextManager], final: bool = False) -> dict[str, float]:
+        """The metrics over `batches`; `final`: the run's last evaluation, which a task may score as its
+        recipe scores its result (airbench94's test-time augmentation)."""
         raise NotImplementedError
 
     def save_samples(self, path: Path, forward_context: Callable[[], ContextManager]) -> Path | None:

@@ -151,7 +151,7 @@ class LanguageModel(OneNetwork):
         return batch[1].numel()
 
     @torch.no_grad()
-    def evaluate(self, batches: Iterable, forward_context: Callable[[], ContextManager]) -> dict[str, float]:
+    def evaluate(self, batches: Iterable, forward_context: Callable[[], ContextManager], final: bool = False) -> dict[str, float]:
         """Perplexity with the full softmax. model.eval_state=carried: the state carried across the
         stream's windows from zeros, and val_cell_max, the largest |cell state| at a window's end (a
         latched cell shows as hundreds or thousands where the rest stay in the tens); sentence: each

@@ -2,9 +2,11 @@
 ResNets (cifar_resnet.py) and Jordan 2024's airbench94 (airbench.py), random init.
 
 The loss is cross-entropy with the model's label smoothing, its mean or (airbench94's) sum over the
-batch. An evaluation scores the model's test-time augmentation (model.tta): the logits averaged over
-the image and its mirror (level 1), and at level 2, with weight one half, over the mirrored pairs of
-the image translated by one pixel up-left and down-right (reflected at the border), as Jordan 2024.
+batch. The run's final evaluation scores the model's test-time augmentation (model.tta): the logits
+averaged over the image and its mirror (level 1), and at level 2, with weight one half, over the
+mirrored pairs of the image translated by one pixel up-left and down-right (reflected at the border).
+The evaluations along the way score the image alone: Jordan 2024 logs them so, for their cost (level
+2 is six forward passes).
 """
 
 from __future__ import annotations
@@ -79,14 +81,14 @@ class Classification(OneNetwork):
         return int(batch[1].shape[0])
 
     @torch.no_grad()
-    def evaluate(self, batches: Iterable[Any], forward_context: Callable[[], ContextManager]) -> dict[str, float]:
+    def evaluate(self, batches: Iterable[Any], forward_context: Callable[[], ContextManager], final: bool = False) -> dict[str, float]:
         self.net.eval()
         k = min(5, self.num_classes)
         correct1 = correct5 = seen = 0
         loss_sum = torch.zeros((), dtype=torch.float64)
         for images, labels in batches:
             with forward_context():
-                logits = self._tta_logits(images).float()
+                logits = (self._tta_logits(images) if final else self.net(images)).float()
             loss_sum += F.cross_entropy(logits, labels, reduction="sum").double().cpu()
             topk = logits.topk(k, dim=1).indices
             hits = topk.eq(labels[:, None])

@@ -193,7 +193,7 @@ class GAN(Task):
             return getattr(self.generator, "module", self.generator)(z).float().clamp_(-1, 1)
 
     @torch.no_grad()
-    def evaluate(self, batches: Iterable[torch.Tensor], forward_context: Callable[[], ContextManager]) -> dict[str, float]:
+    def evaluate(self, batches: Iterable[torch.Tensor], forward_context: Callable[[], ContextManager], final: bool = False) -> dict[str, float]:
         """D(x) on the reference images, D(G(z)) on the fixed noise, and FID when there are weights.
 
         Both networks run in eval mode: batch-norm uses its running statistics, and evaluation

@@ -160,7 +160,7 @@ class Detection(OneNetwork):
         )
 
     @torch.no_grad()
-    def evaluate(self, batches: Iterable[Any], forward_context: Callable[[], ContextManager]) -> dict[str, float]:
+    def evaluate(self, batches: Iterable[Any], forward_context: Callable[[], ContextManager], final: bool = False) -> dict[str, float]:
         self.net.eval()
         detections, truths = [], []
         try:

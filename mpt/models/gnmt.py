@@ -194,7 +194,7 @@ class Translation(OneNetwork):
                            self.cfg.len_norm_factor, self.cfg.len_norm_const, batch.src.device)  # fmt: skip
 
     @torch.no_grad()
-    def evaluate(self, batches: Iterable[TranslationBatch], forward_context: Callable[[], ContextManager]) -> dict[str, float]:
+    def evaluate(self, batches: Iterable[TranslationBatch], forward_context: Callable[[], ContextManager], final: bool = False) -> dict[str, float]:
         import sacrebleu
 
         self.net.eval()

@@ -59,6 +59,7 @@ def build_report(paths: list[Path], out: Path, published_path: Path | None, decl
     verdicts = comparisons.comparisons(runs, declared)
     acc = tables.accuracy(runs)
     tp = tables.throughput(runs)
+    ttr = tables.time_to_result(runs)
     mem = tables.memory(runs)
     steady = tables.memory(runs, "steady_peak_memory_bytes")
     ls = tables.loss_scaling(runs)
@@ -82,6 +83,12 @@ def build_report(paths: list[Path], out: Path, published_path: Path | None, decl
             "throughput",
             tp,
             tables.render_relative(tp, "throughput", "speedup_vs_fp32", lambda v: f"{v:.4g}", "throughput_unit"),
+        ),
+        (
+            "Time to result (median seconds from the first step to the end of the final evaluation, device synchronized, earlier evaluations, checkpoints and statistics steps left out; ratio to fp32; the metric's mean)",
+            "time_to_result",
+            ttr,
+            tables.render_time_to_result(ttr),
         ),
         (
             "Peak memory (MiB; ratio to fp32 on the same device, batch and resolution)",

@@ -154,6 +154,7 @@ def record_row(rec: RunRecord, path: Path) -> dict:
         "total_steps": rec.total_steps,
         "samples": rec.samples,
         "duration_s": rec.duration_s,
+        "time_to_result_s": _number((rec.time_to_result or {}).get("seconds")),
         "throughput": _number(tp.get("pipeline")),
         "throughput_compute": _number(tp.get("compute")),
         "throughput_unit": tp.get("unit"),

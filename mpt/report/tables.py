@@ -121,6 +121,34 @@ def throughput(runs: pd.DataFrame) -> pd.DataFrame:
     return _relative_to_fp32(finished, "throughput", "speedup_vs_fp32", extra=["throughput_unit"])
 
 
+def time_to_result(runs: pd.DataFrame) -> pd.DataFrame:
+    """Median seconds from the first step to the end of the final evaluation per (setup, mode), as
+    Jordan 2024 times airbench, the mean of the task's metric beside it, and the ratio to `fp32`'s
+    time in the same setup."""
+    finished = results(runs).dropna(subset=["time_to_result_s"])
+    if finished.empty:
+        return pd.DataFrame()
+    table = _relative_to_fp32(finished, "time_to_result_s", "ratio_to_fp32", extra=["primary_metric"])
+    keys = [k for k in SAME_SETUP if k in finished.columns]
+    means = finished.groupby([*keys, "mode"], dropna=False, sort=False)["metric_value"].mean()
+    table["metric_mean"] = [means.get(tuple(r[k] for k in [*keys, "mode"]), math.nan) for _, r in table.iterrows()]
+    return table
+
+
+def render_time_to_result(table: pd.DataFrame) -> str:
+    if table.empty:
+        return "_no runs with this figure_"
+    table = table.assign(
+        cell=[
+            f"{r.time_to_result_s:.4g} s"
+            + ("" if math.isnan(r.ratio_to_fp32) else f" ({r.ratio_to_fp32:.2f}x)")
+            + ("" if math.isnan(r.metric_mean) else f", {r.primary_metric} {_fmt_metric(r.primary_metric, r.metric_mean)}")
+            for r in table.itertuples()
+        ]
+    )
+    return render_cells(table, "primary_metric")
+
+
 def memory(runs: pd.DataFrame, column: str = "peak_memory_bytes") -> pd.DataFrame:
     """Median peak memory per (setup, mode), and its ratio to `fp32`'s; `column`: the run's peak or
     its steady-state one."""
@@ -463,9 +491,14 @@ def render_accuracy(acc: pd.DataFrame) -> str:
 def render_relative(table: pd.DataFrame, value: str, ratio: str, fmt_value, unit_col: str) -> str:
     if table.empty:
         return "_no runs with this figure_"
+    table = table.assign(cell=[f"{fmt_value(r[value])}" + ("" if math.isnan(r[ratio]) else f" ({r[ratio]:.2f}x)") for _, r in table.iterrows()])
+    return render_cells(table, unit_col)
+
+
+def render_cells(table: pd.DataFrame, unit_col: str) -> str:
+    """A table's `cell` column pivoted: a row per setup, a column per mode."""
     keys = [k for k in SAME_SETUP if k in table.columns]
     order = _mode_order(table)
-    table = table.assign(cell=[f"{fmt_value(r[value])}" + ("" if math.isnan(r[ratio]) else f" ({r[ratio]:.2f}x)") for _, r in table.iterrows()])
     pivot = (
         table.astype({k: object for k in keys})
         .fillna({k: "" for k in keys})

@@ -90,6 +90,7 @@ class RunRecord:
     segments: Optional[list] = None
     nondeterministic_ops: Optional[list] = None  # deterministic=true: ops torch ran without a deterministic kernel
     throughput: Optional[dict] = None  # throughput.py
+    time_to_result: Optional[dict] = None  # time_to_result.py
     memory: Optional[dict] = None
     loss_scale: Optional[dict] = None  # per network: the scaler's summary
     compile: Optional[dict] = None  # compile.backend: what torch.compile made of the networks
@@ -105,7 +106,17 @@ class RunRecord:
     extra: dict = field(default_factory=dict)  # keys of a newer or older version this one does not know
     absent: frozenset = field(
         default=frozenset(
-            {"sample_grids", "epochs", "diverged_at_step", "preempted_at_step", "resumed_from_step", "resumed_at", "checkpoint_step", "segments"}
+            {
+                "sample_grids",
+                "epochs",
+                "diverged_at_step",
+                "preempted_at_step",
+                "resumed_from_step",
+                "resumed_at",
+                "checkpoint_step",
+                "segments",
+                "time_to_result",
+            }
         ),
         repr=False,
     )

@@ -47,6 +47,7 @@ from .progress import Progress
 from .record import MetricsLog, NullLog, RunRecord, code_identity, describe_code, environment, now_iso
 from .tensorboard_log import NullBoard, TensorBoardLog, open_board
 from .throughput import ThroughputMeter
+from .time_to_result import TimeToResult
 
 log = logging.getLogger("mpt")
 
@@ -163,6 +164,7 @@ class Run:
         tracing = tracing and any(e.scaler.checks_overflow for e in self.engines.values())
         self.tracer = OverflowTracer({name: e.model for name, e in self.engines.items()}, tracing)
         self.meter = ThroughputMeter(self.device, s.throughput_warmup, s.throughput_window, self.task.sample_unit)
+        self.clock = TimeToResult(self.device)
         self.step, self.last_loss, self.last_finite_loss = 0, None, None
         self.samples, self.samples_before_resume = 0, 0  # this process's since it started; the whole run's before it
         self.epoch, self.batch_in_epoch = 0, 0  # the data position
@@ -290,6 +292,7 @@ class Run:
             "memory": {k: int(self.dist.largest(v, self.device)) for k, v in self.peaks.state_dict().items()},
             "grad_stats": self.grad_stats.state_dict(),
             "overflow_trace": self.tracer.state_dict(),
+            "time_to_result": self.clock.state_dict(),
         }
 
     def _restore(self, saved: dict) -> None:
@@ -322,6 +325,8 @@ class Run:
             self.grad_stats.load_state_dict(saved["grad_stats"])
         if saved.get("overflow_trace"):  # nor before overflow tracing
             self.tracer.load_state_dict(saved["overflow_trace"])
+        if saved.get("time_to_result"):  # nor before the clock
+            self.clock.load_state_dict(saved["time_to_result"])
         checkpoint.set_rng_state(saved["rng"])  # last: building the run drew from the generators
         if saved.get("device_rng") is not None and self.device.type == "cuda":
             torch.cuda.set_rng_state(saved["device_rng"], self.device)
@@ -530,7 +535,9 @@ class Run:
             rec.segments[-1]["to_step"] = self.step
             rec.final_train_loss = self.last_loss
             rec.last_finite_train_loss = self.last_finite_loss
+            self.clock.stop()
             rec.throughput = self._over_ranks(self.meter.summary()) if together else self.meter.summary()
+            rec.time_to_result = self.clock.summary()
             if self.cfg.compile.backend is not None:
                 from torch._dynamo.utils import counters
 
@@ -592,6 +599,7 @@ class Run:
         """The training loop, yielding after each step (a benchmark can drive it a window at a time)."""
         batches = self.data.epoch(self.epoch, self.batch_in_epoch)
         self._begin_epoch()
+        self.clock.start()
         while self.step < self.total_steps:
             t0 = time.perf_counter()
             batch = next(batches, None)
@@ -628,15 +636,18 @@ class Run:
             # step again to trace it is.
             excluded = None if stats_step["seconds"] is None else stats_step["seconds"] + wait
             self.meter.step(n, wait, excluded_s=excluded, untimed_s=traced)
+            self.clock.leave_out(traced if stats_step["seconds"] is None else stats_step["seconds"])
             if self.meter.warmed_up:
                 self.peaks.steady_from_now()
             if self.step % self.cfg.schedule.log_every == 0 or self.step == self.total_steps:
                 self._flush()
             if self.step % self.eval_every == 0 or self.step == self.total_steps:
-                self._evaluate(self.step)
+                with self.clock.final() if self.step == self.total_steps else self.clock.leaving_out():
+                    self._evaluate(self.step)
                 self.meter.interrupt()
             if self.cfg.checkpoint and ((self.checkpoint_every and self.step % self.checkpoint_every == 0) or self.step == self.total_steps):
-                self.save_checkpoint()
+                with self.clock.leaving_out():
+                    self.save_checkpoint()
                 self.meter.interrupt()
             if self.step < self.total_steps and self._preempted():
                 if self.cfg.checkpoint and self.checkpointed_at != self.step:
@@ -753,10 +764,11 @@ class Run:
         self._check_weights(step - 1)
         cap = self.cfg.schedule.eval_batches
         batches = islice(self.data.val(), cap) if cap else self.data.val()
-        metrics = self.task.evaluate(batches, self.forward_context)
-        test = self.data.test() if step == self.total_steps else None
+        final = step == self.total_steps
+        metrics = self.task.evaluate(batches, self.forward_context, final=final)
+        test = self.data.test() if final else None
         if test is not None:  # a held-out split the source was given, scored once, at the end, in full
-            metrics.update({f"test_{k.removeprefix('val_')}": v for k, v in self.task.evaluate(test, self.forward_context).items()})
+            metrics.update({f"test_{k.removeprefix('val_')}": v for k, v in self.task.evaluate(test, self.forward_context, final=True).items()})
         self.record.metrics = {**metrics, "step": step}
         row = [{"kind": "eval", "step": step, **metrics}]
         self.metrics.write(row)
