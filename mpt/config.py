@@ -293,6 +293,9 @@ class ImageFolderDataConfig(FileDataConfig):
     # (cifar or airbench; datasets/resident_images.py): CIFAR-sized data at a GPU's pace, no workers
     resident: bool = False
     cache_dir: Optional[str] = ".data/cache"  # where a resident source caches the decoded splits; null: no cache
+    # a resident source's evaluation batch (null: schedule.batch_size): evaluation keeps no activations
+    # for a backward, so a GPU fits a larger one (airbench evaluates 2,000 at a time)
+    eval_batch_size: Optional[int] = None
 
 
 @dataclass

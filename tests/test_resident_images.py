@@ -162,6 +162,28 @@ def test_a_resident_source_refuses_an_augmentation_it_does_not_compute(tmp_path)
         resident_images.validate(c)
 
 
+def test_evaluation_batches_are_the_eval_batch_size_and_hold_the_same_images(tmp_path):
+    default, larger = resident(cfg(tmp_path, "cifar")), resident(cfg(tmp_path, "cifar", "data.eval_batch_size=120"))
+    assert [len(y) for _, y in default.val()] == [50, 50, 50, 50]
+    assert [len(y) for _, y in larger.val()] == [120, 80]
+    assert torch.equal(torch.cat([x for x, _ in larger.val()]), torch.cat([x for x, _ in default.val()]))
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["data.resident=false", "data.eval_batch_size=2000"],
+            r"^data.eval_batch_size=2000: a resident source's setting; set data.resident=true or leave it null$",
+        ),
+        (["data.eval_batch_size=0"], r"^data.eval_batch_size=0: must be a positive number of images, or null for schedule.batch_size$"),
+    ],
+)
+def test_an_eval_batch_size_it_cannot_use_is_refused(tmp_path, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        resident_images.validate(cfg(tmp_path, "cifar", *overrides))
+
+
 def test_a_run_trains_on_it_and_says_its_data_was_resident(tmp_path, in_process):
     job = build_run(
         tmp_path / "run",

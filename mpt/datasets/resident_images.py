@@ -40,6 +40,11 @@ def validate(cfg: DictConfig) -> None:
     imagefolder.validate(cfg)
     if cfg.data.resident and cfg.data.augment not in PADDING:
         raise ConfigError(f"data.resident=true: data.augment={cfg.data.augment} is not computed on the device (expected {' or '.join(PADDING)})")
+    size = cfg.data.eval_batch_size
+    if size is not None and not cfg.data.resident:
+        raise ConfigError(f"data.eval_batch_size={size}: a resident source's setting; set data.resident=true or leave it null")
+    if size is not None and size < 1:
+        raise ConfigError(f"data.eval_batch_size={size}: must be a positive number of images, or null for schedule.batch_size")
 
 
 def stamp(folder: Path) -> str:
@@ -111,6 +116,7 @@ class ResidentImages(EpochOrder):
         self.alternating = data.augment == "airbench"
         self.first_flip = imagefolder.first_flips(len(train_labels), seed).to(device)
         self.seed, self.device, self.batch_size, self.shard = seed, device, schedule.batch_size, shard
+        self.eval_batch_size = data.eval_batch_size or schedule.batch_size
         self.order = torch.Generator().manual_seed(seed)  # the loader's order generator and its draws
         self.steps_per_epoch = len(train_labels) // schedule.batch_size
         self.info = {"num_classes": len(classes), "classes": classes, "train_samples": len(train_labels), "val_samples": len(val_labels), "resident": True}
@@ -138,8 +144,9 @@ class ResidentImages(EpochOrder):
             yield self._augmented(idx, epoch, b, mine), self.train_labels[idx]
 
     def val(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for i in range(0, len(self.val_labels), self.batch_size):
-            yield normalized(self.val_images[i : i + self.batch_size], self.mean, self.std), self.val_labels[i : i + self.batch_size]
+        size = self.eval_batch_size
+        for i in range(0, len(self.val_labels), size):
+            yield normalized(self.val_images[i : i + size], self.mean, self.std), self.val_labels[i : i + size]
 
     def plain_train_images(self, n: int) -> torch.Tensor:
         """The loader's n uniformly drawn training images (the same for every seed), whole, not augmented."""
