@@ -37,7 +37,7 @@
 #              _mixed, _fp16, _adam), seeds 0-2 planned (PLAN; SEEDS runs some), seed-major; then
 #              bigLSTM's long run without scaling (ptb_biglstm_long) until the part's deadline.
 #              Records in lm/, mt/ and long/.
-#   accuracy   the converged CIFAR-10 grid (experiment=cifar10_airbench, _mixed, _fp16: 12 cells), seeds
+#   accuracy   the converged CIFAR-10 grid (experiment=cifar10_airbench, _mixed, _amp, _fp16: 13 cells), seeds
 #              0-4 planned (PLAN), seed-major: every cell's seed 0, then every cell's seed 1, ...; then
 #              the loss-scaling control (cifar10_airbench_shift: k = 0, 12, 24, seeds 0-1). A later call
 #              finishes a cut-off grid with SEEDS=3,4 SHIFT_SEEDS= (the same plan, the seeds left).
@@ -150,7 +150,7 @@ case $part in
         --pythonpath "$D/peer/dllogger" --out "$W/peer" "$@" 2>&1 | tee -a "$W/$part.log" || rc=$?
     pack ;;
   accuracy)
-    # Seed-major over the three presets, so that a call cut off by its limit has every cell's first
+    # Seed-major over the four presets, so that a call cut off by its limit has every cell's first
     # seeds. Every run plans all of PLAN, so that the report calls a cut-off grid incomplete; SEEDS
     # runs some of them (a later call's share), SHIFT_SEEDS the control's (empty: none).
     plan=${PLAN:-0,1,2,3,4}
@@ -164,7 +164,7 @@ case $part in
       common+=(device=cuda)
     fi
     for s in ${grid_seeds//,/ }; do
-      for preset in cifar10_airbench cifar10_airbench_mixed cifar10_airbench_fp16; do
+      for preset in cifar10_airbench cifar10_airbench_mixed cifar10_airbench_amp cifar10_airbench_fp16; do
         run -m "experiment=$preset" "seed=$s" "experiment.seeds=[$plan]" data=imagefolder "data.root=$root" "${common[@]}" \
             hydra.sweep.dir="$W/grid" "$@"
       done

@@ -15,7 +15,7 @@ from mpt.report.records import load_runs
 
 from .conftest import ROOT
 
-GRID_CELLS = 12  # fp32, bf16; mixed unscaled and dynamic; fp16 and fp16_modmom x unscaled, dynamic x FP16, FP32 batch-norm
+GRID_CELLS = 13  # fp32, bf16; mixed unscaled and dynamic; amp; fp16 and fp16_modmom x unscaled, dynamic x FP16, FP32 batch-norm
 SHIFT_CELLS = 6  # mixed unscaled and dynamic at k = 0, 12, 24
 
 
@@ -42,6 +42,7 @@ def test_the_accuracy_call_runs_every_cell_seed_by_seed_and_its_report_compares_
     assert sum(n.endswith("result.json") for n in names) == 2 * (GRID_CELLS + SHIFT_CELLS) and not any(n.endswith(".pt") for n in names)
     records = [json.loads(p.read_text()) for p in (tmp_path / "back").rglob("result.json")]
     assert all(r["config"]["data"]["resident"] for r in records)
+    assert all(r["time_to_result"]["seconds"] > 0 for r in records)  # what the speed goal is read from
     assert {tuple(r["config"]["experiment"]["seeds"]) for r in records} == {(0, 1)}
     table = comparisons(load_runs([tmp_path / "back"]))
     assert set(table.experiment) == {"cifar10_airbench", "cifar10_airbench_shift"}
