@@ -82,3 +82,23 @@ def test_an_older_bench_record_without_flops_counts_as_another_computation():
     old = {**current, "schedule": {k: v for k, v in current["schedule"].items() if k != "count_flops"}}
     assert not same_computation(old, current)  # relaunching the sweep redoes it, with FLOPs
     assert same_computation(current, current)
+
+
+def test_a_compile_record_says_why_no_graph_was_captured():
+    import torch._dynamo
+    from omegaconf import OmegaConf
+    from torch._dynamo.utils import counters
+
+    from mpt.runner.train import compile_summary
+
+    c = OmegaConf.create({"backend": "aot_eager", "mode": None})
+    torch._dynamo.reset()
+    counters.clear()
+    net = torch.compile(torch.nn.Linear(3, 2), backend="aot_eager")
+    with torch.compiler.set_stance("force_eager"):  # as the FLOP-counting step runs it
+        net(torch.randn(4, 3))
+    summary = compile_summary(c)
+    assert summary["unique_graphs"] == 0 and summary["why_no_graph"].startswith("no frame reached dynamo")
+    net(torch.randn(4, 3))
+    summary = compile_summary(c)
+    assert summary["unique_graphs"] == 1 and summary["frames"]["ok"] >= 1 and "why_no_graph" not in summary

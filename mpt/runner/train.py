@@ -102,6 +102,23 @@ def _non_finite(engine: PrecisionEngine) -> str:
     return "; ".join(parts + ([f"{masters} FP32 master weight{'s' * (masters != 1)}"] if masters else []))
 
 
+def compile_summary(c: DictConfig) -> dict:
+    """What torch.compile made of the run's networks (dynamo's counters, reset when they were
+    compiled), and where it captured no graph, why not."""
+    from torch._dynamo.utils import counters
+
+    graphs, frames = int(counters["stats"]["unique_graphs"]), dict(counters["frames"])
+    out = {"backend": c.backend, "mode": c.mode, "unique_graphs": graphs, "graph_breaks": int(sum(counters["graph_break"].values())), "frames": frames}
+    if graphs == 0:
+        reasons = [reason for reason, _ in (counters["graph_break"] + counters["unimplemented"]).most_common(3)]
+        out["why_no_graph"] = (
+            "no frame reached dynamo: the networks ran eager (a stance, a dispatch mode, or a frame marked skipped)"
+            if not frames.get("total")
+            else f"dynamo saw {frames['total']} frames and captured no graph" + (f": {'; '.join(reasons)}" if reasons else "")
+        )
+    return out
+
+
 class Run:
     """One training run: built from a validated config, writing into `run_dir`."""
 
@@ -539,14 +556,7 @@ class Run:
             rec.throughput = self._over_ranks(self.meter.summary()) if together else self.meter.summary()
             rec.time_to_result = self.clock.summary()
             if self.cfg.compile.backend is not None:
-                from torch._dynamo.utils import counters
-
-                rec.compile = {
-                    "backend": self.cfg.compile.backend,
-                    "mode": self.cfg.compile.mode,
-                    "unique_graphs": int(counters["stats"]["unique_graphs"]),  # this run's: reset when it compiled
-                    "graph_breaks": int(sum(counters["graph_break"].values())),
-                }
+                rec.compile = compile_summary(self.cfg.compile)
             rec.mfu = mfu(rec.flops, rec.throughput, self.cfg.precision, self.device, rec.environment["device_name"])
             rec.memory = self.peaks.summary()
             for key in ("peak_bytes", "steady_peak_bytes"):
