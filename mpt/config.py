@@ -275,7 +275,7 @@ class FileDataConfig(DataConfig):
     """Data read from files under `root` by loader processes."""
 
     root: Optional[str] = None
-    num_workers: int = -1  # -1: min(8, CPU count)
+    num_workers: int = -1  # -1: the CPUs this process was given, less one (sampling.default_workers)
 
 
 @dataclass
@@ -293,6 +293,9 @@ class ImageFolderDataConfig(FileDataConfig):
     # (cifar or airbench; datasets/resident_images.py): CIFAR-sized data at a GPU's pace, no workers
     resident: bool = False
     cache_dir: Optional[str] = ".data/cache"  # where a resident source caches the decoded splits; null: no cache
+    # where the images are decoded: host (PIL in the loader's workers) | device (the JPEGs' bytes read by
+    # the workers and decoded on the run's device, nvJPEG on a GPU; augment imagenet; datasets/device_decode.py)
+    decode: str = "host"
     # a resident source's evaluation batch (null: schedule.batch_size): evaluation keeps no activations
     # for a backward, so a GPU fits a larger one (airbench evaluates 2,000 at a time)
     eval_batch_size: Optional[int] = None

@@ -27,7 +27,7 @@ from ..config import ConfigError, positive
 from ..distributed import Dist
 from .discs import to_unit_range
 from .imagefolder import load_image
-from .sampling import EpochBatches, LoaderData, SeededSamples, shielded_worker
+from .sampling import EpochBatches, LoaderData, SeededSamples, default_workers, shielded_worker
 
 SHOWN = 5  # file names an error message lists
 
@@ -110,7 +110,7 @@ class ImageDirData(LoaderData):
         n_val = min(data.val_samples, len(paths))
         reference = torch.randperm(len(paths), generator=torch.Generator().manual_seed(30_000 + seed))[:n_val].tolist()
         self.device = device
-        workers = min(8, os.cpu_count() or 1) if data.num_workers == -1 else data.num_workers
+        workers = default_workers() if data.num_workers == -1 else data.num_workers
         # Loaders get generators of their own, so iterating them never draws from the global RNG:
         # a resumed run's random stream stays the uninterrupted one's.
         common: dict[str, Any] = dict(num_workers=workers, pin_memory=device.type == "cuda", persistent_workers=workers > 0, worker_init_fn=shielded_worker)

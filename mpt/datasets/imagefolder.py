@@ -23,7 +23,7 @@ from torchvision import datasets, transforms
 
 from ..config import ConfigError
 from ..distributed import Dist
-from .sampling import EpochBatches, LoaderData, SeededSamples, shielded_worker
+from .sampling import EpochBatches, LoaderData, SeededSamples, default_workers, shielded_worker
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -136,6 +136,16 @@ def check_splits(root: Path, data: DictConfig, classes: list[str], val_classes: 
         raise ConfigError(f"data.root={root}: {train_samples} training images, fewer than one batch of {batch_size}")
 
 
+def plain_images(root: Path, split: str, size: int, n: int, device: torch.device, normalize: Optional[transforms.Normalize] = None) -> torch.Tensor:
+    """n training images drawn uniformly (the same for every seed), whole at the training size (not
+    evaluation's resize-and-crop, whose ratio may zoom), not augmented, normalized (by ImageNet's
+    statistics unless `normalize` says otherwise). On `device`."""
+    normalize = normalize or transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)
+    plain = open_split(root, split, transforms.Compose([transforms.Resize(size), transforms.CenterCrop(size), transforms.ToTensor(), normalize]))
+    chosen = fixed_order(len(plain))[:n].tolist()
+    return torch.stack([plain[i][0] for i in chosen]).to(device)
+
+
 class ImageFolderData(LoaderData):
     def __init__(self, data: DictConfig, schedule: DictConfig, seed: int, device: torch.device, shard: Dist = Dist()):
         root = folder_root(data)
@@ -147,7 +157,7 @@ class ImageFolderData(LoaderData):
         self.val_set = open_split(root, data.val_split, val_tf)
         check_splits(root, data, self.train_set.classes, self.val_set.classes, len(self.train_set), schedule.batch_size)
         self.device = device
-        workers = min(8, os.cpu_count() or 1) if data.num_workers == -1 else data.num_workers
+        workers = default_workers() if data.num_workers == -1 else data.num_workers
         # Loaders get generators of their own, so iterating them never draws from the global RNG
         # that dropout uses: a resumed run's random stream stays the uninterrupted one's.
         common: dict[str, Any] = dict(num_workers=workers, pin_memory=device.type == "cuda", persistent_workers=workers > 0, worker_init_fn=shielded_worker)
@@ -161,8 +171,7 @@ class ImageFolderData(LoaderData):
         val_order = fixed_order(len(self.val_set)).tolist()
         self.val_loader = DataLoader(self.val_set, batch_size=schedule.batch_size, sampler=val_order, generator=torch.Generator().manual_seed(seed), **common)
         self.steps_per_epoch = len(self.train_set) // schedule.batch_size
-        # Whole images at the training size, not evaluation's resize-and-crop (whose ratio may zoom)
-        self.plain = (root, data.train_split, transforms.Compose([transforms.Resize(size), transforms.CenterCrop(size), transforms.ToTensor(), normalize]))
+        self.root, self.train_split, self.size, self.normalize = root, data.train_split, size, normalize
         self.info = {
             "num_classes": len(self.train_set.classes),
             "classes": self.train_set.classes,
@@ -173,12 +182,7 @@ class ImageFolderData(LoaderData):
         }
 
     def plain_train_images(self, n: int) -> torch.Tensor:
-        """n training images drawn uniformly (the same for every seed), whole at the training size, not
-        augmented, normalized. On the run's device."""
-        root, split, tf = self.plain
-        plain = open_split(root, split, tf)
-        chosen = fixed_order(len(plain))[:n].tolist()
-        return torch.stack([plain[i][0] for i in chosen]).to(self.device)
+        return plain_images(self.root, self.train_split, self.size, n, self.device, self.normalize)
 
     def to_device(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         images, labels = batch

@@ -29,8 +29,9 @@ from torchvision import transforms
 from ..config import ConfigError
 from ..distributed import Dist
 from ..files import write_atomic
-from . import imagefolder
-from .sampling import EpochOrder, shielded_worker
+from . import device_decode, imagefolder
+from .device_decode import DeviceDecodedImages
+from .sampling import EpochOrder, default_workers, shielded_worker
 
 # (pad, padding mode) of each augmentation a resident source computes on the device
 PADDING = {"cifar": (4, "constant"), "airbench": (2, "reflect")}
@@ -38,6 +39,7 @@ PADDING = {"cifar": (4, "constant"), "airbench": (2, "reflect")}
 
 def validate(cfg: DictConfig) -> None:
     imagefolder.validate(cfg)
+    device_decode.validate(cfg)
     if cfg.data.resident and cfg.data.augment not in PADDING:
         raise ConfigError(f"data.resident=true: data.augment={cfg.data.augment} is not computed on the device (expected {' or '.join(PADDING)})")
     size = cfg.data.eval_batch_size
@@ -98,7 +100,7 @@ class ResidentImages(EpochOrder):
     def __init__(self, data: DictConfig, schedule: DictConfig, seed: int, device: torch.device, shard: Dist = Dist()):
         root = imagefolder.folder_root(data)
         size = schedule.image_size
-        workers = min(8, os.cpu_count() or 1) if data.num_workers == -1 else data.num_workers
+        workers = default_workers() if data.num_workers == -1 else data.num_workers
         cache = Path(os.path.expanduser(data.cache_dir)) if data.cache_dir else None
         # Training images whole at the training size, evaluation's resized and cropped as the loader's
         whole = transforms.Compose([transforms.Resize(size), transforms.CenterCrop(size)])
@@ -155,7 +157,10 @@ class ResidentImages(EpochOrder):
 
 
 def build(cfg: DictConfig, device: torch.device, workdir: Optional[Path] = None, resuming: bool = False, shard: Dist = Dist()):
-    """The source of data=imagefolder: on the device with data.resident=true, else the loader's."""
+    """The source of data=imagefolder: kept on the device with data.resident=true, decoded there with
+    data.decode=device, else the loader's."""
     if cfg.data.resident:
         return ResidentImages(cfg.data, cfg.schedule, seed=cfg.seed, device=device, shard=shard)
+    if cfg.data.decode == "device":
+        return DeviceDecodedImages(cfg.data, cfg.schedule, seed=cfg.seed, device=device, shard=shard)
     return imagefolder.build(cfg, device, workdir, resuming, shard)

@@ -3,6 +3,7 @@ augmentation an uninterrupted run would have seen."""
 
 from __future__ import annotations
 
+import os
 import signal
 from typing import Any, Iterable, Iterator, Sized, cast
 
@@ -25,6 +26,20 @@ def require_one_batch(train_samples: int, batch_size: int) -> None:
     """A synthetic source made of fewer samples than a batch could never yield one."""
     if train_samples < batch_size:
         raise ConfigError(f"data.train_samples={train_samples}: fewer than one batch of schedule.batch_size={batch_size}")
+
+
+def default_workers() -> int:
+    """Loader workers for data.num_workers=-1: the CPUs this process was given, less one for the
+    process itself. Given: SLURM_CPUS_PER_TASK where SLURM set it, else the affinity mask (what a
+    container or taskset allows, not the machine's count) shared among torchrun's local processes."""
+    slurm = os.environ.get("SLURM_CPUS_PER_TASK", "")
+    if slurm.isdigit() and int(slurm) > 0:
+        cpus = int(slurm)
+    else:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        local = os.environ.get("LOCAL_WORLD_SIZE", "")
+        cpus //= int(local) if local.isdigit() and int(local) > 0 else 1
+    return max(cpus - 1, 0)
 
 
 def shielded_worker(worker_id: int) -> None:

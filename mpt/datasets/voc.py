@@ -43,7 +43,7 @@ from torchvision.transforms import v2
 from ..config import ConfigError
 from ..distributed import Dist
 from .imagefolder import CorruptImage, load_image
-from .sampling import EpochBatches, LoaderData, SeededSamples, shielded_worker
+from .sampling import EpochBatches, LoaderData, SeededSamples, default_workers, shielded_worker
 
 # Caffe's input convention, which torchvision's SSD and its VGG16_Weights.IMAGENET1K_FEATURES use:
 # RGB in 0-255 minus the mean pixel (models/detection.py); also the zoom-out's fill.
@@ -250,7 +250,7 @@ class VOCData(LoaderData):
         if len(train) < schedule.batch_size:
             raise ConfigError(f"data.train_sets={list(data.train_sets)}: {len(train)} images, fewer than one batch of {schedule.batch_size}")
         self.device = device
-        workers = min(8, os.cpu_count() or 1) if data.num_workers == -1 else data.num_workers
+        workers = default_workers() if data.num_workers == -1 else data.num_workers
         common: dict[str, Any] = dict(
             num_workers=workers, pin_memory=device.type == "cuda", persistent_workers=workers > 0, worker_init_fn=shielded_worker, collate_fn=collate
         )
