@@ -136,3 +136,12 @@ def test_a_run_trains_on_it_and_its_record_says_where_it_decoded(tmp_path, in_pr
     )
     assert job.execute().status == "ok"
     assert read_record(tmp_path / "run")["data"]["decode"] == "device (cpu)"
+
+
+@pytest.mark.gpu
+def test_on_cuda_nvjpeg_gives_the_cpus_batches_within_a_grey_level():
+    c = cfg("schedule.image_size=24", "data.decode=device")
+    cuda, cpu = DeviceDecodedImages(c.data, c.schedule, seed=2, device=torch.device("cuda")), DeviceDecodedImages(c.data, c.schedule, seed=2, device=CPU)
+    for (x, y), (x_cpu, y_cpu) in list(zip(cuda.epoch(0), cpu.epoch(0)))[:3]:
+        assert x.device.type == "cuda" and torch.equal(y.cpu(), y_cpu)
+        assert (x.cpu() - x_cpu).abs().mean(dim=(1, 2, 3)).max() < ONE_GREY_LEVEL  # nvJPEG's IDCT against libjpeg's
