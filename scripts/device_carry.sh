@@ -21,7 +21,7 @@ git ls-files -- . ':!:results' > .data/GIT_FILES
 hash=$(tr '\n' '\0' < .data/GIT_FILES | xargs -0 sha256sum | sha256sum | cut -d' ' -f1)
 echo "$(git rev-parse HEAD) $([ -n "$(git status --porcelain --untracked-files=no -- . ':!:results')" ] && echo 1 || echo 0) $hash" > .data/GIT
 case $part in
-  suite|arithmetic|bench|options) ;;
+  suite|arithmetic|bench|options|speed) ;;
   peer)
     mkdir -p .data/peer/ConvNets .data/peer/dllogger
     git --git-dir="${DLE_GIT:?set DLE_GIT}" archive HEAD PyTorch/Classification/ConvNets | tar -x -C .data/peer/ConvNets --strip-components=3
@@ -33,6 +33,6 @@ case $part in
   biglstm) cp -r "$shared/ptb" .data/ ;;
   sequences) cp -r "$shared/ptb" "$shared/multi30k" .data/ ;;
   dcgan) cp "$shared/utkface.tar.gz" .data/ ;;
-  *) echo "device_carry.sh: PART=$part: expected one of accuracy, sequences, suite, arithmetic, bench, options, peer, next, others, classifier, cifar, ssd, gnmt, biglstm, dcgan" >&2; exit 2 ;;
+  *) echo "device_carry.sh: PART=$part: expected one of accuracy, sequences, speed, suite, arithmetic, bench, options, peer, next, others, classifier, cifar, ssd, gnmt, biglstm, dcgan" >&2; exit 2 ;;
 esac
 du -sh .whl .data

@@ -37,6 +37,10 @@
 #              _mixed, _fp16, _adam), seeds 0-2 planned (PLAN; SEEDS runs some), seed-major; then
 #              bigLSTM's long run without scaling (ptb_biglstm_long) until the part's deadline.
 #              Records in lm/, mt/ and long/.
+#   speed      the speed goals' measurements, in their order (experiment=speed_*: FP8 LSTMs against BF16,
+#              the dynamic scaler's cost, BF16 against amp on batch-norm networks, torch.compile against
+#              eager, ResNet-50 on full-size JPEGs decoded on the host and on the GPU), each a ratio of
+#              two rows of one call. Records in speed/.
 #   accuracy   the converged CIFAR-10 grid (experiment=cifar10_airbench, _mixed, _amp, _fp16: 13 cells), seeds
 #              0-4 planned (PLAN), seed-major: every cell's seed 0, then every cell's seed 1, ...; then
 #              the loss-scaling control (cifar10_airbench_shift: k = 0, 12, 24, seeds 0-1). A later call
@@ -173,6 +177,22 @@ case $part in
     for s in ${shift_seeds//,/ }; do  # the preset plans seeds 0 and 1
       run -m experiment=cifar10_airbench_shift "seed=$s" data=imagefolder "data.root=$root" "${common[@]}" hydra.sweep.dir="$W/shift" "$@"
     done ;;
+  speed)
+    # Each preset's rows and its baseline's run in this one call; a cut-off call has the first goals'.
+    common=(checkpoint=false hydra.sweep.dir="$W/speed")
+    lstm=() compile=() jpegs=/tmp/jpegs images=2560
+    if [ -n "$dry" ]; then  # small models and shapes, two steps; dynamo without inductor's C++ build
+      common+=(device=cpu schedule.steps=2 schedule.batch_size=4 schedule.throughput_warmup=1 schedule.throughput_window=1)
+      lstm=(model=gnmt_small,biglstm_tiny) compile=(compile.backend=aot_eager compile.mode=null) jpegs=$W/jpegs images=20
+    else
+      common+=(device=cuda)
+    fi
+    run -m experiment=speed_fp8_lstm "${lstm[@]}" "${common[@]}" "$@"
+    run -m experiment=speed_scaler "${common[@]}" "$@"
+    run -m experiment=speed_norm "${common[@]}" "$@"
+    run -m experiment=speed_compile "${compile[@]}" "${common[@]}" "$@"
+    [ -d "$jpegs/train" ] || limited python3 scripts/make_jpegs.py --out "$jpegs" --images "$images" 2>&1 | tee -a "$W/$part.log"
+    run -m experiment=speed_jpeg "data.root=$jpegs" "${common[@]}" "$@" ;;
   sequences)
     # The sequence models' converged settings, seed-major as accuracy's grid, then bigLSTM's long
     # unscaled run for whatever time is left (stopped by the deadline, recorded `preempted`).
@@ -240,6 +260,6 @@ case $part in
     root=$(dirname "$(find /tmp/utk -name '*.jpg' | head -1)")
     run -m model=dcgan64 data=image_dir data.root="$root" schedule.batch_size=128 schedule.steps=2000 schedule.eval_every=500 \
         precision=fp32,mixed scale=none checkpoint=false $seeds hydra.sweep.dir="$W/dcgan" "$@" ;;
-  *) echo "device_session.sh: PART=$part: expected one of accuracy, sequences, suite, arithmetic, bench, options, peer, next, others, classifier, cifar, ssd, gnmt, biglstm, dcgan" >&2; exit 2 ;;
+  *) echo "device_session.sh: PART=$part: expected one of accuracy, sequences, speed, suite, arithmetic, bench, options, peer, next, others, classifier, cifar, ssd, gnmt, biglstm, dcgan" >&2; exit 2 ;;
 esac
 exit $rc

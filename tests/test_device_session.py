@@ -67,3 +67,32 @@ def test_the_sequences_call_runs_both_settings_seed_by_seed_then_the_long_run(tm
     assert record["status"] == "ok" and record["config"]["scale"]["name"] == "none" and record["grad_stats"]
     table = comparisons(load_runs([tmp_path / "back"]))
     assert set(table.experiment) == {"ptb_biglstm", "multi30k_gnmt"} and "incomplete" not in set(table.finding)
+
+
+@pytest.mark.slow
+def test_the_speed_call_runs_each_goals_rows_and_their_baselines(tmp_path):
+    dry_run("speed", tmp_path, timeout=1800)
+    with tarfile.open(tmp_path / "out" / "speed.tar.gz") as tar:
+        names = tar.getnames()
+        tar.extractall(tmp_path / "back", filter="data")
+    assert not any(n.endswith(".pt") for n in names)
+    rows = set()
+    for path in (tmp_path / "back").rglob("result.json"):
+        r = json.loads(path.read_text())
+        c = r["config"]
+        rows.add((r["choices"]["model"], r["choices"]["precision"], r["choices"]["scale"], c["data"].get("decode"), c["compile"]["backend"]))
+        assert r["throughput"]["windows"] >= 1  # every row has its figure
+        assert c["compile"]["backend"] is None or "frames" in r["compile"]
+    cells = {  # the dry run's small LSTM models stand in for GNMT's and bigLSTM's
+        *((m, p, "none", None, None) for m in ("gnmt_small", "biglstm_tiny") for p in ("bf16", "fp8")),
+        ("resnet50", "amp", "none", None, None),  # the baseline of the scaler, BF16's and compile's rows
+        ("resnet50", "amp", "dynamic", None, None),
+        ("resnet50", "bf16", "none", None, None),
+        ("dcgan", "amp", "none", None, None),
+        ("dcgan", "bf16", "none", None, None),
+        ("resnet50", "amp", "none", None, "aot_eager"),
+        ("resnet50", "bf16", "none", None, "aot_eager"),
+        ("resnet50", "amp", "none", "host", None),
+        ("resnet50", "amp", "none", "device", None),
+    }
+    assert rows == cells
