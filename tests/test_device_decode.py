@@ -110,6 +110,7 @@ def test_settings_it_cannot_honour_are_refused(overrides, message):
         ({"SLURM_CPUS_PER_TASK": "6"}, range(64), 5),  # SLURM's allocation, not the node's CPUs
         ({}, range(16), 15),
         ({"LOCAL_WORLD_SIZE": "4"}, range(16), 3),  # torchrun's processes on this node share the mask
+        ({"SLURM_CPUS_PER_TASK": "16", "LOCAL_WORLD_SIZE": "4"}, range(64), 3),  # and SLURM's task
         ({}, range(1), 0),  # one CPU: the main process loads
     ],
 )
@@ -119,7 +120,45 @@ def test_default_workers_are_the_cpus_this_process_was_given_less_one(monkeypatc
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setattr(sampling.os, "sched_getaffinity", lambda pid: set(affinity), raising=False)
+    monkeypatch.setattr(sampling, "cgroup_cpu_quota", lambda: None)
     assert sampling.default_workers() == expected
+
+
+@pytest.mark.parametrize("content, cpus", [("max 100000\n", None), ("250000 100000\n", 3), ("50000 100000\n", 1)])
+def test_a_cgroup_quota_bounds_the_workers(tmp_path, monkeypatch, content, cpus):
+    (tmp_path / "cpu.max").write_text(content)
+    assert sampling.cgroup_cpu_quota(str(tmp_path / "cpu.max")) == cpus
+    monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr(sampling.os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    monkeypatch.setattr(sampling, "cgroup_cpu_quota", lambda: cpus)
+    assert sampling.default_workers() == (63 if cpus is None else cpus - 1)
+
+
+def test_iterating_it_leaves_the_global_rng_as_it_was():
+    c = cfg("schedule.image_size=32", "data.decode=device")
+    data = DeviceDecodedImages(c.data, c.schedule, seed=0, device=CPU)
+    before = torch.get_rng_state()
+    next(iter(data.epoch(0)))
+    next(iter(data.val()))
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_an_empty_file_and_a_png_are_read_as_the_host_path_reads_them(corrupt_tree):
+    root, good = corrupt_tree
+    from PIL import Image
+
+    png = good.with_suffix(".png")
+    Image.open(good).convert("RGB").save(png)  # the same pixels, losslessly
+    good.unlink()
+    c = cfg("schedule.image_size=32", "data.decode=device", root=root)
+    ours, host = DeviceDecodedImages(c.data, c.schedule, seed=0, device=CPU), ImageFolderData(c.data, c.schedule, seed=0, device=CPU)
+    for (x, _), (x_host, _) in zip(ours.epoch(0), host.epoch(0), strict=True):
+        assert (x - x_host).abs().mean(dim=(1, 2, 3)).max() < 0.5 * ONE_GREY_LEVEL
+    png.write_bytes(b"")
+    with pytest.raises(imagefolder.CorruptImage, match=rf"^corrupt image {png}: "):
+        for _ in DeviceDecodedImages(c.data, c.schedule, seed=0, device=CPU).epoch(0):
+            pass
 
 
 def test_a_run_trains_on_it_and_its_record_says_where_it_decoded(tmp_path, in_process):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import statistics
 from pathlib import Path
@@ -497,3 +498,34 @@ def test_the_loss_shift_control_is_tabled_and_drawn_against_k(tmp_path):
     assert table.loc[("Mixed", 24), "activation_share_zero"] > table.loc[("Mixed", 0), "activation_share_zero"] + 0.1
     (figure,) = (tmp_path / "report" / "figures").glob("shift_*.png")
     assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_time_to_result_table_keeps_the_metric_of_a_setup_without_an_image_size():
+    from mpt.report import tables
+
+    def row(precision, seed, seconds, ppl):
+        return {
+            "model": "biglstm_tiny",
+            "device_name": "cpu",
+            "data": "text_corpus",
+            "schedule": "paper",
+            "variant": None,
+            "config.schedule.batch_size": 32,
+            "config.schedule.image_size": math.nan,  # a language model's
+            "mode": precision,
+            "precision": precision,
+            "scale": "none",
+            "scale_value": math.nan,
+            "precision_order": 0 if precision == "fp32" else 1,
+            "scale_order": 0,
+            "primary_metric": "ppl",
+            "status": "ok",
+            "seed": seed,
+            "time_to_result_s": seconds,
+            "metric_value": ppl,
+        }
+
+    runs = pd.DataFrame([row("fp32", 0, 10.0, 140.0), row("fp32", 1, 12.0, 142.0), row("bf16", 0, 5.0, 141.0), row("bf16", 1, 7.0, 143.0)])
+    table = tables.time_to_result(runs).set_index("precision")
+    assert table.loc["bf16", "metric_mean"] == pytest.approx(142.0) and table.loc["fp32", "metric_mean"] == pytest.approx(141.0)
+    assert table.loc["bf16", "ratio_to_fp32"] == pytest.approx(6.0 / 11.0)

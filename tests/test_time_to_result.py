@@ -81,3 +81,41 @@ def test_a_runs_record_leaves_out_its_evaluations_and_counts_its_last(tmp_path):
     assert timing["left_out_s"] >= 3 * nap  # the evaluations at steps 1-3
     assert timing["final_evaluation_s"] >= nap
     assert timing["final_evaluation_s"] <= timing["seconds"] < read_record(tmp_path)["duration_s"] - 3 * nap
+
+
+def test_a_final_evaluation_that_fails_gives_no_time_to_result(clock):
+    watch = time_to_result.TimeToResult(torch.device("cpu"))
+    watch.start()
+    clock["t"] += 3.0
+    with pytest.raises(RuntimeError), watch.final():
+        clock["t"] += 1.0
+        raise RuntimeError("out of memory")
+    watch.stop()
+    assert watch.summary()["seconds"] is None and watch.summary()["final_evaluation_s"] is None
+
+
+def test_a_run_that_did_not_finish_ok_has_no_time_to_result_though_it_evaluated(clock):
+    watch = time_to_result.TimeToResult(torch.device("cpu"))
+    watch.start()
+    with watch.final():
+        clock["t"] += 1.0
+    watch.stop()
+    assert watch.summary(finished=False)["seconds"] is None and watch.summary()["seconds"] == pytest.approx(1.0)
+
+
+def test_a_run_extended_past_its_old_end_counts_that_end_as_an_evaluation_along_the_way(clock):
+    first = time_to_result.TimeToResult(torch.device("cpu"))
+    first.start()
+    clock["t"] += 5.0
+    with first.final():
+        clock["t"] += 2.0
+    with first.leaving_out():
+        state = first.state_dict()  # the checkpoint at the old end
+    longer = time_to_result.TimeToResult(torch.device("cpu"))
+    longer.load_state_dict(state, extended=True)
+    longer.start()
+    clock["t"] += 3.0
+    with longer.final():
+        clock["t"] += 1.0
+    longer.stop()
+    assert longer.summary() == pytest.approx({"seconds": 5.0 + 3.0 + 1.0, "final_evaluation_s": 1.0, "left_out_s": 2.0})

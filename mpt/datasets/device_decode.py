@@ -9,19 +9,21 @@ antialiased, as torchvision's tensor transforms), flips and normalizes there: on
 cross to the device. Validation resizes and center-crops there as the host path's transform does.
 What differs from the host path is the arithmetic: the decoder (nvJPEG's or libjpeg's IDCT) and the
 tensor resize against PIL's, a grey level or two per pixel. A file that is not a JPEG (a PNG in the
-tree) is decoded on the host and moved; a corrupt file fails the run naming it.
+tree) is read by PIL on the host, as the host path reads it, and moved; a corrupt file fails the run
+naming it.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator
 
 import torch
 from omegaconf import DictConfig
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 from torchvision import datasets, transforms
-from torchvision.io import ImageReadMode, decode_image, decode_jpeg
+from torchvision.io import ImageReadMode, decode_jpeg
+from torchvision.transforms.functional import pil_to_tensor
 from torchvision.transforms.v2 import functional as F
 
 from ..config import ConfigError
@@ -29,7 +31,7 @@ from ..distributed import Dist
 from . import imagefolder
 from .sampling import EpochBatches, LoaderData, SeededSamples, default_workers, shielded_worker
 
-JPEG_MAGIC = (0xFF, 0xD8)
+JPEG_MAGIC = b"\xff\xd8"
 
 
 def validate(cfg: DictConfig) -> None:
@@ -72,27 +74,47 @@ def _collate(items: list) -> tuple[list[bytes], torch.Tensor, torch.Tensor, torc
     return list(data), torch.stack(boxes), torch.tensor(flips), torch.tensor(labels), list(paths)
 
 
+def _on_host(data: bytes, path: str) -> torch.Tensor:
+    """One file as the host path reads it (PIL: any format it knows; a corrupt file named)."""
+    return pil_to_tensor(imagefolder.load_image(path)) if data else _empty(path)
+
+
+def _empty(path: str) -> torch.Tensor:
+    raise imagefolder.CorruptImage(f"corrupt image {path}: the file is empty")
+
+
+def _jpegs_on(device: torch.device, encoded: list[torch.Tensor]) -> list[torch.Tensor]:
+    """decode_jpeg on `device`. On CUDA on a stream of its own: nvJPEG writes its output from a
+    stream of its pool, so the output is allocated from a pool no kernel of the training stream
+    still reads (an upstream report: torchvision's decoder does not wait for the caller's stream)."""
+    if device.type != "cuda":
+        return decode_jpeg(encoded, mode=ImageReadMode.RGB, device=device)
+    current, side = torch.cuda.current_stream(device), torch.cuda.Stream(device)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        images = decode_jpeg(encoded, mode=ImageReadMode.RGB, device=device)
+    current.wait_stream(side)
+    for image in images:
+        image.record_stream(current)
+    return images
+
+
 def decode(files: list[bytes], paths: list[str], device: torch.device) -> list[torch.Tensor]:
     """Each file's RGB uint8 (3, H, W) on `device`: the JPEGs in one batched call there, any other
-    format on the host."""
-    data = [torch.frombuffer(bytearray(f), dtype=torch.uint8) for f in files]
-    out: list[Optional[torch.Tensor]] = [None] * len(data)
-    jpegs = [i for i, d in enumerate(data) if d.numel() > 1 and tuple(d[:2].tolist()) == JPEG_MAGIC]
+    format by PIL on the host, as the host path reads it. A batch the device's decoder refuses is
+    decoded a file at a time, and a file it refuses (a CMYK JPEG for some decoders) on the host."""
+    jpegs = [i for i, f in enumerate(files) if f[:2] == JPEG_MAGIC]
+    out: dict[int, torch.Tensor] = {i: _on_host(files[i], paths[i]).to(device) for i in range(len(files)) if i not in set(jpegs)}
+    encoded = {i: torch.frombuffer(bytearray(files[i]), dtype=torch.uint8) for i in jpegs}
     try:
-        if jpegs:
-            decoded = decode_jpeg([data[i] for i in jpegs], mode=ImageReadMode.RGB, device=device)
-            for i, image in zip(jpegs, decoded):
-                out[i] = image
-        for i in sorted(set(range(len(data))) - set(jpegs)):
-            out[i] = decode_image(data[i], mode=ImageReadMode.RGB).to(device)
-    except RuntimeError as e:  # which file: decoded one by one on the host to find it
-        for d, path in zip(data, paths):
+        out.update(zip(jpegs, _jpegs_on(device, [encoded[i] for i in jpegs]) if jpegs else []))
+    except RuntimeError:
+        for i in jpegs:
             try:
-                decode_image(d, mode=ImageReadMode.RGB)
-            except RuntimeError as bad:
-                raise imagefolder.CorruptImage(f"corrupt image {path}: {bad}") from None
-        raise imagefolder.CorruptImage(f"a batch of {len(data)} images failed to decode on {device}: {e}") from None
-    return [o for o in out if o is not None]
+                out[i] = _jpegs_on(device, [encoded[i]])[0]
+            except RuntimeError:
+                out[i] = _on_host(files[i], paths[i]).to(device)
+    return [out[i] for i in range(len(files))]
 
 
 class DeviceDecodedImages(LoaderData):
@@ -106,8 +128,12 @@ class DeviceDecodedImages(LoaderData):
         common: dict[str, Any] = dict(num_workers=workers, collate_fn=_collate, persistent_workers=workers > 0, worker_init_fn=shielded_worker)
         self.order = torch.Generator().manual_seed(seed)
         self.batches = EpochBatches(len(train_set), schedule.batch_size, self.order, shard)
+        # Loaders with generators of their own, as the host path's: iterating them never draws from
+        # the global RNG that dropout uses, so a resumed run's random stream is the uninterrupted one's.
+        common["generator"] = torch.Generator().manual_seed(seed)
         self.train_loader = DataLoader(SeededSamples(_Encoded(train_set, train=True), seed), batch_sampler=self.batches, **common)
         val_order = imagefolder.fixed_order(len(val_set)).tolist()  # the host path's evaluation order
+        common["generator"] = torch.Generator().manual_seed(seed)
         self.val_loader = DataLoader(_Encoded(val_set, train=False), batch_size=schedule.batch_size, sampler=val_order, **common)
         self.steps_per_epoch = len(train_set) // schedule.batch_size
         self.mean, self.std = (torch.tensor(s, device=device).view(1, 3, 1, 1) for s in (imagefolder.IMAGENET_MEAN, imagefolder.IMAGENET_STD))

@@ -31,15 +31,29 @@ def require_one_batch(train_samples: int, batch_size: int) -> None:
 def default_workers() -> int:
     """Loader workers for data.num_workers=-1: the CPUs this process was given, less one for the
     process itself. Given: SLURM_CPUS_PER_TASK where SLURM set it, else the affinity mask (what a
-    container or taskset allows, not the machine's count) shared among torchrun's local processes."""
+    container or taskset allows, not the machine's count) bounded by a cgroup CPU quota; either
+    shared among torchrun's processes on the node (LOCAL_WORLD_SIZE)."""
     slurm = os.environ.get("SLURM_CPUS_PER_TASK", "")
     if slurm.isdigit() and int(slurm) > 0:
         cpus = int(slurm)
     else:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        local = os.environ.get("LOCAL_WORLD_SIZE", "")
-        cpus //= int(local) if local.isdigit() and int(local) > 0 else 1
+        quota = cgroup_cpu_quota()
+        cpus = min(cpus, quota) if quota is not None else cpus
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    cpus //= int(local) if local.isdigit() and int(local) > 0 else 1
     return max(cpus - 1, 0)
+
+
+def cgroup_cpu_quota(path: str = "/sys/fs/cgroup/cpu.max") -> int | None:
+    """The CPUs a cgroup v2 quota allows (a container limited by quota sees every CPU in its mask),
+    rounded up; None without one."""
+    try:
+        with open(path) as f:
+            quota, period = f.read().split()[:2]
+    except (OSError, ValueError):
+        return None
+    return None if quota == "max" else max(1, -(-int(quota) // int(period)))
 
 
 def shielded_worker(worker_id: int) -> None:

@@ -130,9 +130,9 @@ def time_to_result(runs: pd.DataFrame) -> pd.DataFrame:
         return pd.DataFrame()
     table = _relative_to_fp32(finished, "time_to_result_s", "ratio_to_fp32", extra=["primary_metric"])
     keys = [k for k in SAME_SETUP if k in finished.columns]
-    means = finished.groupby([*keys, "mode"], dropna=False, sort=False)["metric_value"].mean()
-    table["metric_mean"] = [means.get(tuple(r[k] for k in [*keys, "mode"]), math.nan) for _, r in table.iterrows()]
-    return table
+    # a merge, not a lookup: a setup key may be NaN (the sequence models have no image size)
+    means = finished.groupby([*keys, "mode"], dropna=False, sort=False)["metric_value"].mean().rename("metric_mean").reset_index()
+    return table.merge(means, on=[*keys, "mode"], how="left")
 
 
 def render_time_to_result(table: pd.DataFrame) -> str:

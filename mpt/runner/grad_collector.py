@@ -121,11 +121,12 @@ class GradStatsCollector:
     def step(self, step: int) -> Iterator[dict]:
         """Around one training step: hooks on for a sampled step; a sampled step and the one
         before it are timed with the device synchronized. Yields {"sampled": bool, "seconds":
-        the sampled step's synchronized wall time, or None}, filled in on exit."""
+        the sampled step's synchronized wall time, or None, "overhead": that time less the plain step
+        before it's, or None}, filled in on exit."""
         sampled = self.sampling(step)
         timed = (sampled or self.sampling(step + 1)) and self._steps_seen >= self.warmup
         self._steps_seen += 1
-        info: dict[str, bool | float | None] = {"sampled": sampled, "seconds": None}
+        info: dict[str, bool | float | None] = {"sampled": sampled, "seconds": None, "overhead": None}
         if not (sampled or timed):
             yield info
             return
@@ -148,6 +149,8 @@ class GradStatsCollector:
             seconds = time.perf_counter() - t0
             self.step_seconds["sampled" if sampled else "plain"].append(seconds)
             info["seconds"] = seconds if sampled else None
+            if sampled and self.step_seconds["plain"]:  # against the plain step timed just before it
+                info["overhead"] = max(seconds - self.step_seconds["plain"][-1], 0.0)
 
     @contextlib.contextmanager
     def backward(self, network: str, scale: float) -> Iterator[None]:

@@ -55,14 +55,13 @@ class TimeToResult:
 
     @contextlib.contextmanager
     def final(self) -> Iterator[None]:
-        """The final evaluation: counted, and its own share noted."""
+        """The final evaluation: counted, and its own share noted once it has finished (one that
+        failed leaves the run without a result, so without a time to it)."""
         synchronize(self.device)
         t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            synchronize(self.device)
-            self.final_evaluation = time.perf_counter() - t0
+        yield
+        synchronize(self.device)
+        self.final_evaluation = time.perf_counter() - t0
 
     def leave_out(self, seconds: float) -> None:
         """Seconds already measured with the device synchronized (a sampled step's)."""
@@ -72,14 +71,19 @@ class TimeToResult:
     def state_dict(self) -> dict:
         now = time.perf_counter()
         running = 0.0 if self._started is None else now - self._started - (0.0 if self._out_since is None else now - self._out_since)
-        return {"seconds": self.seconds + running, "left_out": self.left_out}
+        return {"seconds": self.seconds + running, "left_out": self.left_out, "final_evaluation": self.final_evaluation}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, extended: bool = False) -> None:
+        """`extended`: the run resumes from its old end under a longer schedule, so the final
+        evaluation it counted then was one along the way."""
         self.seconds, self.left_out = float(state["seconds"]), float(state["left_out"])
+        if extended and state.get("final_evaluation") is not None:
+            self.left_out += float(state["final_evaluation"])
 
-    def summary(self) -> dict:
-        """`seconds`: training's, the final evaluation's included (None until that evaluation ran)."""
-        done = self.final_evaluation is not None
+    def summary(self, finished: bool = True) -> dict:
+        """`seconds`: training's, the final evaluation's included; None until that evaluation ran,
+        and for a run that did not finish `ok` (`finished` false): it reached no result."""
+        done = finished and self.final_evaluation is not None
         return {
             "seconds": self.seconds - self.left_out if done else None,
             "final_evaluation_s": self.final_evaluation,

@@ -343,7 +343,7 @@ class Run:
         if saved.get("overflow_trace"):  # nor before overflow tracing
             self.tracer.load_state_dict(saved["overflow_trace"])
         if saved.get("time_to_result"):  # nor before the clock
-            self.clock.load_state_dict(saved["time_to_result"])
+            self.clock.load_state_dict(saved["time_to_result"], extended=saved["step"] < self.total_steps)
         checkpoint.set_rng_state(saved["rng"])  # last: building the run drew from the generators
         if saved.get("device_rng") is not None and self.device.type == "cuda":
             torch.cuda.set_rng_state(saved["device_rng"], self.device)
@@ -554,7 +554,7 @@ class Run:
             rec.last_finite_train_loss = self.last_finite_loss
             self.clock.stop()
             rec.throughput = self._over_ranks(self.meter.summary()) if together else self.meter.summary()
-            rec.time_to_result = self.clock.summary()
+            rec.time_to_result = self.clock.summary(finished=rec.status == "ok")
             if self.cfg.compile.backend is not None:
                 rec.compile = compile_summary(self.cfg.compile)
             rec.mfu = mfu(rec.flops, rec.throughput, self.cfg.precision, self.device, rec.environment["device_name"])
@@ -646,7 +646,8 @@ class Run:
             # step again to trace it is.
             excluded = None if stats_step["seconds"] is None else stats_step["seconds"] + wait
             self.meter.step(n, wait, excluded_s=excluded, untimed_s=traced)
-            self.clock.leave_out(traced if stats_step["seconds"] is None else stats_step["seconds"])
+            # a sampled step's own training counts: only what its statistics added to a plain step
+            self.clock.leave_out(traced if stats_step.get("overhead") is None else stats_step["overhead"])
             if self.meter.warmed_up:
                 self.peaks.steady_from_now()
             if self.step % self.cfg.schedule.log_every == 0 or self.step == self.total_steps:
