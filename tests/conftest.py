@@ -111,6 +111,11 @@ def shared_data(name: str) -> Path:
     return path
 
 
+def cifar_mini_run(*overrides: str) -> list[str]:
+    """A tiny classifier's smoke run on ../shared/data/cifar10-mini (its test/ split for validation)."""
+    return [TINY, "data=imagefolder", f"data.root={shared_data('cifar10-mini')}", "data.val_split=test", "data.num_workers=0", "schedule=smoke", *overrides]
+
+
 class Vector(nn.Module):
     """A parameter vector; forward(x) = w * x, so loss = (forward(1) * G).sum() has gradient G."""
 

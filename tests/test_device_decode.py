@@ -13,7 +13,7 @@ from mpt.datasets import device_decode, imagefolder, resident_images, sampling
 from mpt.datasets.device_decode import DeviceDecodedImages
 from mpt.datasets.imagefolder import ImageFolderData
 
-from .conftest import TINY, build_run, compose_cfg, read_record, shared_data
+from .conftest import build_run, cifar_mini_run, compose_cfg, read_record, shared_data
 
 CPU = torch.device("cpu")
 # One grey level is 1/255/std, about 0.017 after ImageNet's normalization; another image is ~0.5 away.
@@ -162,17 +162,7 @@ def test_an_empty_file_and_a_png_are_read_as_the_host_path_reads_them(corrupt_tr
 
 
 def test_a_run_trains_on_it_and_its_record_says_where_it_decoded(tmp_path, in_process):
-    job = build_run(
-        tmp_path / "run",
-        TINY,
-        "data=imagefolder",
-        f"data.root={shared_data('cifar10-mini')}",
-        "data.val_split=test",
-        "data.num_workers=0",
-        "data.decode=device",
-        "schedule=smoke",
-        "schedule.batch_size=50",
-    )
+    job = build_run(tmp_path / "run", *cifar_mini_run("data.decode=device", "schedule.batch_size=50"))
     assert job.execute().status == "ok"
     assert read_record(tmp_path / "run")["data"]["decode"] == "device (cpu)"
 

@@ -14,7 +14,7 @@ from mpt.datasets.imagefolder import CIFAR10_MEAN, CIFAR10_STD, ImageFolderData,
 from mpt.datasets.resident_images import ResidentImages, crop_and_flip
 from mpt.distributed import Dist
 
-from .conftest import CPU, TINY, build_run, compose_cfg, read_record, shared_data
+from .conftest import CPU, build_run, cifar_mini_run, compose_cfg, read_record, shared_data
 
 MEAN = torch.tensor(CIFAR10_MEAN).view(1, 3, 1, 1)
 STD = torch.tensor(CIFAR10_STD).view(1, 3, 1, 1)
@@ -185,19 +185,8 @@ def test_an_eval_batch_size_it_cannot_use_is_refused(tmp_path, overrides, messag
 
 
 def test_a_run_trains_on_it_and_says_its_data_was_resident(tmp_path, in_process):
-    job = build_run(
-        tmp_path / "run",
-        TINY,
-        "data=imagefolder",
-        f"data.root={shared_data('cifar10-mini')}",
-        "data.val_split=test",
-        "data.num_workers=0",
-        "data.augment=cifar",
-        "data.resident=true",
-        f"data.cache_dir={tmp_path / 'cache'}",
-        "schedule=smoke",
-        "schedule.batch_size=50",
-    )
+    args = cifar_mini_run("data.augment=cifar", "data.resident=true", f"data.cache_dir={tmp_path / 'cache'}", "schedule.batch_size=50")
+    job = build_run(tmp_path / "run", *args)
     assert job.execute().status == "ok"
     record = read_record(tmp_path / "run")
     assert record["status"] == "ok" and record["data"]["resident"] is True
