@@ -76,11 +76,9 @@ def _collate(items: list) -> tuple[list[bytes], torch.Tensor, torch.Tensor, torc
 
 def _on_host(data: bytes, path: str) -> torch.Tensor:
     """One file as the host path reads it (PIL: any format it knows; a corrupt file named)."""
-    return pil_to_tensor(imagefolder.load_image(path)) if data else _empty(path)
-
-
-def _empty(path: str) -> torch.Tensor:
-    raise imagefolder.CorruptImage(f"corrupt image {path}: the file is empty")
+    if not data:
+        raise imagefolder.CorruptImage(f"corrupt image {path}: the file is empty")
+    return pil_to_tensor(imagefolder.load_image(path))
 
 
 def _jpegs_on(device: torch.device, encoded: list[torch.Tensor]) -> list[torch.Tensor]:
