@@ -239,6 +239,10 @@ class ScaleConfig:
     # stay normal FP32 numbers (the run is the same bit for bit); in FP16 it pushes the gradients
     # down into and past FP16's subnormals.
     shift_down: int = 0
+    # static, dynamic: keep the scale, the overflow flag and the LR schedule's position on the device,
+    # so that no step waits for the host (precision/resident_scale.py). null: on a GPU, wherever the
+    # run allows it (a fused torch optimizer, no lookahead); true: required; false: the host path.
+    on_device: Optional[bool] = None
 
 
 @dataclass

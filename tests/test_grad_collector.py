@@ -54,7 +54,7 @@ def test_counts_are_the_unscaled_activation_and_weight_gradients_autograd_comput
     S = 1024.0  # a power of two: scaling commutes exactly with FP32 arithmetic
     c = GradStatsCollector(stats_cfg(), {"model": model}, CPU)
     with c.step(0):
-        with c.backward("model", S):
+        with c.backward("model", lambda: S):
             ((model(x) * G).sum() * S).backward()
     acts = {name: h.summary() for name, h in c.hists["model"]["activation"].items()}
     weights = {name: h.summary() for name, h in c.hists["model"]["weight"].items()}
@@ -73,7 +73,7 @@ def test_only_sampled_steps_install_hooks_and_none_outlive_their_step():
     x = torch.randn(4, 6)
     with c.step(0):  # not sampled: no hook at all
         assert hooked() == 0
-        with c.backward("model", 1.0):
+        with c.backward("model", lambda: 1.0):
             model(x).sum().backward()
     assert c.hists["model"] == {"activation": {}, "weight": {}} and c.sampled_steps == []
     with pytest.raises(RuntimeError, match="boom"):
@@ -82,7 +82,7 @@ def test_only_sampled_steps_install_hooks_and_none_outlive_their_step():
             raise RuntimeError("boom")
     assert hooked() == 0
     with c.step(3):
-        with c.backward("model", 1.0):
+        with c.backward("model", lambda: 1.0):
             model(x).sum().backward()
     assert hooked() == 0 and c.sampled_steps == [1, 3]  # the failed step too: whatever it counted stays counted
     with torch.no_grad():
@@ -96,7 +96,7 @@ def test_each_network_counts_the_gradients_of_its_own_loss_only():
     disc.requires_grad_(False)  # as a GAN's discriminator is while the generator's loss is formed
     c = GradStatsCollector(stats_cfg(), {"generator": gen, "discriminator": disc}, CPU)
     with c.step(0):
-        with c.backward("generator", 2.0):
+        with c.backward("generator", lambda: 2.0):
             (disc(gen(torch.randn(3, 4))).sum() * 2.0).backward()
     assert set(c.hists["generator"]["activation"]) == {"(root)"} and set(c.hists["generator"]["weight"]) == {"(root)"}
     assert c.hists["discriminator"] == {"activation": {}, "weight": {}}
@@ -110,7 +110,7 @@ def test_each_sampled_step_keeps_its_own_totals():
     grads = {}
     for step, x in enumerate([torch.randn(4, 6), torch.randn(4, 6) * 1e-3, torch.randn(4, 6), torch.randn(4, 6)]):
         model.zero_grad()
-        with c.step(step), c.backward("model", 1.0):
+        with c.step(step), c.backward("model", lambda: 1.0):
             model(x).pow(2).sum().backward()
         grads[step] = [p.grad.clone() for p in model.parameters()]
     steps = c.summary()["networks"]["model"]["weight"]["steps"]
@@ -124,7 +124,7 @@ def test_the_state_round_trips():
     model = net()
     c = GradStatsCollector(stats_cfg(), {"model": model}, CPU)
     with c.step(0):
-        with c.backward("model", 4.0):
+        with c.backward("model", lambda: 4.0):
             (model(torch.randn(4, 6)).sum() * 4.0).backward()
     again = GradStatsCollector(stats_cfg(), {"model": model}, CPU)
     again.load_state_dict(c.state_dict())
@@ -303,7 +303,7 @@ def test_the_atlas_counts_each_products_input_weights_and_unscaled_gradients():
     cfg = OmegaConf.create({"grad_hist": False, "every": 1, "keep": 0.999, "formats": names})
     c = GradStatsCollector(cfg, {"model": model}, CPU)
     with c.step(0):
-        with c.backward("model", S):
+        with c.backward("model", lambda: S):
             ((model(x) * G).sum() * S).backward()
     atlas = c.summary()["atlas"]
     assert atlas["formats"] == names and c.summary()["networks"] == {}  # the histograms stay off

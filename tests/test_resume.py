@@ -145,7 +145,9 @@ def assert_resumed_as_uninterrupted(reference: Path, resumed: Path) -> None:
      # (slow-tier: FP8 emulation makes it 10x fp32's run; test_quantized_products checks the state's round trip)
      pytest.param("mobilenet_v3_small", "fp8_delayed", "none", ["data.train_samples=12", "precision.products.amax_history=3"], marks=pytest.mark.slow),
      ("biglstm_tiny", "mixed", "auto", SMALL_LM),
-     ("gnmt", "mixed", "dynamic", SMALL_NMT), ("dcgan64", "mixed", "dynamic", [*SMALL_GAN, *GRAD_STATS])],
+     ("gnmt", "mixed", "dynamic", SMALL_NMT), ("dcgan64", "mixed", "dynamic", [*SMALL_GAN, *GRAD_STATS]),
+     # the scale on the device: two engines read back at each flush, and sampled steps at once
+     ("dcgan64", "mixed", "dynamic", [*SMALL_GAN, *GRAD_STATS, "optim.implementation=fused", "scale.on_device=true"])],
 )  # fmt: skip
 def test_a_stopped_and_rebuilt_run_matches_an_uninterrupted_one(tmp_path, in_process, model, precision, scale, extra):
     args = resume_args(model, precision, scale, extra)

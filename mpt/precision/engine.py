@@ -35,6 +35,7 @@ from .cuda_autocast import cuda_autocast, cuda_lists
 from .lookahead import Lookahead
 from .lost_updates import LostUpdates
 from .optim import FP16MomentumSGD, build_torch_optimizer, effective_lr, lr_factor, param_groups, triangle_factor
+from .resident_scale import ResidentScale, resolve
 from .scaler import LossScaler
 
 TORCH_DTYPES = {DType.float32: torch.float32, DType.float16: torch.float16, DType.bfloat16: torch.bfloat16}
@@ -313,7 +314,13 @@ class PrecisionEngine:
         s = cfg.schedule
         if s.lr_shape == "triangle" and total_steps is None:
             raise ValueError("schedule.lr_shape=triangle: the engine needs the run's total_steps")
-        self.scheduler = build_lr_schedule(self.optimizer, lr_milestones, s.lr_gamma, s.lr_warmup_steps, s.lr_shape, list(s.lr_triangle), total_steps)
+        on_device = resolve(cfg, device)
+        # On the device path the schedule drives a host-only copy of the groups: the optimizer's own
+        # lr are device tensors that the steps set from it (resident_scale.py)
+        scheduled = _host_copy(self.optimizer) if on_device else self.optimizer
+        self.scheduler = build_lr_schedule(scheduled, lr_milestones, s.lr_gamma, s.lr_warmup_steps, s.lr_shape, list(s.lr_triangle), total_steps)
+        self.resident = ResidentScale(scaler, self.optimizer, self.scheduler, device, s.log_every) if on_device else None
+        self._zero_momentum()
         self.lookahead: Lookahead | None = None
         if cfg.optim.lookahead.start_epoch is not None:
             if total_steps is None:
@@ -325,12 +332,43 @@ class PrecisionEngine:
 
     @property
     def lr(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
+        """The lr of the next step (on the device path, read back: a sync)."""
+        return float(self.optimizer.param_groups[0]["lr"])
 
     @property
     def backward_scale(self) -> float:
-        """What the loss is multiplied by before its backward: the loss scale, and the control's 2^-k."""
+        """What the loss is multiplied by before its backward: the loss scale, and the control's 2^-k
+        (on the device path, read back: a sync)."""
+        if self.resident is not None:
+            return float(self.resident.scale) * self.shift
         return self.scaler.scale * self.shift
+
+    @property
+    def on_device(self) -> bool:
+        """Whether the scale, the overflow flag and the schedule's position live on the device."""
+        return self.resident is not None
+
+    def logged(self) -> dict[str, float | torch.Tensor]:
+        """The lr and scale of the step about to run, for the log: device tensors on the device path,
+        brought to the host with the rest of the log at its flush."""
+        if self.resident is not None:
+            return {"lr": self.resident.lrs[0].clone(), "scale": self.resident.scale.clone()}
+        return {"lr": self.lr, "scale": self.scaler.scale}
+
+    def logged_overflow(self, applied: bool | None) -> bool | torch.Tensor | None:
+        """Whether the last step overflowed, for the log (None: no scaler checks)."""
+        if not self.scaler.checks_overflow:
+            return None
+        if applied is None:
+            assert self.resident is not None and self.resident.last_found is not None  # only the device path leaves it unknown
+            return self.resident.last_found > 0
+        return not applied
+
+    def read_back(self) -> None:
+        """On the device path, bring the steps since the last read-back to the host scaler and
+        schedule (one sync); raises Diverged where the host scaler gives up. Elsewhere nothing."""
+        if self.resident is not None:
+            self.resident.read_back()
 
     def backward(self, loss: torch.Tensor, scale: float | None = None) -> None:
         """The backward of `loss` times the loss scale (`scale`: another, for a step run again) and
@@ -338,8 +376,12 @@ class PrecisionEngine:
         # Start from clean gradients: another network's backward (a GAN's generator loss flows
         # through the discriminator) may have written into this one's since its last step.
         self._zero_grad()
+        if scale is None and self.resident is not None:
+            factor: float | torch.Tensor = self.resident.backward_factor(self.shift)
+        else:
+            factor = (self.scaler.scale if scale is None else scale) * self.shift
         with self.arithmetic():  # the backward's products are the GPU's too
-            (loss * ((self.scaler.scale if scale is None else scale) * self.shift)).backward()
+            (loss * factor).backward()
 
     def zero_grad(self) -> None:
         self._zero_grad()
@@ -350,8 +392,10 @@ class PrecisionEngine:
         return self.products.replaying(stepped) if self.products is not None else contextlib.nullcontext()
 
     @torch.no_grad()
-    def step(self) -> bool:
-        """Apply the update unless the gradients overflowed. Returns whether the update was applied."""
+    def step(self, at: int | None = None, know: bool = False) -> bool | None:
+        """Apply the update unless the gradients overflowed. Returns whether the update was applied;
+        on the device path None (known at the next read-back), unless `know`, which reads back now.
+        `at`: the run's step, which a divergence found at a read-back names."""
         self.steps_taken += 1
         if self.products is not None:  # a skipped step's amax counts too, as in Transformer Engine
             self.products.end_step(self.reduce_max)
@@ -359,6 +403,8 @@ class PrecisionEngine:
             if id(p) in self.frozen:
                 p.grad = None
         grads = self.update.grads()
+        if self.resident is not None:
+            return self._step_on_device(grads, at, know)
         scale = self.backward_scale  # what the gradients carry
         unscale = 1.0 if self.update.carries_scale else 1.0 / scale
         overflow, grad_max = False, None
@@ -377,6 +423,40 @@ class PrecisionEngine:
         self.scheduler.step()  # a skipped step does not advance the schedule
         self._zero_grad()
         return True
+
+    def _step_on_device(self, grads: list[torch.Tensor], at: int | None, know: bool) -> bool | None:
+        """step() with no read of the device: the fused optimizer skips an overflowing step itself."""
+        r = self.resident
+        assert r is not None and isinstance(self.update, _TorchUpdate)  # resident_scale.why_not
+        if r.full():  # the lr table covers no more steps: read back first (schedule.log_every keeps it rare)
+            r.read_back()
+        found = r.check_and_unscale(grads, self.shift, self.reduce_max)
+        clipped = [id(p) in self.clip_ids for p in self.update.params if p.grad is not None]
+        to_clip = [g for g, c in zip(grads, clipped) if c]
+        # On an overflowing step the factor is not finite and the update is skipped anyway
+        coef = self._clip_coef(to_clip, 1.0) if self.clip and to_clip else None
+        take_back = r.skipping(found)
+        try:
+            self.update.apply(grads, 1.0, coef, clipped)
+        finally:
+            take_back()
+        r.advance(found, at)
+        self._zero_grad()
+        if not know:
+            return None
+        return not r.read_back()[-1][1]
+
+    def _zero_momentum(self) -> None:
+        # torch's fused SGD (2.14 here) allocates its momentum buffers with empty_like on its first
+        # call and leaves them unwritten when that call skips (found_inf): the next step would add
+        # garbage. Zero buffers give its first applied step m*0 + g = g, the value it would have set.
+        if self.resident is None or not isinstance(self.optimizer, torch.optim.SGD):
+            return
+        for group in self.optimizer.param_groups:
+            if group["momentum"] != 0:
+                for p in group["params"]:
+                    if self.optimizer.state[p].get("momentum_buffer") is None:
+                        self.optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
     def _averaged(self) -> list[torch.Tensor]:
         return [*self.update.written(), *(b for b in self.model.buffers() if b.is_floating_point())]
@@ -434,6 +514,7 @@ class PrecisionEngine:
         return self.update.counting_lost()
 
     def state_dict(self) -> dict:
+        self.read_back()  # the host scaler and schedule are the checkpoint's
         return {
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
@@ -454,6 +535,12 @@ class PrecisionEngine:
             self.products.load_state_dict(state.get("products", {}))
         if self.lookahead is not None:
             self.lookahead.load_state_dict(state.get("lookahead", {}), like=self._averaged())
+        if self.resident is not None:
+            self.resident.sync_from_host()
+            self._zero_momentum()
+        else:  # a checkpoint of the device path holds lr tensors; the host path's schedule writes floats
+            for group in self.optimizer.param_groups:
+                group["lr"] = float(group["lr"])
 
 
 def build_lr_schedule(
@@ -480,3 +567,13 @@ def _by_dtype(tensors: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
     for t in tensors:
         groups.setdefault(t.dtype, []).append(t)
     return iter(groups.values())
+
+
+def _host_copy(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """An optimizer of one empty weight per group, with the groups' settings: what a schedule on the
+    host writes its lr into, on the device path."""
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [torch.zeros(0, requires_grad=True)]} for g in optimizer.param_groups]
+    copy = torch.optim.SGD(groups, lr=float(groups[0]["lr"]))
+    # Never stepped: torch's scheduler would warn at its first step that the optimizer was not
+    copy._opt_called = True  # type: ignore[attr-defined]
+    return copy

@@ -26,7 +26,7 @@ import contextlib
 import functools
 import statistics
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from omegaconf import DictConfig
@@ -153,12 +153,14 @@ class GradStatsCollector:
                 info["overhead"] = max(seconds - self.step_seconds["plain"][-1], 0.0)
 
     @contextlib.contextmanager
-    def backward(self, network: str, scale: float) -> Iterator[None]:
+    def backward(self, network: str, scale_of: Callable[[], float]) -> Iterator[None]:
         """Around one network's backward: its activation gradients are counted as they pass, its
-        weight gradients once they are complete."""
+        weight gradients once they are complete. `scale_of`: the loss scale the backward runs with,
+        asked only on a sampled step (a scale kept on the device is read back to answer)."""
         if not self._handles:
             yield
             return
+        scale = scale_of()
         self._backward_of = (network, scale)
         try:
             yield

@@ -72,8 +72,10 @@ class OverflowTracer:
     which must recompute the loss from the saved state, pass it to `loss_hook`, and run the
     backward at the step's scale."""
 
-    def __init__(self, networks: dict[str, nn.Module], enabled: bool):
+    def __init__(self, networks: dict[str, nn.Module], enabled: bool, sampled_only: bool = False):
         self.networks, self.enabled = networks, enabled
+        # A scale kept on the device: only the steps the statistics sample (stats.every) are traced
+        self.sampled_only = sampled_only
         self.counts: dict[str, dict[str, int]] = {net: {} for net in networks}  # "module role" -> skips
         self.first: dict[str, list[dict]] = {net: [] for net in networks}
         self.seconds = 0.0  # spent re-running, left out of throughput
@@ -119,6 +121,7 @@ class OverflowTracer:
             return None
         return {
             "what": "per network, for each skipped step, the first module whose tensor became non-finite when the step was run again with hooks: its output in the forward, else the loss, else its output gradient in the backward, else a weight gradient",
+            "steps_traced": "the skipped steps among those stats.every samples (the scale lived on the device)" if self.sampled_only else "every skipped step",
             "networks": {
                 net: {
                     "skips_traced": sum(counts.values()),

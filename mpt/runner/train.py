@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import itertools
 import logging
 import math
@@ -179,7 +180,8 @@ class Run:
         # nor for compiled networks, whose leaves run inside their graphs, out of the hooks' reach.
         tracing = cfg.stats.trace_overflow and not self.dist.enabled and cfg.compile.backend is None
         tracing = tracing and any(e.scaler.checks_overflow for e in self.engines.values())
-        self.tracer = OverflowTracer({name: e.model for name, e in self.engines.items()}, tracing)
+        self.on_device = any(e.on_device for e in self.engines.values())  # a scale kept on the device (resident_scale.py)
+        self.tracer = OverflowTracer({name: e.model for name, e in self.engines.items()}, tracing, sampled_only=self.on_device)
         self.meter = ThroughputMeter(self.device, s.throughput_warmup, s.throughput_window, self.task.sample_unit)
         self.clock = TimeToResult(self.device)
         self.step, self.last_loss, self.last_finite_loss = 0, None, None
@@ -681,7 +683,11 @@ class Run:
         rows: list[dict] = []
         if self.cfg.deterministic and self.device.type == "cuda":
             determinism.reseed_cudnn_dropout(self.device)
-        rng = checkpoint.rng_state() if self.tracer.enabled else None  # where a traced re-run starts
+        # Where a traced re-run starts. A scale kept on the device tells the host of an overflow only
+        # at the next read-back, too late to run the step again: there, only sampled steps (which
+        # read back at once) are traced.
+        traced = self.tracer.enabled and (not self.on_device or self.grad_stats.sampling(step))
+        rng = checkpoint.rng_state() if traced else None
         self.steps_before = {g: e.steps_taken for g, e in self.engines.items()}  # which engines step during it
         losses = self.task.train_losses(batch)
         for index in itertools.count():
@@ -691,21 +697,21 @@ class Run:
                 return rows
             engine = self.engines[term.group]
             row: dict[str, Any]
-            row = {"kind": "train", "step": step, "group": term.group, "lr": engine.lr, "scale": engine.scaler.scale}
-            with self.grad_stats.backward(term.group, engine.backward_scale):
+            row = {"kind": "train", "step": step, "group": term.group, **engine.logged()}
+            with self.grad_stats.backward(term.group, functools.partial(_backward_scale, engine)):
                 engine.backward(term.loss)
             try:
                 with self.grad_stats.update(term.group, engine):
-                    applied = engine.step()
+                    applied = engine.step(at=step, know=rng is not None)
                 if applied:
                     engine.average(step + 1, self.epoch)
             except Diverged:  # an overflow at the scaler's smallest scale: trace it too
                 if rng is not None and engine.scaler.checks_overflow:
-                    self._trace_overflow(step, batch, index, term.group, row["scale"], rng)
+                    self._trace_overflow(step, batch, index, term.group, float(row["scale"]), rng)
                 raise
-            if not applied and rng is not None:
-                self._trace_overflow(step, batch, index, term.group, row["scale"], rng)
-            row["overflow"] = (not applied) if engine.scaler.checks_overflow else None
+            if applied is False and rng is not None:
+                self._trace_overflow(step, batch, index, term.group, float(row["scale"]), rng)
+            row["overflow"] = engine.logged_overflow(applied)
             row["loss"] = term.loss.detach()
             row.update({k: v.detach() for k, v in term.parts.items()})
             rows.append(row)
@@ -737,9 +743,10 @@ class Run:
         """Bring the logged tensors to the host in one sync, write them, and watch for divergence."""
         rows, self.pending = self.pending, []
         slots = [(r, k) for r in rows for k, v in r.items() if isinstance(v, torch.Tensor)]
-        values = [r[k].float().reshape(()) for r, k in slots]
+        flags = {(id(r), k) for r, k in slots if r[k].dtype == torch.bool}  # written back as booleans
+        values = [r[k].double().reshape(()) for r, k in slots]  # exact for FP32 values and a float64 lr
         if self.dist.enabled:  # the preemption flag rides along: positive if any rank got a signal
-            values.append(torch.tensor(float(preemption.requested() is not None), device=self.device))
+            values.append(torch.tensor(float(preemption.requested() is not None), dtype=torch.float64, device=self.device))
         if values:
             # Under torchrun, each value is the mean over ranks: the global batch's loss, and one
             # divergence decision for all of them.
@@ -747,7 +754,17 @@ class Run:
             if self.dist.enabled:
                 self.peers_preempted = self.peers_preempted or means.pop() > 0
             for (r, k), value in zip(slots, means):
-                r[k] = value
+                r[k] = value > 0 if (id(r), k) in flags else value
+        try:
+            for engine in self.engines.values():  # a scale kept on the device: its steps, replayed on the host
+                engine.read_back()
+        except Diverged as e:  # the log stops at the step that diverged, as on the host path
+            rows = [r for r in rows if e.step is None or r["step"] <= e.step]
+            self._write_rows(rows, check=False)
+            raise
+        self._write_rows(rows, check)
+
+    def _write_rows(self, rows: list[dict], check: bool) -> None:
         self.metrics.write(rows)
         self.board.write(rows)
         self.board.sync(self.step, self.meter, self.grad_stats)
@@ -792,3 +809,7 @@ class Run:
                 {"step": step, "path": path.relative_to(self.run_dir).as_posix()},
             ]
         log.info("step %d/%d eval %s", step, self.total_steps, {k: round(v, 4) for k, v in metrics.items()})
+
+
+def _backward_scale(engine: PrecisionEngine) -> float:
+    return engine.backward_scale
