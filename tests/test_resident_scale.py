@@ -287,5 +287,6 @@ def test_a_run_on_the_device_path_logs_and_records_what_the_host_path_does(tmp_p
     assert [r["overflow"] for r in train_rows][:2] == [True, True]  # booleans, as the host path logs them
     assert any(r["overflow"] is False for r in train_rows)
     host, device = (read_record(r) for r in runs.values())
+    assert device["loss_scale"]["model"].pop("on_device") and not host["loss_scale"]["model"].pop("on_device")
     assert device["loss_scale"] == host["loss_scale"] and device["loss_scale"]["model"]["initial_skips"] >= 2
     assert device["metrics"] == host["metrics"]

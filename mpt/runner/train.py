@@ -568,7 +568,7 @@ class Run:
                 rec.memory["over"] = f"the largest of {self.dist.world_size} processes"
             if self.grad_stats.sampled_steps:
                 rec.memory["note"] = self.grad_stats.MEMORY_NOTE
-            rec.loss_scale = {name: e.scaler.summary() for name, e in self.engines.items()}
+            rec.loss_scale = {name: {**e.scaler.summary(), "on_device": e.on_device} for name, e in self.engines.items()}
             rec.precision["products"] = self._products_record()  # the paths its products took
             rec.grad_stats = self.grad_stats.summary()
             rec.overflow_origins = self.tracer.summary()
