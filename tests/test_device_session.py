@@ -83,7 +83,9 @@ def test_the_speed_call_runs_each_goals_rows_and_their_baselines(tmp_path):
     for path in (tmp_path / "back").rglob("result.json"):
         r = json.loads(path.read_text())
         c = r["config"]
-        rows.add((r["choices"]["model"], r["choices"]["precision"], r["choices"]["scale"], c["data"].get("decode"), c["compile"]["backend"], c["scale"]["on_device"]))
+        rows.add(
+            (r["choices"]["model"], r["choices"]["precision"], r["choices"]["scale"], c["data"].get("decode"), c["compile"]["backend"], c["scale"]["on_device"])
+        )
         if r["loss_scale"]:  # a CPU keeps the scale on the host unless told: the GPU default is null's other side
             assert not any(s["on_device"] for s in r["loss_scale"].values())
         assert r["throughput"]["windows"] >= 1  # every row has its figure
