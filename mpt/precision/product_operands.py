@@ -194,6 +194,15 @@ class Site:
     def reused(self) -> "ReusedWeight":
         return ReusedWeight(self)
 
+    def fp8(
+        self, t: torch.Tensor, role: str, transposed: bool, scale: Optional[torch.Tensor] = None, observe: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """t (or its transpose) in torch's FP8 dtype under its per-tensor scale, contiguous: an
+        operand of torch._scaled_mm, and the scale it took (`scale`: reuse that one)."""
+        fmt = cast(FloatFormat, self.recipe.format(role))  # the scaled_mm path: per-tensor scales, scalar formats
+        scale = self.scale(t, role, observe) if scale is None else scale
+        return to_fp8((t.t() if transposed else t).float() * scale, fmt).contiguous(), scale
+
     def scale(self, t: torch.Tensor, role: str, observe: bool = False) -> torch.Tensor:
         """The per-tensor scale of t as operand `role`: its own (tensor) or its role's (delayed)."""
         r = self.recipe
@@ -221,6 +230,7 @@ class ReusedWeight:
     def __init__(self, site: Site):
         self.site = site
         self.forms: dict[tuple, tuple[torch.Tensor, Optional[torch.Tensor]]] = {}
+        self.fp8_forms: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # torch._scaled_mm's operands
 
     def operand(
         self, t: torch.Tensor, role: str, axis: int, scale: Optional[torch.Tensor] = None, observe: bool = False
@@ -230,3 +240,12 @@ class ReusedWeight:
         if key not in self.forms:
             self.forms[key] = self.site.operand(t, role, axis, scale=scale, observe=observe)
         return self.forms[key]
+
+    def fp8(
+        self, t: torch.Tensor, role: str, transposed: bool, scale: Optional[torch.Tensor] = None, observe: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Site.fp8, made once: the forward's form, and its transpose at the first backward."""
+        key = ("fp8", role, transposed)
+        if key not in self.fp8_forms:
+            self.fp8_forms[key] = self.site.fp8(t, role, transposed, scale=scale, observe=observe)
+        return self.fp8_forms[key]

@@ -6,7 +6,10 @@ a quantized linear product with its own site, so a delayed scale is kept per wei
 result is rounded to the output dtype and the cell sums them and runs its gates, activations and
 update in FP32, h and c stored in the output dtype: what an H100's cuDNN was found to do in BF16
 (docs/cpu-arithmetic.md), and what cpu_tensor_cores.py emulates for the 16-bit modes.
-Packed sequences run padded, each sequence's state held past its end (and, in the reverse
+The recurrent weights' operands are quantized once per pass (ReusedWeight), and their gradients
+are each one product over all the steps' rows (SequenceWeightGrad), as cuDNN computes them: the
+steps' gradients and inputs, quantized as one product's operands, summed in one FP32 product and
+rounded once. Packed sequences run padded, each sequence's state held past its end (and, in the reverse
 direction, at its initial value until its last element), which is what packing computes.
 """
 
@@ -20,7 +23,7 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
 from .product_operands import Site
-from .quantized_products import linear, observing, out_dtype
+from .quantized_products import SequenceWeightGrad, linear, observing, out_dtype, sequence_weight
 
 
 def _repack(out: torch.Tensor, like: PackedSequence) -> PackedSequence:
@@ -84,18 +87,24 @@ class QuantizedLSTM(nn.LSTM):
         bias = (w("bias_ih") + w("bias_hh")) if self.bias else None
         pre = linear(x, w("weight_ih"), bias, sites[f"ih{sfx}"], observe)  # (B, T, 4H): every step's input product at once
         h, c = h.to(dtype), c.to(dtype)
-        # The recurrent weights' operands, quantized once for all the steps' products.
-        w_hh = sites[f"hh{sfx}"].reused()
-        w_hr = sites[f"hr{sfx}"].reused() if self.proj_size else None
+        # The recurrent weights' operands, quantized once for all the steps' products, and their
+        # gradients, each one product over all the steps' rows
+        hh = sites[f"hh{sfx}"]
+        w_hh, g_hh = hh.reused(), SequenceWeightGrad(hh)
+        weight_hh = sequence_weight(w("weight_hh"), g_hh)
+        if self.proj_size:
+            hr = sites[f"hr{sfx}"]
+            w_hr, g_hr = hr.reused(), SequenceWeightGrad(hr)
+            weight_hr = sequence_weight(w("weight_hr"), g_hr)
         outs: list[torch.Tensor] = [None] * x.shape[1]  # type: ignore[list-item]
         order = range(x.shape[1] - 1, -1, -1) if d else range(x.shape[1])
         for t in order:
-            gates = pre[:, t].float() + linear(h, w("weight_hh"), None, sites[f"hh{sfx}"], observe, w_hh).float()
+            gates = pre[:, t].float() + linear(h, weight_hh, None, hh, observe, w_hh, g_hh).float()
             i, f, g, o = gates.chunk(4, 1)
             c_new = torch.sigmoid(f) * c.float() + torch.sigmoid(i) * torch.tanh(g)
             h_new = (torch.sigmoid(o) * torch.tanh(c_new)).to(dtype)
             if self.proj_size:
-                h_new = linear(h_new, w("weight_hr"), None, sites[f"hr{sfx}"], observe, w_hr)
+                h_new = linear(h_new, weight_hr, None, hr, observe, w_hr, g_hr)
             c_new = c_new.to(dtype)
             if valid is None:
                 h, c, outs[t] = h_new, c_new, h_new

@@ -71,17 +71,85 @@ def _on_scaled_mm(site: Site, device: torch.device, *dims: int) -> bool:
     )
 
 
+def _fp8_mm(qa: torch.Tensor, sa: torch.Tensor, qb_t: torch.Tensor, sb: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """qa (M, K) @ qb_t (N, K)^T on torch._scaled_mm, both already FP8 under scales sa and sb:
+    products accumulated in FP32, the scales divided out of the result."""
+    return torch._scaled_mm(qa, qb_t.t(), scale_a=sa.reciprocal().float(), scale_b=sb.reciprocal().float(), out_dtype=dtype)
+
+
 def _scaled_gemm(a: torch.Tensor, sa: torch.Tensor, fa: FloatFormat, b_t: torch.Tensor, sb: torch.Tensor, fb: FloatFormat, dtype: torch.dtype) -> torch.Tensor:
     """a (M, K) @ b_t (N, K)^T on torch._scaled_mm: each operand cast to FP8 under its scale (as
     `scaled` rounds it), products accumulated in FP32, the scales divided out of the result."""
     qa = to_fp8(a.float() * sa, fa).contiguous()
     qb = to_fp8(b_t.float() * sb, fb).contiguous()
-    return torch._scaled_mm(qa, qb.t(), scale_a=sa.reciprocal().float(), scale_b=sb.reciprocal().float(), out_dtype=dtype)
+    return _fp8_mm(qa, sa, qb, sb, dtype)
+
+
+class SequenceWeightGrad:
+    """One recurrent weight's gradient over a layer's pass, as one product over all T·B rows, as
+    cuDNN computes it: each step's backward leaves its gradient and input here instead of writing
+    a weight-sized gradient that autograd would then add up, step by step.
+
+    The product quantizes its operands as one product does: a per-tensor scale over all the rows
+    (`tensor`: their amax; `delayed`: the role's scale of this step, the same one each step's
+    product took), or blocks of 32 along each step's own rows (MX, as each step's product made them)."""
+
+    def __init__(self, site: Site):
+        self.site = site
+        self.rows: list[tuple[torch.Tensor, torch.Tensor]] = []  # (gradient (B, out), input (B, in)) per step
+        self.dtype: Optional[torch.dtype] = None  # the steps' output dtype
+
+    def weight_grad(self, w: torch.Tensor) -> Optional[torch.Tensor]:
+        rows, self.rows = self.rows, []
+        if not rows:
+            return None
+        site, dtype = self.site, cast(torch.dtype, self.dtype)
+        g, x = torch.cat([g for g, _ in rows]), torch.cat([x for _, x in rows])
+        with _fp32(g.device):
+            if site.recipe.scaling == "block":
+                steps = [len(r) for r, _ in rows]
+                qg = torch.cat([site.operand(p, "grad_output", 0)[0] for p in g.split(steps)])
+                qx = torch.cat([site.operand(p, "input", 0)[0] for p in x.split(steps)])
+                gw = qg.t() @ qx
+            else:
+                sg, sx = site.scale(g, "grad_output"), site.scale(x, "input")
+                if _on_scaled_mm(site, g.device, g.shape[1], g.shape[0], x.shape[1]):
+                    qg8, _ = site.fp8(g, "grad_output", transposed=True, scale=sg)
+                    qx8, _ = site.fp8(x, "input", transposed=True, scale=sx)
+                    gw = _fp8_mm(qg8, sg, qx8, sx, dtype)
+                else:
+                    gw = site.operand(g, "grad_output", 0, scale=sg)[0].t() @ site.operand(x, "input", 0, scale=sx)[0]
+        return _through(gw, dtype, w)
+
+
+class _SequenceWeight(torch.autograd.Function):
+    """The weight as a layer's steps take it: the same tensor forward; backward, after every step's
+    backward has run (they all take it), the gradient they left in `grads`."""
+
+    @staticmethod
+    def forward(ctx, w, grads: SequenceWeightGrad):
+        ctx.grads = grads
+        ctx.save_for_backward(w)
+        ctx.set_materialize_grads(False)  # the steps give it no gradient: no weight-sized zeros
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, g):
+        (w,) = ctx.saved_tensors
+        gw = ctx.grads.weight_grad(w)
+        if g is not None:  # another use of it than the steps' (none in this project)
+            gw = g if gw is None else gw + g
+        return gw, None
+
+
+def sequence_weight(w: torch.Tensor, grads: SequenceWeightGrad) -> torch.Tensor:
+    """w for a series of `linear` calls given `sequence=grads`: its gradient is theirs, as one product."""
+    return _SequenceWeight.apply(w, grads)
 
 
 class _Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, b, site: Site, observe: bool, weights: Optional[ReusedWeight]):
+    def forward(ctx, x, w, b, site: Site, observe: bool, weights: Optional[ReusedWeight], sequence: Optional[SequenceWeightGrad]):
         dtype = out_dtype(x)
         operands = weights or site
         x2 = x.reshape(-1, x.shape[-1])
@@ -91,9 +159,9 @@ class _Linear(torch.autograd.Function):
             sx: Optional[torch.Tensor]
             sw: Optional[torch.Tensor]
             if fast:
-                f = cast(FloatFormat, site.recipe.forward)  # fast: per-tensor scales, so a scalar format
-                sx, sw = site.scale(x, "input", observe), site.scale(w, "weight", observe)
-                out = _scaled_gemm(x2, sx, f, w, sw, f, dtype).reshape(*x.shape[:-1], -1)
+                qx8, sx = site.fp8(x2, "input", transposed=False, observe=observe)
+                qw8, sw = operands.fp8(w, "weight", transposed=False, observe=observe)  # a reused weight: once per pass
+                out = _fp8_mm(qx8, sx, qw8, sw, dtype).reshape(*x.shape[:-1], -1)
             else:
                 qx, sx = site.operand(x, "input", -1, observe=observe)
                 qw, sw = operands.operand(w, "weight", 1, observe=observe)
@@ -102,6 +170,9 @@ class _Linear(torch.autograd.Function):
                 out = out + b.to(dtype)
         ctx.save_for_backward(x, w)
         ctx.site, ctx.weights, ctx.scales, ctx.has_bias, ctx.dtype, ctx.fast = site, operands, (sx, sw), b is not None, dtype, fast
+        ctx.sequence = sequence
+        if sequence is not None:
+            sequence.dtype = dtype
         return out
 
     @staticmethod
@@ -110,24 +181,28 @@ class _Linear(torch.autograd.Function):
         site, (sx, sw) = ctx.site, ctx.scales
         gx = gw = gb = None
         g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
+        if ctx.sequence is not None and ctx.needs_input_grad[1]:  # the weight's gradient: one product after the last step
+            ctx.sequence.rows.append((g2, x2))
+        own_weight_grad = ctx.sequence is None and ctx.needs_input_grad[1]
         with _fp32(g.device):
             if ctx.fast:
                 f, fg = site.recipe.forward, site.recipe.backward
                 sg = site.scale(g, "grad_output", observe=True)
                 if ctx.needs_input_grad[0]:
-                    gx = _through(_scaled_gemm(g2, sg, fg, w.t(), sw, f, ctx.dtype).reshape(x.shape), ctx.dtype, x)
-                if ctx.needs_input_grad[1]:
+                    qw8_t, _ = ctx.weights.fp8(w, "weight", transposed=True, scale=sw)  # a reused weight: once per pass
+                    gx = _through(_fp8_mm(site.fp8(g2, "grad_output", transposed=False, scale=sg)[0], sg, qw8_t, sw, ctx.dtype).reshape(x.shape), ctx.dtype, x)
+                if own_weight_grad:
                     gw = _through(_scaled_gemm(g2.t(), sg, fg, x2.t(), sx, f, ctx.dtype), ctx.dtype, w)
             else:
                 qg, sg = site.operand(g, "grad_output", -1, observe=True)  # the input gradient reduces over outputs
                 if ctx.needs_input_grad[0]:
                     gx = _through(qg @ ctx.weights.operand(w, "weight", 0, scale=sw)[0], ctx.dtype, x)
-                if ctx.needs_input_grad[1]:
+                if own_weight_grad:
                     qg2 = site.operand(g2, "grad_output", 0, scale=sg)[0] if sg is None else qg.reshape(g2.shape)
                     gw = _through(qg2.t() @ site.operand(x2, "input", 0, scale=sx)[0], ctx.dtype, w)  # the weight gradient reduces over rows
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 gb = _through(g2.float().sum(0), ctx.dtype, w)
-        return gx, gw, gb, None, None, None
+        return gx, gw, gb, None, None, None, None
 
 
 class _Convolution(torch.autograd.Function):
@@ -202,9 +277,18 @@ class _Matmul(torch.autograd.Function):
         return ga, gb, None, None
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], site: Site, observe: bool, weights: Optional[ReusedWeight] = None) -> torch.Tensor:
-    """x @ w.T + b with quantized operands; `weights`: w's operands made once for a series of calls."""
-    return _Linear.apply(x, w, b, site, observe, weights)
+def linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: Optional[torch.Tensor],
+    site: Site,
+    observe: bool,
+    weights: Optional[ReusedWeight] = None,
+    sequence: Optional[SequenceWeightGrad] = None,
+) -> torch.Tensor:
+    """x @ w.T + b with quantized operands. `weights`: w's operands made once for a series of calls;
+    `sequence`: the series' weight gradient, computed once (w then comes from `sequence_weight`)."""
+    return _Linear.apply(x, w, b, site, observe, weights, sequence)
 
 
 def observing(module: nn.Module) -> bool:
@@ -214,7 +298,7 @@ def observing(module: nn.Module) -> bool:
 
 class QuantizedLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Linear.apply(x, self.weight, self.bias, self.products_site, observing(self), None)
+        return _Linear.apply(x, self.weight, self.bias, self.products_site, observing(self), None, None)
 
 
 class _QuantizedConv:

@@ -1,0 +1,136 @@
+"""The quantized LSTM's recurrent products at a GPU's pace: each recurrent weight quantized once per
+pass, not once per step, and its gradient one product over all the steps' rows (cuDNN's way),
+against a float64 evaluation of that product from the operands' formats."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from mpt.precision import product_operands as ops
+from mpt.precision import quantized_products as qp
+from mpt.precision.formats import E4M3, E5M2, BlockFormat, get_format, quantize
+
+RECIPES = {
+    "tensor": ops.Recipe(E4M3, E5M2, "tensor", 1, 0, "max"),
+    "delayed": ops.Recipe(E4M3, E5M2, "delayed", 4, 0, "max"),
+    "mxfp8": ops.Recipe(get_format("mxfp8_e4m3"), get_format("mxfp8_e5m2"), "block", 1, 0, "max"),
+}
+STEPS, BATCH = 5, 16
+
+
+def lstm_with(recipe: ops.Recipe, proj_size: int = 0) -> tuple[nn.LSTM, qp.QuantizedProducts]:
+    torch.manual_seed(0)
+    lstm = nn.LSTM(32, 32, num_layers=2, proj_size=proj_size, bidirectional=True)
+    return lstm, qp.QuantizedProducts(lstm, recipe)
+
+
+def train_step(lstm: nn.LSTM, products: qp.QuantizedProducts, seed: int = 1) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(STEPS, BATCH, 32, generator=gen).requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, (h, c) = lstm(x)
+    (out.float().square().sum() + h.float().sum()).backward()
+    products.end_step()
+    return [out, h, c, x.grad]
+
+
+def oracle_operand(t: torch.Tensor, fmt, scale: torch.Tensor | None) -> torch.Tensor:
+    """formats.quantize, the bit-level reference, in float64: per tensor under `scale`, or in blocks
+    of 32 along the rows (axis 0)."""
+    if isinstance(fmt, BlockFormat):
+        return quantize(t.float(), fmt, axis=0).double()
+    s = scale.double()
+    return quantize((t.float() * scale).float(), fmt).double() / s
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_a_recurrent_weights_gradient_is_one_product_over_all_steps_rows(monkeypatch, name):
+    recipe = RECIPES[name]
+    lstm, products = lstm_with(recipe)
+    seen: list[tuple[str, list, torch.Tensor]] = []
+    weight_grad = qp.SequenceWeightGrad.weight_grad
+
+    def spy(self, w):
+        rows = list(self.rows)
+        gw = weight_grad(self, w)
+        seen.append((self.site.name, rows, gw))
+        return gw
+
+    monkeypatch.setattr(qp.SequenceWeightGrad, "weight_grad", spy)
+    train_step(lstm, products)
+    # every layer and direction's recurrent weight, once, from every step
+    assert sorted(n for n, _, _ in seen) == sorted(f".hh_l{i}{d}" for i in (0, 1) for d in ("", "_reverse"))
+    for name_, rows, gw in seen:
+        assert len(rows) == STEPS and all(g.shape == (BATCH, 128) and x.shape == (BATCH, 32) for g, x in rows)
+        g = torch.cat([g for g, _ in rows]).float()
+        x = torch.cat([x for _, x in rows]).float()
+        if isinstance(recipe.forward, BlockFormat):
+            qg = torch.cat([oracle_operand(p, recipe.backward, None) for p in g.split(BATCH)])
+            qx = torch.cat([oracle_operand(p, recipe.forward, None) for p in x.split(BATCH)])
+        else:
+            site = products.sites[name_]
+            if recipe.scaling == "tensor":  # one scale over all the rows: the product's own amax
+                sg, sx = ((fmt.max / t.abs().amax().double()).float() for fmt, t in ((recipe.backward, g), (recipe.forward, x)))
+            else:  # the role's scale of the step, which end_step has since moved on from
+                sg, sx = site.delayed["grad_output"].last_scale, site.delayed["input"].last_scale
+            qg, qx = oracle_operand(g, recipe.backward, sg), oracle_operand(x, recipe.forward, sx)
+        exact = qg.t() @ qx
+        magnitude = qg.abs().t() @ qx.abs()
+        # one FP32 product, rounded once to BF16 (the autocast dtype) and stored in FP32
+        assert gw.dtype == torch.float32
+        assert ((gw.double() - exact).abs() <= exact.abs() * 2.0**-8 + magnitude * 2.0**-20).all(), name_
+
+
+def _on_cpu_scaled_mm(site, device, *dims):
+    """The scaled_mm path on a CPU: torch's own CPU kernel of torch._scaled_mm stands in for cuBLAS's."""
+    return site.recipe.scaling != "block" and all(d % 16 == 0 for d in dims)
+
+
+@pytest.mark.parametrize("name", ["tensor", "delayed"])
+def test_on_scaled_mm_each_recurrent_weight_is_quantized_once_per_pass(monkeypatch, name):
+    """Counted where the FP8 weight is made: the forward's form and its transpose, once each per
+    layer and direction, against twice per step when every step quantizes it (the control)."""
+    made: list[tuple[str, bool]] = []
+    fp8 = ops.Site.fp8
+
+    def counting(self, t, role, transposed, scale=None, observe=False):
+        if role == "weight":
+            made.append((self.name, transposed))
+        return fp8(self, t, role, transposed, scale=scale, observe=observe)
+
+    monkeypatch.setattr(qp, "_on_scaled_mm", _on_cpu_scaled_mm)
+    monkeypatch.setattr(ops.Site, "fp8", counting)
+    counts = {}
+    for reuse in (True, False):
+        made.clear()
+        with monkeypatch.context() as m:
+            if not reuse:
+                m.setattr(ops.Site, "reused", lambda self: self)
+            lstm, products = lstm_with(RECIPES[name], proj_size=16)
+            train_step(lstm, products)
+        assert set(products.paths().values()) == {"scaled_mm"}
+        counts[reuse] = {k: made.count(k) for k in set(made)}
+    recurrent = [f".{w}_l{i}{d}" for w in ("hh", "hr") for i in (0, 1) for d in ("", "_reverse")]
+    for site in recurrent:
+        assert counts[True][(site, False)] == counts[True][(site, True)] == 1, site
+        # each step's forward, and each step's input gradient (none for the first step's zero state)
+        assert counts[False][(site, False)] == STEPS and counts[False][(site, True)] == (STEPS - 1 if "hh" in site else STEPS), site
+    for site in (f".ih_l{i}{d}" for i in (0, 1) for d in ("", "_reverse")):  # one product for all steps already
+        assert counts[True][(site, False)] == counts[True][(site, True)] == 1
+
+
+@pytest.mark.parametrize("name", ["tensor", "delayed"])
+def test_the_scaled_mm_path_agrees_with_the_emulation(monkeypatch, name):
+    """The same quantized operands on torch._scaled_mm (its CPU kernel) and in the emulation: the
+    outputs, states and input gradients within BF16 rounding, over two steps."""
+    results = {}
+    for fast in (True, False):
+        with monkeypatch.context() as m:
+            m.setattr(qp, "_on_scaled_mm", _on_cpu_scaled_mm if fast else (lambda *a: False))
+            lstm, products = lstm_with(RECIPES[name], proj_size=16)
+            first = train_step(lstm, products)
+            results[fast] = [*first, *train_step(lstm, products, seed=2), *(p.grad for p in lstm.parameters())]
+    for a, b in zip(results[True], results[False], strict=True):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2**-6, atol=1e-3)
