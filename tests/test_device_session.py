@@ -103,3 +103,11 @@ def test_the_speed_call_runs_each_goals_rows_and_their_baselines(tmp_path):
         ("resnet50", "amp", "none", "device", None, None),
     }
     assert rows == cells
+    # the profiles: every cell of speed_norm and speed_fp8_lstm, its table and trace
+    profiles = {p.parent.relative_to(tmp_path / "back" / "speed" / "speed" / "profile").as_posix() for p in (tmp_path / "back").rglob("profile.json")}
+    assert profiles == {
+        *(f"speed_norm/{m}_{p}" for m in ("resnet50", "dcgan") for p in ("amp", "bf16")),
+        *(f"speed_fp8_lstm/{m}_{p}" for m in ("gnmt_small", "biglstm_tiny") for p in ("bf16", "fp8")),
+    }
+    fp8 = json.loads(next((tmp_path / "back").rglob("speed_fp8_lstm/biglstm_tiny_fp8/profile.json")).read_text())
+    assert fp8["labelled_per_step"]["mpt.weight_operand lstm.hh_l0"] == 1  # once per pass, not per time step

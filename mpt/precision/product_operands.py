@@ -19,6 +19,7 @@ Scaling, per operand of each call:
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Optional, cast
 
@@ -165,6 +166,14 @@ class DelayedScale:
         self.scale = self.last_scale = state["scale"].to(self.scale.device).clone()
 
 
+def _labelled(layer: str, role: str) -> contextlib.AbstractContextManager:
+    """A weight made into an operand, as a region of a torch.profiler trace (scripts/profile_step.py
+    counts them per step); other operands are not labelled."""
+    if role != "weight":
+        return contextlib.nullcontext()
+    return torch.profiler.record_function(f"mpt.weight_operand {layer}")
+
+
 class Site:
     """The operands of one layer's products: how they are quantized, and their delayed scales."""
 
@@ -183,13 +192,14 @@ class Site:
         """t's FP32 values as this product's operand `role`, reduced along `axis`, and the
         per-tensor scale they took (None for block formats). `scale`: reuse that one (the
         backward's products take the forward's)."""
-        fmt = self.recipe.format(role)
-        if isinstance(fmt, BlockFormat):
-            return round_blocks(t, fmt, axis), None
-        if t.numel() == 0:
-            return t.float(), torch.ones((), device=t.device)
-        scale = self.scale(t, role, observe) if scale is None else scale
-        return scaled(t, fmt, scale), scale
+        with _labelled(self.name, role):
+            fmt = self.recipe.format(role)
+            if isinstance(fmt, BlockFormat):
+                return round_blocks(t, fmt, axis), None
+            if t.numel() == 0:
+                return t.float(), torch.ones((), device=t.device)
+            scale = self.scale(t, role, observe) if scale is None else scale
+            return scaled(t, fmt, scale), scale
 
     def reused(self) -> "ReusedWeight":
         return ReusedWeight(self)
@@ -199,9 +209,10 @@ class Site:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """t (or its transpose) in torch's FP8 dtype under its per-tensor scale, contiguous: an
         operand of torch._scaled_mm, and the scale it took (`scale`: reuse that one)."""
-        fmt = cast(FloatFormat, self.recipe.format(role))  # the scaled_mm path: per-tensor scales, scalar formats
-        scale = self.scale(t, role, observe) if scale is None else scale
-        return to_fp8((t.t() if transposed else t).float() * scale, fmt).contiguous(), scale
+        with _labelled(self.name, role):
+            fmt = cast(FloatFormat, self.recipe.format(role))  # the scaled_mm path: per-tensor scales, scalar formats
+            scale = self.scale(t, role, observe) if scale is None else scale
+            return to_fp8((t.t() if transposed else t).float() * scale, fmt).contiguous(), scale
 
     def scale(self, t: torch.Tensor, role: str, observe: bool = False) -> torch.Tensor:
         """The per-tensor scale of t as operand `role`: its own (tensor) or its role's (delayed)."""
