@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import gzip
 import itertools
 import shutil
@@ -32,6 +33,7 @@ from pathlib import Path
 import torch
 import yaml
 from omegaconf import OmegaConf
+from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -91,10 +93,15 @@ def profile_cell(overrides: list[str], out: Path, warmup: int, steps: int) -> di
         activities = [torch.profiler.ProfilerActivity.CPU]
         if run.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
+        backends: dict[str, dict] = {}
         with held_for_the_run(cfg, run.device):
             stepping = run.steps()
-            for _ in range(warmup):
+            for _ in range(warmup - 1):
                 next(stepping)
+            hooks = _asking_batch_norm_backends(run, backends)
+            next(stepping)  # the last warm-up step: each batch-norm layer says which backend takes it
+            for h in hooks:
+                h.remove()
             synchronize(run.device)
             with torch.profiler.profile(activities=activities) as prof:
                 for _ in range(steps):
@@ -133,10 +140,41 @@ def profile_cell(overrides: list[str], out: Path, warmup: int, steps: int) -> di
         "profiled_steps": steps,
         "device_us_per_step": total,
         "labelled_per_step": {r["name"]: r["calls_per_step"] for r in rows if r["name"].startswith(LABEL)},
+        "batch_norm_backends": _tally(backends),
         "batch_norm_kernels": {r["name"]: r["device_us_per_step"] for r in rows if "bn" in r["name"].lower() or "batch_norm" in r["name"].lower()},
     }
     write_json_atomic(out / "profile.json", record)
     return record
+
+
+def _asking_batch_norm_backends(run: Run, found: dict[str, dict]) -> list:
+    """Hooks that ask PyTorch, at each batch-norm layer's forward, which backend its inputs take:
+    cuDNN's kernel or PyTorch's native one (torch._C._select_batch_norm_backend, the choice
+    aten's batch norm makes)."""
+
+    def ask(name: str, module: nn.modules.batchnorm._BatchNorm, args) -> None:
+        x = args[0]
+        backend = torch._C._select_batch_norm_backend(  # type: ignore[attr-defined]
+            x, module.weight, module.bias, module.running_mean, module.running_var, module.training, module.eps
+        )
+        weight = module.weight.dtype if module.weight is not None else None
+        found[name] = {"backend": backend.name, "input": str(x.dtype).removeprefix("torch."), "weight": str(weight).removeprefix("torch.")}
+
+    return [
+        m.register_forward_pre_hook(functools.partial(ask, f"{net}.{name}"))
+        for net, engine in run.engines.items()
+        for name, m in engine.model.named_modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm)
+    ]
+
+
+def _tally(found: dict[str, dict]) -> dict:
+    """Layers per (backend, input dtype, weight dtype)."""
+    counts: dict[str, int] = {}
+    for v in found.values():
+        key = f"{v['backend']}: input {v['input']}, weight {v['weight']}"
+        counts[key] = counts.get(key, 0) + 1
+    return {"layers": counts, "per_layer": found}
 
 
 def main() -> None:

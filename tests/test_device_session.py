@@ -111,3 +111,5 @@ def test_the_speed_call_runs_each_goals_rows_and_their_baselines(tmp_path):
     }
     fp8 = json.loads(next((tmp_path / "back").rglob("speed_fp8_lstm/biglstm_tiny_fp8/profile.json")).read_text())
     assert fp8["labelled_per_step"]["mpt.weight_operand lstm.hh_l0"] == 1  # once per pass, not per time step
+    norm = json.loads(next((tmp_path / "back").rglob("speed_norm/resnet50_bf16/profile.json")).read_text())
+    assert sum(norm["batch_norm_backends"]["layers"].values()) == 53  # every batch-norm layer of ResNet-50 says which backend it took
