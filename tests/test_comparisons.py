@@ -70,6 +70,18 @@ def test_the_interval_is_scipys_paired_t_interval():
     assert (low < 0 < high) == (stats.ttest_rel(a, FP32).pvalue > 0.05)
 
 
+def test_differences_near_a_floats_range_give_the_interval_scaled():
+    """A run that ended at a perplexity of 1e150 and its pair's: squaring the differences would
+    overflow; the interval is the small differences' interval, scaled, as scipy gives it."""
+    d = [1.0, 3.0, 2.5]
+    ref = stats.t.interval(0.95, len(d) - 1, loc=stats.tmean(d), scale=stats.sem(d))
+    mean, low, high = paired_interval([x * 1e200 for x in d])
+    assert (mean / 1e200, low / 1e200, high / 1e200) == pytest.approx((stats.tmean(d), *ref), rel=1e-12)
+    assert paired_interval([2.0, 2.0]) == (2.0, 2.0, 2.0)  # no spread: the interval is the point
+    mean, low, high = paired_interval([1e308, 1e308])  # their sum is not a float: no interval
+    assert math.isinf(mean) and math.isnan(low) and math.isnan(high)
+
+
 def test_one_pair_has_no_interval():
     mean, low, high = paired_interval([0.01])
     assert mean == 0.01 and math.isnan(low) and math.isnan(high)
@@ -280,3 +292,13 @@ def test_unplanned_seeds_are_named_and_a_planned_baseline_not_yet_run_is_incompl
     alone = table([run("mixed", s, 0.9, declared=PLANNED) for s in range(3)])
     assert alone.iloc[0]["finding"] == "incomplete" and alone.iloc[0]["note"] == "no baseline runs"
     assert "mixed (resnet20; toy): no baseline runs, incomplete" in comparisons.render(alone)
+
+
+def test_a_difference_of_1e188_is_written_in_four_figures():
+    declared = {**DECLARED, "metric": "test_ppl", "margin": 0.02, "relative": True}
+    rows = [run("fp32", s, 136.0 + s, declared=declared) for s in range(3)] + [run("mixed", s, 1e188 * (1 + s), declared=declared) for s in range(3)]
+    for r in rows:
+        r["metric.test_ppl"] = r.pop("metric.top1")
+    rendered = comparisons.render(table(rows))
+    assert "| +2e+188 | [-4.84e+187, +4.48e+188] |" in rendered  # mean 2e188, t(2) 4.303 x 1e188 / sqrt(3) either side
+    assert max(len(cell) for line in rendered.splitlines() for cell in line.split("|")) < 200

@@ -17,7 +17,7 @@ from mpt.report.cli import build_report
 from mpt.report.cli import main as report_main
 from mpt.report.figures import _cell_name
 from mpt.report.records import cell_variant, mode_label
-from mpt.report.tables import accuracy, render_accuracy
+from mpt.report.tables import accuracy, render_accuracy, sample_std
 from mpt.runner import identity
 
 from .conftest import ROOT, mpt_run
@@ -529,3 +529,12 @@ def test_the_time_to_result_table_keeps_the_metric_of_a_setup_without_an_image_s
     table = tables.time_to_result(runs).set_index("precision")
     assert table.loc["bf16", "metric_mean"] == pytest.approx(142.0) and table.loc["fp32", "metric_mean"] == pytest.approx(141.0)
     assert table.loc["bf16", "ratio_to_fp32"] == pytest.approx(6.0 / 11.0)
+
+
+def test_the_spread_of_values_near_a_floats_range_is_finite():
+    """pandas' std squares the deviations and overflows for perplexities of 1e200: the table's
+    spread is the same statistic, scaled, as statistics.stdev gives of the values divided down."""
+    values = [1.5, 4.0, 2.25]
+    assert sample_std(pd.Series([v * 1e200 for v in values])) / 1e200 == pytest.approx(statistics.stdev(values), rel=1e-12)
+    assert sample_std(pd.Series(values)) == pytest.approx(statistics.stdev(values), rel=1e-12)
+    assert sample_std(pd.Series([3.0, 3.0])) == 0.0 and math.isnan(sample_std(pd.Series([3.0])))

@@ -210,7 +210,12 @@ def paired_interval(diffs: list[float], confidence: float = CONFIDENCE) -> tuple
     mean = sum(diffs) / n if n else math.nan
     if n < 2:
         return mean, math.nan, math.nan
-    sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1))
+    if not math.isfinite(mean):  # a difference too large for a float's sum: no interval
+        return mean, math.nan, math.nan
+    # Scaled by the largest deviation, so that differences near a float's range (a run that ended
+    # at a perplexity of 1e150, say) do not overflow when squared
+    largest = max(abs(d - mean) for d in diffs)
+    sd = largest * math.sqrt(sum(((d - mean) / largest) ** 2 for d in diffs) / (n - 1)) if largest > 0 else 0.0
     half = float(stats.t.ppf((1 + confidence) / 2, n - 1)) * sd / math.sqrt(n)
     return mean, mean - half, mean + half
 
@@ -382,7 +387,8 @@ def _number(metric: str, value: float, signed: bool = False) -> str:
     if pd.isna(value):
         return "-"
     scale, unit = (100, " pt") if metric in PERCENT_METRICS else (1, "")
-    return f"{value * scale:{'+' if signed else ''}.2f}{unit}"
+    style = ".2f" if abs(value * scale) < 1e6 else ".3g"  # a perplexity of 1e188 in four figures, not 190
+    return f"{value * scale:{'+' if signed else ''}{style}}{unit}"
 
 
 def render(table: pd.DataFrame) -> str:

@@ -23,6 +23,19 @@ CELL_KEYS = ["model", "data", "schedule", "variant"]
 SAME_SETUP = ["model", "device_name", "data", "schedule", "variant", "config.schedule.batch_size", "config.schedule.image_size"]
 
 
+def sample_std(values: pd.Series) -> float:
+    """The sample standard deviation (NaN for fewer than two), scaled by the largest deviation so
+    that values near a float's range (a perplexity of 1e200) do not overflow when squared."""
+    if len(values) < 2:
+        return math.nan
+    mean = values.mean()
+    deviations = values - mean
+    largest = deviations.abs().max()
+    if not math.isfinite(largest) or largest == 0:
+        return float(largest) if largest == 0 else math.nan
+    return float(largest * math.sqrt(((deviations / largest) ** 2).sum() / (len(values) - 1)))
+
+
 def _mode_order(df: pd.DataFrame) -> list[str]:
     cols = ["mode", "precision_order", "scale_order", "scale_value"]
     return df[cols].drop_duplicates("mode").sort_values(cols[1:], na_position="first")["mode"].tolist()
@@ -70,7 +83,7 @@ def metric_summary(runs: pd.DataFrame) -> pd.DataFrame:
                     "metric": col.removeprefix("metric."),
                     "n": len(values),
                     "mean": values.mean() if len(values) else math.nan,
-                    "std": values.std(ddof=1) if len(values) > 1 else math.nan,
+                    "std": sample_std(values),
                 }
             )
     return pd.DataFrame(rows, columns=SUMMARY_COLUMNS)
@@ -312,7 +325,7 @@ def shift_control(runs: pd.DataFrame) -> pd.DataFrame:
                 "diverged": int(((group.status == "diverged") | skipped_every_step(group)).sum()),
                 "n": len(values),
                 "mean": values.mean() if len(values) else math.nan,
-                "std": values.std(ddof=1) if len(values) > 1 else math.nan,
+                "std": sample_std(values),
                 "activation_share_zero": zeros.mean() if len(zeros) else math.nan,
             }
         )
