@@ -48,7 +48,7 @@ def oracle_operand(t: torch.Tensor, fmt, scale: torch.Tensor | None) -> torch.Te
 @pytest.mark.parametrize("name", list(RECIPES))
 def test_a_recurrent_weights_gradient_is_one_product_over_all_steps_rows(monkeypatch, name):
     recipe = RECIPES[name]
-    lstm, products = lstm_with(recipe)
+    lstm, products = lstm_with(recipe, proj_size=16)
     seen: list[tuple[str, list, torch.Tensor]] = []
     weight_grad = qp.SequenceWeightGrad.weight_grad
 
@@ -60,10 +60,12 @@ def test_a_recurrent_weights_gradient_is_one_product_over_all_steps_rows(monkeyp
 
     monkeypatch.setattr(qp.SequenceWeightGrad, "weight_grad", spy)
     train_step(lstm, products)
-    # every layer and direction's recurrent weight, once, from every step
-    assert sorted(n for n, _, _ in seen) == sorted(f".hh_l{i}{d}" for i in (0, 1) for d in ("", "_reverse"))
+    # every layer and direction's recurrent weight and projection, once, from every step
+    assert sorted(n for n, _, _ in seen) == sorted(f".{w}_l{i}{d}" for w in ("hh", "hr") for i in (0, 1) for d in ("", "_reverse"))
     for name_, rows, gw in seen:
-        assert len(rows) == STEPS and all(g.shape == (BATCH, 128) and x.shape == (BATCH, 32) for g, x in rows)
+        shape = (128, 16) if ".hh" in name_ else (16, 32)  # (out, in): the recurrent state is the projection's output
+        assert len(rows) == STEPS and all(g.shape == (BATCH, shape[0]) and x.shape == (BATCH, shape[1]) for g, x in rows)
+        assert gw.shape == shape
         g = torch.cat([g for g, _ in rows]).float()
         x = torch.cat([x for _, x in rows]).float()
         if isinstance(recipe.forward, BlockFormat):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from mpt.precision.engine import PrecisionEngine
 from mpt.precision.scaler import Diverged, build_scaler
 
 from .conftest import CPU, Vector, build_run, cifar_mini_run, compose_cfg, read_record
+from .test_resume import SMALL_GAN
 
 # Steps whose gradients overflow: the first (before any update, where torch's fused SGD would
 # leave its momentum unwritten), a run of three, and single ones between growths.
@@ -230,11 +232,13 @@ def test_a_checkpoint_of_the_device_path_resumes_it_and_the_host_path():
         (("precision=fp16", "optim.implementation=default"), "precision=fp16"),
         (("optim.lookahead.start_epoch=1",), "optim.lookahead"),
         (("scale=auto",), "scale=auto"),
+        (("scale.growth=3",), "scale.growth=3.0 is not a power of two"),
+        (("scale=static", "scale.value=1000.1"), "scale.value=1000.1 has no exact FP32 value"),
     ],
 )
 def test_a_device_scale_the_run_cannot_keep_is_refused_naming_why(overrides, named):
     cfg = compose_cfg("scale=dynamic", "scale.on_device=true", "optim.implementation=fused", "optim.momentum=0.9", *overrides)
-    with pytest.raises(ConfigError, match=f"scale.on_device=true: .*{named.replace('.', '[.]')}"):
+    with pytest.raises(ConfigError, match=f"scale.on_device=true: .*{re.escape(named)}"):
         PrecisionEngine(Vector(torch.ones(4)), cfg, build_scaler(cfg), [], CPU, total_steps=10)
 
 
@@ -290,3 +294,32 @@ def test_a_run_on_the_device_path_logs_and_records_what_the_host_path_does(tmp_p
     assert device["loss_scale"]["model"].pop("on_device") and not host["loss_scale"]["model"].pop("on_device")
     assert device["loss_scale"] == host["loss_scale"] and device["loss_scale"]["model"]["initial_skips"] >= 2
     assert device["metrics"] == host["metrics"]
+
+
+def test_a_gan_that_diverges_on_the_device_path_ends_as_on_the_host_path(tmp_path, in_process):
+    """Both networks overflow at their minimum scale from the first step. The host path stops
+    there; the device path finds it at the next flush, in both networks' read-backs, and records
+    the same: `diverged` at step 0, no training row logged."""
+    args = [
+        "model=dcgan64",
+        *SMALL_GAN,
+        "precision=mixed",
+        "scale=dynamic",
+        *(f"scale.{k}=16777216" for k in ("init", "min", "max")),
+        "optim.implementation=fused",
+        "schedule=smoke",
+        "schedule.steps=6",
+        "schedule.log_every=4",
+        "stats.trace_overflow=false",
+        "device=cpu",
+    ]
+    records, logs = {}, {}
+    for on_device in (False, True):
+        run_dir = tmp_path / str(on_device)
+        rec = build_run(run_dir, *args, f"scale.on_device={str(on_device).lower()}").execute()
+        assert rec.status == "diverged", rec.message
+        records[on_device], logs[on_device] = read_record(run_dir), (run_dir / "metrics.jsonl").read_text()
+    for key in ("status", "diverged_at_step", "message"):
+        assert records[True][key] == records[False][key], key
+    assert records[True]["diverged_at_step"] == 0 and "minimum loss scale" in records[True]["message"]
+    assert '"kind": "train"' not in logs[True] and '"kind": "train"' not in logs[False]

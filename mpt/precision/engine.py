@@ -538,9 +538,10 @@ class PrecisionEngine:
         if self.resident is not None:
             self.resident.sync_from_host()
             self._zero_momentum()
-        else:  # a checkpoint of the device path holds lr tensors; the host path's schedule writes floats
-            for group in self.optimizer.param_groups:
-                group["lr"] = float(group["lr"])
+        else:  # a checkpoint of the device path holds lr tensors (FP32 on a GPU): the schedule's own floats
+            for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+                if isinstance(group["lr"], torch.Tensor):
+                    group["lr"] = float(lr)
 
 
 def build_lr_schedule(

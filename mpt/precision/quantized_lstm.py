@@ -56,9 +56,9 @@ class QuantizedLSTM(nn.LSTM):
             c0 = x.new_zeros(self.num_layers * dirs, batch, self.hidden_size, dtype=dtype)
         else:
             h0, c0 = hx
-        valid = None if lengths is None else torch.arange(steps).unsqueeze(1) < lengths.unsqueeze(0)  # (T, B)
-        if valid is not None:
-            valid = valid.to(x.device).unsqueeze(-1)
+        valid = None
+        if lengths is not None:  # (T, B, 1); the lengths copied without waiting for the device
+            valid = (torch.arange(steps, device=x.device).unsqueeze(1) < lengths.to(x.device, non_blocking=True).unsqueeze(0)).unsqueeze(-1)
         observe = observing(self)
         layer_input, hs, cs = x, [], []
         for layer in range(self.num_layers):

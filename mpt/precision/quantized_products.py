@@ -113,7 +113,9 @@ class SequenceWeightGrad:
                 gw = qg.t() @ qx
             else:
                 sg, sx = site.scale(g, "grad_output"), site.scale(x, "input")
-                if _on_scaled_mm(site, g.device, g.shape[1], g.shape[0], x.shape[1]):
+                fast = _on_scaled_mm(site, g.device, g.shape[1], g.shape[0], x.shape[1])
+                site.paths.add("scaled_mm" if fast else "emulated")  # T·B rows may take another path than B
+                if fast:
                     qg8, _ = site.fp8(g, "grad_output", transposed=True, scale=sg)
                     qx8, _ = site.fp8(x, "input", transposed=True, scale=sx)
                     gw = _fp8_mm(qg8, sg, qx8, sx, dtype)

@@ -21,13 +21,14 @@ device's. A divergence is therefore found at the flush after it, with the step i
 from __future__ import annotations
 
 import copy
+import math
 from typing import Callable, Iterator
 
 import numpy as np
 import torch
 from omegaconf import DictConfig
 
-from ..config import ConfigError, Update
+from ..config import ConfigError, Update, static_scale_value
 from .scaler import Diverged, DynamicScaler, LossScaler, StaticScaler
 
 # optim.name -> the device types whose fused kernel takes `found_inf` (torch's fused Adagrad is CPU only)
@@ -45,6 +46,24 @@ def why_not(cfg: DictConfig, device: torch.device) -> str | None:
         return f"optim.name={o.name} has no fused kernel on {device.type} that skips a step on the device"
     if o.lookahead.start_epoch is not None:
         return "optim.lookahead averages after applied steps, which only the host path counts"
+    return _drifting_scale(cfg)
+
+
+def _drifting_scale(cfg: DictConfig) -> str | None:
+    """A scale whose FP32 value on the device would part from the host scaler's float64 one."""
+    s = cfg.scale
+    if s.name == "static":
+        exact = {"value": static_scale_value(cfg)}
+    elif s.name == "dynamic":
+        for key in ("growth", "backoff"):
+            if math.frexp(s[key])[0] != 0.5:
+                return f"scale.{key}={s[key]} is not a power of two: the device's FP32 scale would drift from the host scaler's"
+        exact = {k: s[k] for k in ("init", "min", "max")}
+    else:
+        return None
+    for key, value in exact.items():
+        if float(np.float32(value)) != float(value):
+            return f"scale.{key}={value} has no exact FP32 value, which the device's scale would be"
     return None
 
 

@@ -536,7 +536,8 @@ class Run:
             together = True
         except Diverged as e:
             together = True
-            self._flush(check=False)
+            # A scale kept on the device: the other network's read-back may find an earlier divergence
+            e = _earliest(e, self._flush(check=False, diverged_at=e.step)) or e
             rec.status, rec.message, rec.diverged_at_step = "diverged", str(e), e.step if e.step is not None else self.step
             log.warning("diverged at step %s: %s", rec.diverged_at_step, e)
         except preemption.Preempted as e:  # resumable, like `running`
@@ -568,6 +569,7 @@ class Run:
                 rec.memory["over"] = f"the largest of {self.dist.world_size} processes"
             if self.grad_stats.sampled_steps:
                 rec.memory["note"] = self.grad_stats.MEMORY_NOTE
+            self._read_back_quietly()  # stopped between read-backs (interrupted, failed): the steps since the last
             rec.loss_scale = {name: {**e.scaler.summary(), "on_device": e.on_device} for name, e in self.engines.items()}
             rec.precision["products"] = self._products_record()  # the paths its products took
             rec.grad_stats = self.grad_stats.summary()
@@ -585,6 +587,13 @@ class Run:
         if interrupted:
             raise KeyboardInterrupt
         return rec
+
+    def _read_back_quietly(self) -> None:
+        """_read_back on the way out of a failed or interrupted run: what it finds is only recorded."""
+        try:
+            self._read_back()
+        except Exception:  # the run's own failure is the one to report
+            log.exception("reading the loss scale back from the device failed")
 
     def _check_trained(self) -> None:
         """A run whose every step was skipped trained nothing: it ends `diverged`, never `ok`."""
@@ -705,8 +714,9 @@ class Run:
                     applied = engine.step(at=step, know=rng is not None)
                 if applied:
                     engine.average(step + 1, self.epoch)
-            except Diverged:  # an overflow at the scaler's smallest scale: trace it too
-                if rng is not None and engine.scaler.checks_overflow:
+            except Diverged as e:  # an overflow at the scaler's smallest scale: trace it too
+                # (a read-back within the step may find an earlier step's: that one is past tracing)
+                if rng is not None and engine.scaler.checks_overflow and e.step in (None, step):
                     self._trace_overflow(step, batch, index, term.group, float(row["scale"]), rng)
                 raise
             if applied is False and rng is not None:
@@ -739,8 +749,10 @@ class Run:
         self.tracer.seconds += time.perf_counter() - t0
         log.info("step %d: %s overflowed at loss scale %g and was skipped; first non-finite: %s (%s)", step, group, scale, found["module"], found["role"])
 
-    def _flush(self, check: bool = True) -> None:
-        """Bring the logged tensors to the host in one sync, write them, and watch for divergence."""
+    def _flush(self, check: bool = True, diverged_at: int | None = None) -> Diverged | None:
+        """Bring the logged tensors to the host in one sync, write them, and watch for divergence.
+        A scale kept on the device is read back here: a divergence it finds is raised (`check`) or
+        returned, and the log stops before its step, as it stops before `diverged_at`."""
         rows, self.pending = self.pending, []
         slots = [(r, k) for r in rows for k, v in r.items() if isinstance(v, torch.Tensor)]
         flags = {(id(r), k) for r, k in slots if r[k].dtype == torch.bool}  # written back as booleans
@@ -755,14 +767,25 @@ class Run:
                 self.peers_preempted = self.peers_preempted or means.pop() > 0
             for (r, k), value in zip(slots, means):
                 r[k] = value > 0 if (id(r), k) in flags else value
-        try:
-            for engine in self.engines.values():  # a scale kept on the device: its steps, replayed on the host
+        found = self._read_back()
+        stops = [at for at in (diverged_at, found.step if found is not None else None) if at is not None]
+        if stops:  # the host path logs nothing of the step that diverged, nor after it
+            rows = [r for r in rows if r["step"] < min(stops)]
+        self._write_rows(rows, check and found is None)
+        if found is not None and check:
+            raise found
+        return found
+
+    def _read_back(self) -> Diverged | None:
+        """Every engine's steps since its last read-back, replayed on its host scaler (a scale kept
+        on the device); the earliest divergence that found, if any."""
+        found = None
+        for engine in self.engines.values():
+            try:
                 engine.read_back()
-        except Diverged as e:  # the log stops at the step that diverged, as on the host path
-            rows = [r for r in rows if e.step is None or r["step"] <= e.step]
-            self._write_rows(rows, check=False)
-            raise
-        self._write_rows(rows, check)
+            except Diverged as e:
+                found = _earliest(found, e)  # of two at one step, the first network's, as the host path raises it
+        return found
 
     def _write_rows(self, rows: list[dict], check: bool) -> None:
         self.metrics.write(rows)
@@ -813,3 +836,12 @@ class Run:
 
 def _backward_scale(engine: PrecisionEngine) -> float:
     return engine.backward_scale
+
+
+def _earliest(a: Diverged | None, b: Diverged | None) -> Diverged | None:
+    """Of two divergences, the one at the earlier step (a step known before one that is not)."""
+    if a is None or b is None:
+        return a or b
+    if b.step is not None and (a.step is None or b.step < a.step):
+        return b
+    return a
