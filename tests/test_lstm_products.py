@@ -136,3 +136,35 @@ def test_the_scaled_mm_path_agrees_with_the_emulation(monkeypatch, name):
             results[fast] = [*first, *train_step(lstm, products, seed=2), *(p.grad for p in lstm.parameters())]
     for a, b in zip(results[True], results[False], strict=True):
         torch.testing.assert_close(a.float(), b.float(), rtol=2**-6, atol=1e-3)
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_only_the_recurrent_weights_gradients_change_from_the_step_by_step_sum(monkeypatch, name):
+    """Against the LSTM whose steps each write their own recurrent weight gradient (autograd adding
+    them up): outputs, states, input gradients and every other weight's gradient bit for bit. The
+    recurrent weights' gradients are one product instead of five per-step ones rounded to BF16
+    each: with the same operands (delayed, MX) within those roundings (2^-9 of each of 5 shares);
+    with `tensor`, whose one product takes one scale where each step had its own, within E5M2's
+    rounding of the gradients besides (2^-3)."""
+    from mpt.precision import quantized_lstm
+
+    def grads(one_product: bool):
+        with monkeypatch.context() as m:
+            if not one_product:
+                m.setattr(quantized_lstm, "SequenceWeightGrad", lambda site: None)
+                m.setattr(quantized_lstm, "sequence_weight", lambda w, grads: w)
+            lstm, products = lstm_with(RECIPES[name], proj_size=16)
+            results = train_step(lstm, products)
+        return results, dict(lstm.named_parameters())
+
+    (ours, params), (theirs, step_params) = grads(True), grads(False)
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.equal(a, b)
+    for key, p in params.items():
+        q = step_params[key]
+        if key.startswith(("weight_hh", "weight_hr")):
+            bound = (2**-3 if name == "tensor" else 2**-6) * q.grad.abs().max()
+            assert (p.grad - q.grad).abs().max() <= bound, key
+            assert not torch.equal(p.grad, q.grad)  # the control: the step-by-step sum is another computation
+        else:
+            assert torch.equal(p.grad, q.grad), key
