@@ -196,6 +196,9 @@ class ProductsConfig:
     amax_history: int = 1024  # delayed: steps of amax kept (Transformer Engine's default)
     margin: int = 0  # delayed: powers of two of headroom below the format's largest value
     amax_reduction: str = "max"  # delayed: max over the history, or most_recent
+    # An LSTM's cell (its gates' elementwise work, forward and backward) compiled into fused
+    # kernels by this torch.compile backend (inductor), one piece per time step; null: eager
+    fused_cell: Optional[str] = None
 
 
 @dataclass

@@ -41,7 +41,7 @@
 #              the dynamic scaler's cost, BF16 against amp on batch-norm networks, torch.compile against
 #              eager, ResNet-50 on full-size JPEGs decoded on the host and on the GPU), each a ratio of
 #              two rows of one call. Records in speed/. Last, scripts/profile_step.py: three profiled
-#              steps of each cell of speed_norm and speed_fp8_lstm, into speed/profile/.
+#              steps of each cell of speed_norm, speed_fp8_lstm and _fused, into speed/profile/.
 #   accuracy   the converged CIFAR-10 grid (experiment=cifar10_airbench, _mixed, _amp, _fp16: 13 cells), seeds
 #              0-4 planned (PLAN), seed-major: every cell's seed 0, then every cell's seed 1, ...; then
 #              the loss-scaling control (cifar10_airbench_shift: k = 0, 12, 24, seeds 0-1). A later call
@@ -183,16 +183,18 @@ case $part in
     common=(checkpoint=false hydra.sweep.dir="$W/speed")
     # as many JPEGs as the bench's 120 steps of 256 take, so that no timing window holds an epoch's
     # end, where the loader's workers restart with nothing prefetched
-    lstm=() compile=() jpegs=/tmp/jpegs images=30720 shape=() profiled=(--warmup 10 --steps 3)
+    lstm=() compile=() cell=() jpegs=/tmp/jpegs images=30720 shape=() profiled=(--warmup 10 --steps 3)
     if [ -n "$dry" ]; then  # small models and shapes, two steps; dynamo without inductor's C++ build
       shape=(device=cpu schedule.batch_size=4)
       common+=("${shape[@]}" schedule.steps=2 schedule.throughput_warmup=1 schedule.throughput_window=1)
       lstm=(model=gnmt_small,biglstm_tiny) compile=(compile.backend=aot_eager compile.mode=null) jpegs=$base/jpegs images=20
+      cell=(precision.products.fused_cell=aot_eager)
       profiled=(--warmup 1 --steps 1)
     else
       common+=(device=cuda) shape=(device=cuda)
     fi
     run -m experiment=speed_fp8_lstm "${lstm[@]}" "${common[@]}" "$@"
+    run -m experiment=speed_fp8_lstm_fused "${lstm[@]}" "${cell[@]}" "${common[@]}" "$@"
     run -m experiment=speed_scaler "${common[@]}" "$@"
     run -m experiment=speed_norm "${common[@]}" "$@"
     run -m experiment=speed_compile "${compile[@]}" "${common[@]}" "$@"
@@ -205,7 +207,8 @@ case $part in
     # the FP8 LSTM's weight quantizations per pass
     profile() { limited python3 scripts/profile_step.py "${profiled[@]}" --out "$W/speed/profile" "$@" 2>&1 | tee -a "$W/$part.log" || rc=$?; pack; }
     profile --preset speed_norm "${shape[@]}"
-    profile --preset speed_fp8_lstm "${lstm[@]}" "${shape[@]}" ;;
+    profile --preset speed_fp8_lstm "${lstm[@]}" "${shape[@]}"
+    profile --preset speed_fp8_lstm_fused "${lstm[@]}" "${cell[@]}" "${shape[@]}" ;;
   sequences)
     # The sequence models' converged settings, seed-major as accuracy's grid, then bigLSTM's long
     # unscaled run for whatever time is left (stopped by the deadline, recorded `preempted`).

@@ -83,31 +83,32 @@ def test_the_speed_call_runs_each_goals_rows_and_their_baselines(tmp_path):
     for path in (tmp_path / "back").rglob("result.json"):
         r = json.loads(path.read_text())
         c = r["config"]
-        rows.add(
-            (r["choices"]["model"], r["choices"]["precision"], r["choices"]["scale"], c["data"].get("decode"), c["compile"]["backend"], c["scale"]["on_device"])
-        )
+        choices, cell = r["choices"], c["precision"]["products"]["fused_cell"]
+        rows.add((choices["model"], choices["precision"], choices["scale"], c["data"].get("decode"), c["compile"]["backend"], c["scale"]["on_device"], cell))
         if r["loss_scale"]:  # a CPU keeps the scale on the host unless told: the GPU default is null's other side
             assert not any(s["on_device"] for s in r["loss_scale"].values())
         assert r["throughput"]["windows"] >= 1  # every row has its figure
         assert c["compile"]["backend"] is None or "frames" in r["compile"]
     cells = {  # the dry run's small LSTM models stand in for GNMT's and bigLSTM's
-        *((m, p, "none", None, None, None) for m in ("gnmt_small", "biglstm_tiny") for p in ("bf16", "fp8")),
-        ("resnet50", "amp", "none", None, None, None),  # the baseline of BF16's and compile's rows
-        *(("resnet50", "amp", s, None, None, d) for s in ("none", "dynamic") for d in (None, False)),  # the scaler's
-        ("resnet50", "bf16", "none", None, None, None),
-        ("dcgan", "amp", "none", None, None, None),
-        ("dcgan", "bf16", "none", None, None, None),
-        ("resnet50", "amp", "none", None, "aot_eager", None),
-        ("resnet50", "bf16", "none", None, "aot_eager", None),
-        ("resnet50", "amp", "none", "host", None, None),
-        ("resnet50", "amp", "none", "device", None, None),
+        *((m, p, "none", None, None, None, None) for m in ("gnmt_small", "biglstm_tiny") for p in ("bf16", "fp8")),
+        *((m, "fp8", "none", None, None, None, "aot_eager") for m in ("gnmt_small", "biglstm_tiny")),  # the fused cell
+        ("resnet50", "amp", "none", None, None, None, None),  # the baseline of BF16's and compile's rows
+        *(("resnet50", "amp", s, None, None, d, None) for s in ("none", "dynamic") for d in (None, False)),  # the scaler's
+        ("resnet50", "bf16", "none", None, None, None, None),
+        ("dcgan", "amp", "none", None, None, None, None),
+        ("dcgan", "bf16", "none", None, None, None, None),
+        ("resnet50", "amp", "none", None, "aot_eager", None, None),
+        ("resnet50", "bf16", "none", None, "aot_eager", None, None),
+        ("resnet50", "amp", "none", "host", None, None, None),
+        ("resnet50", "amp", "none", "device", None, None, None),
     }
     assert rows == cells
-    # the profiles: every cell of speed_norm and speed_fp8_lstm, its table and trace
+    # the profiles: every cell of speed_norm, speed_fp8_lstm and _fused, its table and trace
     profiles = {p.parent.relative_to(tmp_path / "back" / "speed" / "speed" / "profile").as_posix() for p in (tmp_path / "back").rglob("profile.json")}
     assert profiles == {
         *(f"speed_norm/{m}_{p}" for m in ("resnet50", "dcgan") for p in ("amp", "bf16")),
         *(f"speed_fp8_lstm/{m}_{p}" for m in ("gnmt_small", "biglstm_tiny") for p in ("bf16", "fp8")),
+        *(f"speed_fp8_lstm_fused/{m}_fp8" for m in ("gnmt_small", "biglstm_tiny")),
     }
     fp8 = json.loads(next((tmp_path / "back").rglob("speed_fp8_lstm/biglstm_tiny_fp8/profile.json")).read_text())
     assert fp8["labelled_per_step"]["mpt.weight_operand lstm.hh_l0"] == 1  # once per pass, not per time step

@@ -20,10 +20,10 @@ RECIPES = {
 STEPS, BATCH = 5, 16
 
 
-def lstm_with(recipe: ops.Recipe, proj_size: int = 0) -> tuple[nn.LSTM, qp.QuantizedProducts]:
+def lstm_with(recipe: ops.Recipe, proj_size: int = 0, fused_cell: str | None = None) -> tuple[nn.LSTM, qp.QuantizedProducts]:
     torch.manual_seed(0)
     lstm = nn.LSTM(32, 32, num_layers=2, proj_size=proj_size, bidirectional=True)
-    return lstm, qp.QuantizedProducts(lstm, recipe)
+    return lstm, qp.QuantizedProducts(lstm, recipe, fused_cell)
 
 
 def train_step(lstm: nn.LSTM, products: qp.QuantizedProducts, seed: int = 1) -> list[torch.Tensor]:
@@ -168,3 +168,20 @@ def test_only_the_recurrent_weights_gradients_change_from_the_step_by_step_sum(m
             assert not torch.equal(p.grad, q.grad)  # the control: the step-by-step sum is another computation
         else:
             assert torch.equal(p.grad, q.grad), key
+
+
+def test_a_fused_cell_trains_as_the_eager_cell():
+    """precision.products.fused_cell: the cell compiled (here by dynamo's aot_eager, which needs no
+    compiler; inductor on a GPU) is the same computation: outputs, states and every gradient over
+    two steps, the second with the scales the first's histories gave."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    results = {}
+    for backend in (None, "aot_eager"):
+        lstm, products = lstm_with(RECIPES["delayed"], proj_size=16, fused_cell=backend)
+        first = train_step(lstm, products)
+        results[backend] = [*first, *train_step(lstm, products, seed=2), *(p.grad for p in lstm.parameters())]
+    assert counters["stats"]["unique_graphs"] >= 1  # the cell did go through dynamo
+    for a, b in zip(results["aot_eager"], results[None], strict=True):
+        torch.testing.assert_close(a, b, rtol=2**-7, atol=1e-6)

@@ -356,6 +356,16 @@ def test_a_bad_products_setting_is_named(override, message):
         validate(compose_cfg("precision=fp8", override))
 
 
+@pytest.mark.parametrize(
+    "mode,message",
+    [("fp8", "precision.products.fused_cell=nope: no such torch.compile backend; choose one of "),
+     ("bf16", "precision.products.fused_cell=nope: only the quantized LSTM of an FP8 or MX mode has a cell of its own")],
+)  # fmt: skip
+def test_a_fused_cell_needs_a_quantized_lstm_and_a_known_backend(mode, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate(compose_cfg(f"precision={mode}", "precision.products.fused_cell=nope"))
+
+
 # The fast tier runs the mode whose state the engine steps (fp8_delayed); the others differ in
 # formats, scaling and block axes, tested above, and their runs are slow-tier.
 SLOW = pytest.mark.slow

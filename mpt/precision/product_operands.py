@@ -63,7 +63,17 @@ def validate(mode: DictConfig) -> None:
     if p.forward is None:
         if p.backward is not None:
             raise ConfigError(f"precision.products.backward={p.backward}: needs precision.products.forward too")
+        if p.fused_cell is not None:
+            raise ConfigError(
+                f"precision.products.fused_cell={p.fused_cell}: only the quantized LSTM of an FP8 or MX mode has a cell of its own; "
+                "set precision.products.forward, or leave fused_cell null"
+            )
         return
+    if p.fused_cell is not None:
+        from torch._dynamo import list_backends  # only when asked for
+
+        if p.fused_cell not in list_backends(exclude_tags=()):
+            raise ConfigError(f"precision.products.fused_cell={p.fused_cell}: no such torch.compile backend; choose one of {', '.join(list_backends(exclude_tags=()))}")
     for key in ("forward", "backward"):
         name = p[key]
         if name is None or name not in FORMATS:

@@ -15,7 +15,8 @@ direction, at its initial value until its last element), which is what packing c
 
 from __future__ import annotations
 
-from typing import Optional
+import functools
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -33,8 +34,37 @@ def _repack(out: torch.Tensor, like: PackedSequence) -> PackedSequence:
     return PackedSequence(data, like.batch_sizes, like.sorted_indices, like.unsorted_indices)
 
 
+def _cell(pre: torch.Tensor, rec: torch.Tensor, c: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step's cell from its two products' results: the gates, activations and update in FP32,
+    h and c stored in `dtype`."""
+    gates = pre.float() + rec.float()
+    i, f, g, o = gates.chunk(4, 1)
+    c_new = torch.sigmoid(f) * c.float() + torch.sigmoid(i) * torch.tanh(g)
+    h_new = (torch.sigmoid(o) * torch.tanh(c_new)).to(dtype)
+    return h_new, c_new.to(dtype)
+
+
+@functools.cache
+def fused_cell(backend: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """_cell compiled by `backend` (precision.products.fused_cell): its forward and backward each
+    a few fused kernels instead of a dozen per step. Its shapes are symbolic from the start, so
+    that GNMT's batches of every size share a graph; training and evaluation (no gradients) and
+    each dtype compile their own."""
+    return torch.compile(_cell, backend=backend, fullgraph=True, dynamic=True)
+
+
+def fresh_cells() -> None:
+    """Forget the cells compiled so far: dynamo's graphs of a code object are shared by every
+    compile of it, and the runs of a sweep (one process) would add theirs up to its recompile limit."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    fused_cell.cache_clear()
+
+
 class QuantizedLSTM(nn.LSTM):
     products_sites: dict[str, Site]
+    fused_cell: Optional[str] = None  # a torch.compile backend for the cell, or None: eager
 
     def forward(self, input, hx: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
         packed = isinstance(input, PackedSequence)
@@ -98,14 +128,11 @@ class QuantizedLSTM(nn.LSTM):
             weight_hr = sequence_weight(w("weight_hr"), g_hr)
         outs: list[torch.Tensor] = [None] * x.shape[1]  # type: ignore[list-item]
         order = range(x.shape[1] - 1, -1, -1) if d else range(x.shape[1])
+        cell = _cell if self.fused_cell is None else fused_cell(self.fused_cell)
         for t in order:
-            gates = pre[:, t].float() + linear(h, weight_hh, None, hh, observe, w_hh, g_hh).float()
-            i, f, g, o = gates.chunk(4, 1)
-            c_new = torch.sigmoid(f) * c.float() + torch.sigmoid(i) * torch.tanh(g)
-            h_new = (torch.sigmoid(o) * torch.tanh(c_new)).to(dtype)
+            h_new, c_new = cell(pre[:, t], linear(h, weight_hh, None, hh, observe, w_hh, g_hh), c, dtype)
             if self.proj_size:
                 h_new = linear(h_new, weight_hr, None, hr, observe, w_hr, g_hr)
-            c_new = c_new.to(dtype)
             if valid is None:
                 h, c, outs[t] = h_new, c_new, h_new
             else:

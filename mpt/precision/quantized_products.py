@@ -351,7 +351,11 @@ QUANTIZED_MODULES = (nn.Linear, *CONVOLUTIONS, BatchMatmul, nn.LSTM)
 class QuantizedProducts:
     """One network's quantized products: its sites by module name, their state and their path."""
 
-    def __init__(self, model: nn.Module, recipe: Recipe):
+    def __init__(self, model: nn.Module, recipe: Recipe, fused_cell: Optional[str] = None):
+        if fused_cell is not None:  # before this run's networks compile anything (the runner resets again for compile.backend)
+            from .quantized_lstm import fresh_cells
+
+            fresh_cells()
         self.recipe = recipe
         self.sites: dict[str, Site] = {}
         self.device = next(model.parameters(), torch.empty(0)).device  # where delayed scales live
@@ -366,6 +370,7 @@ class QuantizedProducts:
             if isinstance(module, nn.LSTM):  # a site per weight: ih_l0, hh_l0, hr_l0, ih_l0_reverse, ...
                 keys = [n.removeprefix("weight_") for n in module._flat_weights_names if n.startswith("weight_")]
                 module.products_sites = {k: self._site(f"{name}.{k}") for k in keys}
+                module.fused_cell = fused_cell  # type: ignore[assignment]  # a torch.compile backend, or None: eager
             else:
                 module.products_site = self._site(name)  # type: ignore[assignment]  # nn.Module's stub: Tensor | Module
             module.__class__ = cls
@@ -419,4 +424,4 @@ class QuantizedProducts:
 
 def install(model: nn.Module, mode: DictConfig) -> Optional[QuantizedProducts]:
     r = recipe(mode)
-    return None if r is None else QuantizedProducts(model, r)
+    return None if r is None else QuantizedProducts(model, r, mode.products.fused_cell)
