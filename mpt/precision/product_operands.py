@@ -73,7 +73,9 @@ def validate(mode: DictConfig) -> None:
         from torch._dynamo import list_backends  # only when asked for
 
         if p.fused_cell not in list_backends(exclude_tags=()):
-            raise ConfigError(f"precision.products.fused_cell={p.fused_cell}: no such torch.compile backend; choose one of {', '.join(list_backends(exclude_tags=()))}")
+            raise ConfigError(
+                f"precision.products.fused_cell={p.fused_cell}: no such torch.compile backend; choose one of {', '.join(list_backends(exclude_tags=()))}"
+            )
     for key in ("forward", "backward"):
         name = p[key]
         if name is None or name not in FORMATS:
