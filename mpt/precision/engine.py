@@ -20,7 +20,6 @@ The modes (configs/precision/*.yaml) map onto two update paths:
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import Callable, Iterator, cast
 
 import torch
@@ -34,7 +33,7 @@ from .cpu_tensor_cores import TensorCoreArithmetic
 from .cuda_autocast import cuda_autocast, cuda_lists
 from .lookahead import Lookahead
 from .lost_updates import LostUpdates
-from .optim import FP16MomentumSGD, build_torch_optimizer, effective_lr, lr_factor, param_groups, triangle_factor
+from .optim import FP16MomentumSGD, build_lr_schedule, build_torch_optimizer, effective_lr, param_groups
 from .resident_scale import ResidentScale, resolve
 from .scaler import LossScaler
 
@@ -542,25 +541,6 @@ class PrecisionEngine:
             for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
                 if isinstance(group["lr"], torch.Tensor):
                     group["lr"] = float(lr)
-
-
-def build_lr_schedule(
-    optimizer: torch.optim.Optimizer,
-    milestones: list[int],
-    gamma: float,
-    warmup_steps: int,
-    shape: str = "step",
-    triangle: list[float] | None = None,
-    total_steps: int | None = None,
-):
-    if shape == "triangle":
-        assert triangle is not None and total_steps is not None  # checked by the engine and the config
-        return torch.optim.lr_scheduler.LambdaLR(
-            optimizer, functools.partial(triangle_factor, total_steps=total_steps, triangle=(triangle[0], triangle[1], triangle[2]))
-        )
-    if warmup_steps == 0:  # the schedule earlier checkpoints hold
-        return torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=milestones, gamma=gamma)
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(lr_factor, milestones=milestones, gamma=gamma, warmup_steps=warmup_steps))
 
 
 def _by_dtype(tensors: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:

@@ -76,10 +76,6 @@ class FloatFormat:
     def min_subnormal(self) -> float:
         return 2.0 ** (self.emin - self.man_bits)
 
-    @property
-    def has_inf(self) -> bool:
-        return self.specials == "ieee"
-
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
         """The FP32 value of each integer code (sign in the top bit of `bits`); for tests and tables."""
         codes = codes.to(torch.int64)

@@ -22,7 +22,6 @@ import torch
 FP32_MIN_EXP = -149  # 2^-149: FP32's smallest subnormal
 FP32_MAX_EXP = 127  # every finite FP32 value is below 2^128
 NBINS = FP32_MAX_EXP - FP32_MIN_EXP + 1
-FP16_MIN_SUBNORMAL_EXP = -24
 FP16_KEPT_EXP = -25  # the lowest bin that survives a cast (rounding up to 2^-24)
 FP16_MIN_NORMAL_EXP = -14
 FP16_MAX = 65504.0  # the largest finite value

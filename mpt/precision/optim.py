@@ -9,6 +9,7 @@ update instead of in FP16 memory, where small unscaled gradients would flush to 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -157,3 +158,22 @@ def lr_factor(step: int, milestones: list[int], gamma: float, warmup_steps: int)
     `warmup_steps` (NVIDIA's WarmupMultiStepLR), then a factor `gamma` at each milestone passed."""
     warm = 0.01 ** ((warmup_steps - step) / warmup_steps) if step < warmup_steps else 1.0
     return warm * gamma ** sum(step >= m for m in milestones)
+
+
+def build_lr_schedule(
+    optimizer: torch.optim.Optimizer,
+    milestones: list[int],
+    gamma: float,
+    warmup_steps: int,
+    shape: str = "step",
+    triangle: list[float] | None = None,
+    total_steps: int | None = None,
+):
+    if shape == "triangle":
+        assert triangle is not None and total_steps is not None  # checked by the engine and the config
+        return torch.optim.lr_scheduler.LambdaLR(
+            optimizer, functools.partial(triangle_factor, total_steps=total_steps, triangle=(triangle[0], triangle[1], triangle[2]))
+        )
+    if warmup_steps == 0:  # the schedule earlier checkpoints hold
+        return torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=milestones, gamma=gamma)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(lr_factor, milestones=milestones, gamma=gamma, warmup_steps=warmup_steps))
