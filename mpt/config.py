@@ -636,78 +636,8 @@ def validate(cfg: DictConfig) -> None:
     validate_update_extras(cfg)
     if cfg.optim.implementation not in OPTIM_IMPLEMENTATIONS:
         raise ConfigError(f"optim.implementation={cfg.optim.implementation}: expected one of {', '.join(OPTIM_IMPLEMENTATIONS)}")
-    if cfg.optim.implementation != "default" and Update(cfg.precision.update_rule) != Update.optimizer:
-        raise ConfigError(
-            f"optim.implementation={cfg.optim.implementation}: precision={cfg.precision.name} updates FP16 weights with this project's own FP16 update, not torch's optimizers; leave it at default"
-        )
-    if cfg.compile.mode is not None:
-        if cfg.compile.mode not in COMPILE_MODES:
-            raise ConfigError(f"compile.mode={cfg.compile.mode}: expected one of {', '.join(COMPILE_MODES)}")
-        if cfg.compile.backend != "inductor":
-            raise ConfigError(f"compile.mode={cfg.compile.mode}: modes are inductor's; set compile.backend=inductor (got {cfg.compile.backend})")
-    if cfg.compile.backend is not None:
-        from torch._dynamo import list_backends  # only when asked for: torch loads in seconds
-
-        known = list_backends(exclude_tags=())
-        if cfg.compile.backend not in known:
-            raise ConfigError(f"compile.backend={cfg.compile.backend}: no such torch.compile backend; choose one of {', '.join(known)}")
-    if cfg.compile.backend is not None and cfg.schedule.count_flops:
-        import torch
-
-        if not hasattr(torch.compiler, "set_stance"):  # runner/flops.py: the counted step runs the networks eager
-            raise ConfigError(
-                f"compile.backend={cfg.compile.backend} with schedule.count_flops=true: counting FLOPs beside torch.compile needs torch>=2.6 "
-                f"(torch.compiler.set_stance), this is {torch.__version__}; set schedule.count_flops=false"
-            )
-    if cfg.compile.backend is not None and cfg.stats.grad_hist:
-        # The histograms come from hooks installed on sampled steps only, which would recompile the graph.
-        raise ConfigError(f"compile.backend={cfg.compile.backend} with stats.grad_hist=true: gradient histograms need the eager networks; set one of them off")
     if cfg.optim.name not in OPTIMIZERS:
         raise ConfigError(f"optim.name={cfg.optim.name}: expected one of {', '.join(OPTIMIZERS)}")
-
-    scale = cfg.scale
-    if scale.name not in SCALE_NAMES:
-        raise ConfigError(f"scale.name={scale.name}: expected one of {', '.join(SCALE_NAMES)}")
-    if not 0 <= scale.shift_down <= MAX_SHIFT_DOWN:
-        raise ConfigError(f"scale.shift_down={scale.shift_down}: must be an integer from 0 to {MAX_SHIFT_DOWN} (2^-k a normal FP32 number)")
-    if scale.name == "static":
-        value = static_scale_value(cfg)
-        if not (value >= 1 and math.isfinite(value)):
-            raise ConfigError(f"scale.value={value}: a static loss scale must be a finite number >= 1")
-        if scale.max_consecutive_skips < 1:
-            raise ConfigError(f"scale.max_consecutive_skips={scale.max_consecutive_skips}: must be a positive number of steps")
-    if scale.name == "dynamic":
-        if not (1 <= scale.min <= scale.init <= scale.max and math.isfinite(scale.max)):
-            raise ConfigError(f"scale: need 1 <= scale.min <= scale.init <= scale.max (got min={scale.min}, init={scale.init}, max={scale.max})")
-        if not scale.growth > 1:
-            raise ConfigError(f"scale.growth={scale.growth}: must be > 1")
-        if not 0 < scale.backoff < 1:
-            raise ConfigError(f"scale.backoff={scale.backoff}: must be between 0 and 1")
-        if scale.interval < 1:
-            raise ConfigError(f"scale.interval={scale.interval}: must be a positive integer")
-    if scale.name == "auto":
-        if not (0 < scale.min <= scale.init <= scale.max and math.isfinite(scale.max)):
-            raise ConfigError(f"scale: need 0 < scale.min <= scale.init <= scale.max (got min={scale.min}, init={scale.init}, max={scale.max})")
-        for key in ("beta1", "beta2"):
-            if not 0 < scale[key] < 1:
-                raise ConfigError(f"scale.{key}={scale[key]}: must be between 0 and 1")
-        for key in ("std_devs", "margin_bits"):
-            if not (scale[key] >= 0 and math.isfinite(scale[key])):
-                raise ConfigError(f"scale.{key}={scale[key]}: must be a finite number >= 0")
-
-    p = cfg.precision
-    if p.master_weights and p.param_dtype == DType.float32:
-        raise ConfigError(f"precision {p.name}: master_weights needs param_dtype float16 or bfloat16, got float32")
-    if p.update_rule != Update.optimizer and (p.param_dtype != DType.float16 or p.master_weights):
-        raise ConfigError(
-            f"precision {p.name}: update_rule={p.update_rule.name} updates FP16 weights in place; needs param_dtype=float16 and no master weights"
-        )
-    if p.update_rule != Update.optimizer and cfg.optim.name != "sgd":
-        raise ConfigError(
-            f"precision {p.name}: its FP16 update is momentum SGD and cannot run optim.name={cfg.optim.name}; use optim.name=sgd, or precision=mixed"
-        )
-    if p.autocast is not None and p.param_dtype != DType.float32:
-        raise ConfigError(f"precision {p.name}: autocast works on FP32 weights; got param_dtype={p.param_dtype.name}")
 
     if cfg.experiment is not None:
         validate_experiment(cfg)

@@ -89,7 +89,7 @@ def test_a_compile_record_says_why_no_graph_was_captured():
     from omegaconf import OmegaConf
     from torch._dynamo.utils import counters
 
-    from mpt.runner.train import compile_summary
+    from mpt.runner.compiling import compile_summary
 
     c = OmegaConf.create({"backend": "aot_eager", "mode": None})
     torch._dynamo.reset()

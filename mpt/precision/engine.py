@@ -40,6 +40,27 @@ from .scaler import LossScaler
 TORCH_DTYPES = {DType.float32: torch.float32, DType.float16: torch.float16, DType.bfloat16: torch.bfloat16}
 
 
+def validate(cfg: DictConfig) -> None:
+    """Raises ConfigError naming the first bad combination of `precision` with the optimizer."""
+    if cfg.optim.implementation != "default" and Update(cfg.precision.update_rule) != Update.optimizer:
+        raise ConfigError(
+            f"optim.implementation={cfg.optim.implementation}: precision={cfg.precision.name} updates FP16 weights with this project's own FP16 update, not torch's optimizers; leave it at default"
+        )
+    p = cfg.precision
+    if p.master_weights and p.param_dtype == DType.float32:
+        raise ConfigError(f"precision {p.name}: master_weights needs param_dtype float16 or bfloat16, got float32")
+    if p.update_rule != Update.optimizer and (p.param_dtype != DType.float16 or p.master_weights):
+        raise ConfigError(
+            f"precision {p.name}: update_rule={p.update_rule.name} updates FP16 weights in place; needs param_dtype=float16 and no master weights"
+        )
+    if p.update_rule != Update.optimizer and cfg.optim.name != "sgd":
+        raise ConfigError(
+            f"precision {p.name}: its FP16 update is momentum SGD and cannot run optim.name={cfg.optim.name}; use optim.name=sgd, or precision=mixed"
+        )
+    if p.autocast is not None and p.param_dtype != DType.float32:
+        raise ConfigError(f"precision {p.name}: autocast works on FP32 weights; got param_dtype={p.param_dtype.name}")
+
+
 def torch_dtype(d: DType | str) -> torch.dtype:
     return TORCH_DTYPES[DType(d) if isinstance(d, str) else d]
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from omegaconf import DictConfig
 
-from ..config import static_scale_value
+from ..config import MAX_SHIFT_DOWN, SCALE_NAMES, ConfigError, static_scale_value
 from .grad_histogram import FP16_MAX
 
 
@@ -219,6 +219,39 @@ class AutoScaler(LossScaler):
         self.scale = float(state["scale"])
         self.fast_mean, self.slow_mean, self.slow_square = (float(state[k]) for k in ("fast_mean", "slow_mean", "slow_square"))
         self.observations = int(state["observations"])
+
+
+def validate(cfg: DictConfig) -> None:
+    """Raises ConfigError naming the first bad setting of `scale` (cfg: the whole run config)."""
+    scale = cfg.scale
+    if scale.name not in SCALE_NAMES:
+        raise ConfigError(f"scale.name={scale.name}: expected one of {', '.join(SCALE_NAMES)}")
+    if not 0 <= scale.shift_down <= MAX_SHIFT_DOWN:
+        raise ConfigError(f"scale.shift_down={scale.shift_down}: must be an integer from 0 to {MAX_SHIFT_DOWN} (2^-k a normal FP32 number)")
+    if scale.name == "static":
+        value = static_scale_value(cfg)
+        if not (value >= 1 and math.isfinite(value)):
+            raise ConfigError(f"scale.value={value}: a static loss scale must be a finite number >= 1")
+        if scale.max_consecutive_skips < 1:
+            raise ConfigError(f"scale.max_consecutive_skips={scale.max_consecutive_skips}: must be a positive number of steps")
+    if scale.name == "dynamic":
+        if not (1 <= scale.min <= scale.init <= scale.max and math.isfinite(scale.max)):
+            raise ConfigError(f"scale: need 1 <= scale.min <= scale.init <= scale.max (got min={scale.min}, init={scale.init}, max={scale.max})")
+        if not scale.growth > 1:
+            raise ConfigError(f"scale.growth={scale.growth}: must be > 1")
+        if not 0 < scale.backoff < 1:
+            raise ConfigError(f"scale.backoff={scale.backoff}: must be between 0 and 1")
+        if scale.interval < 1:
+            raise ConfigError(f"scale.interval={scale.interval}: must be a positive integer")
+    if scale.name == "auto":
+        if not (0 < scale.min <= scale.init <= scale.max and math.isfinite(scale.max)):
+            raise ConfigError(f"scale: need 0 < scale.min <= scale.init <= scale.max (got min={scale.min}, init={scale.init}, max={scale.max})")
+        for key in ("beta1", "beta2"):
+            if not 0 < scale[key] < 1:
+                raise ConfigError(f"scale.{key}={scale[key]}: must be between 0 and 1")
+        for key in ("std_devs", "margin_bits"):
+            if not (scale[key] >= 0 and math.isfinite(scale[key])):
+                raise ConfigError(f"scale.{key}={scale[key]}: must be a finite number >= 0")
 
 
 def build_scaler(cfg: DictConfig) -> LossScaler:

@@ -14,7 +14,7 @@ import sys
 import time
 from itertools import islice
 from pathlib import Path
-from typing import Any, Iterator, cast
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -40,6 +40,7 @@ from ..precision.engine import (
 from ..precision.optim import effective_lr
 from ..precision.scaler import Diverged, build_scaler
 from . import checkpoint, determinism, identity
+from .compiling import compile_networks, compile_summary
 from .flops import counting_flops, flops_record, mfu
 from .grad_collector import GradStatsCollector
 from .memory import MemoryPeaks
@@ -103,23 +104,6 @@ def _non_finite(engine: PrecisionEngine) -> str:
     return "; ".join(parts + ([f"{masters} FP32 master weight{'s' * (masters != 1)}"] if masters else []))
 
 
-def compile_summary(c: DictConfig) -> dict:
-    """What torch.compile made of the run's networks (dynamo's counters, reset when they were
-    compiled), and where it captured no graph, why not."""
-    from torch._dynamo.utils import counters
-
-    graphs, frames = int(counters["stats"]["unique_graphs"]), dict(counters["frames"])
-    out = {"backend": c.backend, "mode": c.mode, "unique_graphs": graphs, "graph_breaks": int(sum(counters["graph_break"].values())), "frames": frames}
-    if graphs == 0:
-        reasons = [reason for reason, _ in (counters["graph_break"] + counters["unimplemented"]).most_common(3)]
-        out["why_no_graph"] = (
-            "no frame reached dynamo: the networks ran eager (a stance, a dispatch mode, or a frame marked skipped)"
-            if not frames.get("total")
-            else f"dynamo saw {frames['total']} frames and captured no graph" + (f": {'; '.join(reasons)}" if reasons else "")
-        )
-    return out
-
-
 class Run:
     """One training run: built from a validated config, writing into `run_dir`."""
 
@@ -173,7 +157,7 @@ class Run:
         if self.dist.enabled:
             self._wrap_for_data_parallel()
         if cfg.compile.backend is not None:
-            self._compile_networks()
+            compile_networks(self.task, cfg.compile)
         self.forward_context = lambda: forward_context(cfg, self.device)
         self.grad_stats = GradStatsCollector(cfg.stats, {name: e.model for name, e in self.engines.items()}, self.device, s.throughput_warmup)
         # Not under torchrun: a re-run's backward would enter data parallelism's collectives alone;
@@ -374,21 +358,6 @@ class Run:
             if allreduce is not None:
                 ddp.register_comm_hook(None, allreduce_in(torch_dtype(allreduce)))
             self.task.set_network(name, ddp)
-
-    def _compile_networks(self) -> None:
-        """The task trains and evaluates through torch.compile'd networks (after DDP's wrapper, as
-        torch recommends); the engine keeps the module itself, whose parameters they share."""
-        import torch._dynamo
-        from torch._dynamo.utils import counters
-
-        c = self.cfg.compile
-        # A fresh cache per run: the runs of a sweep share the process, and an earlier run's graphs
-        # would count against this one's recompile limit and in its record's graph counts.
-        torch._dynamo.reset()
-        counters.clear()
-        for name, net in self.task.networks().items():
-            # a module compiled is a module (an OptimizedModule); the stub says any callable
-            self.task.set_network(name, cast(torch.nn.Module, torch.compile(net, backend=c.backend, mode=c.mode)))
 
     def _model_state(self, network: str, model: torch.nn.Module) -> dict:
         """The network's state dict, with per-stream buffers gathered from every rank (collective)."""
