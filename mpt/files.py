@@ -7,10 +7,12 @@ checkpoints, here for every file a run rewrites).
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import tempfile
 from pathlib import Path
-from typing import BinaryIO, Callable, cast
+from typing import Any, BinaryIO, Callable, cast
 
 
 class WriteError(OSError):
@@ -96,3 +98,18 @@ def remove_stale_temporaries(folder: Path) -> None:
     """The temporaries of writes a kill cut short; call only while no one else writes in `folder`."""
     for stale in folder.glob(f".*{_TMP_SUFFIX}"):
         stale.unlink(missing_ok=True)
+
+
+def json_safe(value: Any) -> Any:
+    """NaN and inf are not JSON: write them as strings so every record parses everywhere."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    write_bytes_atomic(path, json.dumps(json_safe(data), indent=2, allow_nan=False).encode())

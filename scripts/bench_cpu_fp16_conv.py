@@ -24,8 +24,9 @@ sys.path.insert(0, str(ROOT))
 
 import contextlib  # noqa: E402
 
+from mpt.files import write_json_atomic  # noqa: E402
 from mpt.precision.cpu_tensor_cores import TensorCoreArithmetic  # noqa: E402
-from mpt.runner.record import environment, git_commit, now_iso, write_json_atomic  # noqa: E402
+from mpt.provenance import environment, git_commit, now_iso  # noqa: E402
 
 
 def build(model: str, image_size: int) -> torch.nn.Module:

@@ -30,8 +30,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from mpt.config import register_configs  # noqa: E402
+from mpt.files import write_json_atomic  # noqa: E402
 from mpt.precision.engine import held_for_the_run  # noqa: E402
-from mpt.runner.record import code_identity, environment, now_iso, write_json_atomic  # noqa: E402
+from mpt.provenance import code_identity, environment, now_iso  # noqa: E402
 from mpt.runner.throughput import synchronize  # noqa: E402
 from mpt.runner.train import Run, resolve_device  # noqa: E402
 from mpt.runner.validation import validate  # noqa: E402

@@ -34,8 +34,9 @@ sys.path.insert(0, str(ROOT))
 
 from mpt.config import register_configs  # noqa: E402
 from mpt.datasets.synthetic import SyntheticImages  # noqa: E402
+from mpt.files import write_json_atomic  # noqa: E402
 from mpt.precision.engine import set_fp32_math  # noqa: E402
-from mpt.runner.record import code_identity, environment, now_iso, write_json_atomic  # noqa: E402
+from mpt.provenance import code_identity, environment, now_iso  # noqa: E402
 from mpt.runner.throughput import synchronize  # noqa: E402
 from mpt.runner.train import Run, resolve_device  # noqa: E402
 from mpt.runner.validation import validate  # noqa: E402

@@ -33,7 +33,8 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mpt.runner.record import environment, git_commit, now_iso, write_json_atomic  # noqa: E402
+from mpt.files import write_json_atomic  # noqa: E402
+from mpt.provenance import environment, git_commit, now_iso  # noqa: E402
 from tests.test_cpu_tensor_cores import ulp  # noqa: E402
 
 

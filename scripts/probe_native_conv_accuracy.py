@@ -20,8 +20,9 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from mpt.files import write_json_atomic  # noqa: E402
 from mpt.precision.cpu_tensor_cores import TensorCoreArithmetic  # noqa: E402
-from mpt.runner.record import environment, git_commit, now_iso, write_json_atomic  # noqa: E402
+from mpt.provenance import environment, git_commit, now_iso  # noqa: E402
 from tests.test_cpu_tensor_cores import against_float64, bound_fraction  # noqa: E402
 
 SHAPES = [(2, 6, 7, 7), (4, 6, 3, 3), (4,)]  # input, weight, bias; padding 1

@@ -77,7 +77,7 @@ def summary(args: argparse.Namespace, results: list[dict]) -> dict:
     import torch
 
     sys.path.insert(0, str(ROOT))
-    from mpt.runner.record import cpu_name, git_commit
+    from mpt.provenance import cpu_name, git_commit
 
     return {
         "command": " ".join(command(Path("<tmp>/run"), args.data)),

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from mpt.config import as_plain
+from mpt.files import write_json_atomic
 from mpt.runner.identity import same_computation
-from mpt.runner.record import SCHEMA_VERSION, RecordError, RunRecord, write_json_atomic
+from mpt.runner.record import SCHEMA_VERSION, RecordError, RunRecord
 from mpt.runner.train import Run
 from mpt.runner.validation import validate
 
@@ -208,7 +209,7 @@ def test_an_lstm_models_config_from_before_the_gate_rounding_is_judged_by_what_i
 
 
 def test_a_tree_copied_without_git_names_the_commit_it_was_packed_from(tmp_path, monkeypatch):
-    from mpt.runner.record import git_commit as cached
+    from mpt.provenance import git_commit as cached
 
     git_commit = cached.__wrapped__  # the function itself, not the per-process cache
 
@@ -223,7 +224,7 @@ def test_a_tree_copied_without_git_names_the_commit_it_was_packed_from(tmp_path,
 def test_configs_from_another_checkout_are_named_and_make_the_record_dirty(tmp_path, monkeypatch):
     import subprocess
 
-    from mpt.runner.record import code_identity, git_commit
+    from mpt.provenance import code_identity, git_commit
 
     monkeypatch.delenv("MPT_GIT_COMMIT", raising=False)
 
@@ -339,7 +340,7 @@ def test_a_deterministic_run_names_the_ops_torch_ran_without_a_deterministic_ker
 def test_a_changed_record_or_sweep_file_under_results_leaves_the_tree_clean_and_code_does_not(tmp_path, monkeypatch):
     import subprocess
 
-    from mpt.runner.record import git_commit as cached
+    from mpt.provenance import git_commit as cached
 
     git_commit = cached.__wrapped__
     monkeypatch.delenv("MPT_GIT_COMMIT", raising=False)

@@ -22,7 +22,7 @@ import struct
 import sys
 from pathlib import Path
 
-from .record import now_iso
+from ..provenance import now_iso
 
 FILENAME = ".lock"
 

@@ -39,6 +39,7 @@ from ..precision.engine import (
 )
 from ..precision.optim import effective_lr
 from ..precision.scaler import Diverged, build_scaler
+from ..provenance import code_identity, describe_code, environment, now_iso
 from . import checkpoint, determinism, identity
 from .compiling import compile_networks, compile_summary
 from .flops import counting_flops, flops_record, mfu
@@ -46,7 +47,7 @@ from .grad_collector import GradStatsCollector
 from .memory import MemoryPeaks
 from .overflow_trace import OverflowTracer
 from .progress import Progress
-from .record import MetricsLog, NullLog, RunRecord, code_identity, describe_code, environment, now_iso
+from .record import MetricsLog, NullLog, RunRecord
 from .tensorboard_log import NullBoard, TensorBoardLog, open_board
 from .throughput import ThroughputMeter
 from .time_to_result import TimeToResult
