@@ -271,11 +271,11 @@ def test_a_resumed_launch_killed_before_its_own_checkpoint_leaves_a_record_namin
 
 
 def test_a_run_resumes_across_a_commit_and_an_uncommitted_change_naming_both(tmp_path, in_process, monkeypatch, capsys):
-    from mpt.runner import train
+    from mpt import provenance
 
     args = [TINY, "schedule=smoke", "schedule.steps=4", "schedule.checkpoint_every=2"]
     codes = iter([{"commit": "a" * 40, "dirty": False}, {"commit": "b" * 40, "dirty": True}])
-    monkeypatch.setattr(train, "code_identity", lambda: code)
+    monkeypatch.setattr(provenance, "code_identity", lambda: code)  # read when a record starts
     code = next(codes)
     first = build_run(tmp_path, *args)
     stop_at(first, 3)

@@ -15,7 +15,11 @@ from typing import TYPE_CHECKING, Optional, TextIO
 from ..files import failed_write, json_safe, write_json_atomic, write_text_atomic
 
 if TYPE_CHECKING:
-    pass
+    import torch
+    from omegaconf import DictConfig
+
+    from ..distributed import Dist
+    from ..models import Task
 
 SCHEMA_VERSION = 1  # raised when a field changes meaning or type; new optional fields do not need it
 
@@ -137,6 +141,92 @@ class RunRecord:
                 continue
             out[f.name] = value
         return {**out, **self.extra}
+
+    @classmethod
+    def starting(
+        cls,
+        cfg: DictConfig,
+        *,
+        run_dir: Path,
+        variant: str,
+        device: torch.device,
+        dist: Dist,
+        task: Task,
+        data_info: dict,
+        total_steps: int,
+        fp32_math: dict,
+        channels_last: bool,
+        products: dict | None,
+    ) -> RunRecord:
+        """A run's record as it starts (status `running`): its config, its mode as the engine set it
+        up (`fp32_math`, `channels_last`, the FP8/MX `products`), the data, the task, the machine and
+        the code."""
+        # Imported here: the report reads records without loading torch.
+        from ..config import GROUPS, as_plain, static_scale_value
+        from ..distributed import backend
+        from ..precision.engine import computes_low_precision_on_cpu
+        from ..precision.optim import effective_lr
+        from ..provenance import code_identity, environment, now_iso
+
+        code = code_identity()
+        plain = as_plain(cfg)
+        return cls(
+            status="running",
+            run_dir=str(run_dir),
+            choices={k: plain[k]["name"] for k in GROUPS},
+            variant=variant,
+            seed=cfg.seed,
+            config=plain,
+            precision={
+                "name": cfg.precision.name,
+                "label": cfg.precision.label,
+                "param_dtype": cfg.precision.param_dtype.name,
+                "master_weights": cfg.precision.master_weights,
+                "norm_fp32": cfg.precision.norm_fp32,
+                "autocast": cfg.precision.autocast.name if cfg.precision.autocast else None,
+                "update": cfg.precision.update_rule.name,
+                "fp32_math": fp32_math,
+                "tf32_active": bool(cfg.precision.tf32 and device.type == "cuda"),  # TF32 exists only on CUDA
+                "channels_last": channels_last,
+                # FP16/BF16 products and LSTMs on a CPU: as a GPU's (cpu_tensor_cores.py) or torch's own kernels
+                "cpu_arithmetic": ("emulated" if cfg.emulate_tensor_cores else "native") if computes_low_precision_on_cpu(cfg.precision, device) else None,
+                "autocast_lists": "cuda" if cfg.precision.autocast else None,  # on a CPU too (cuda_autocast.py)
+                "products": products,
+            },
+            scale_config={
+                "strategy": cfg.scale.name,
+                "value": static_scale_value(cfg) if cfg.scale.name == "static" else None,
+            },
+            optim={
+                "name": cfg.optim.name,
+                "lr": effective_lr(cfg),
+                "lr_config": cfg.optim.lr,
+                "lr_batch": cfg.optim.lr_batch,
+                "batch_size": cfg.schedule.batch_size,
+            },
+            # schedule.batch_size is the global batch; each process trains on its slice of it.
+            distributed={
+                "world_size": dist.world_size,
+                "backend": backend(device) if dist.enabled else None,
+                "global_batch_size": cfg.schedule.batch_size,
+                "per_process_batch_size": cfg.schedule.batch_size // dist.world_size,
+                "allreduce_dtype": cfg.precision.allreduce_dtype.name if cfg.precision.allreduce_dtype else "the gradients' own",
+                "sync_batchnorm": cfg.distributed.sync_batchnorm,
+            },
+            data={k: v for k, v in data_info.items() if isinstance(v, (str, int, float, bool, type(None)))},
+            total_steps=total_steps,
+            steps=0,
+            samples=0,
+            primary_metric=task.primary_metric,
+            higher_is_better=task.higher_is_better,
+            evaluation=task.evaluation_info,
+            sample_grids=[] if task.saves_samples else None,
+            environment=environment(device),
+            git=code,
+            segments=[{"from_step": 0, "to_step": 0, "total_steps": total_steps, "git": dict(code)}],
+            started_at=now_iso(),
+            nondeterministic_ops=[] if cfg.deterministic else None,
+        )
 
     def write(self, path: Path) -> None:
         write_json_atomic(path, self.to_dict())

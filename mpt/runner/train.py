@@ -21,25 +21,23 @@ import torch
 from omegaconf import DictConfig
 
 from .. import preemption
-from ..config import GROUPS, ConfigError, as_plain, static_scale_value
+from ..config import ConfigError, as_plain
 from ..datasets import build_data
 from ..datasets.fingerprint import fingerprint
-from ..distributed import Dist, allreduce_in, backend, from_env
+from ..distributed import Dist, allreduce_in, from_env
 from ..distributed import setup as setup_distributed
 from ..models import build_task
 from ..precision.engine import (
     PrecisionEngine,
     check_device_support,
-    computes_low_precision_on_cpu,
     default_channels_last,
     forward_context,
     held_for_the_run,
     set_fp32_math,
     torch_dtype,
 )
-from ..precision.optim import effective_lr
 from ..precision.scaler import Diverged, build_scaler
-from ..provenance import code_identity, describe_code, environment, now_iso
+from ..provenance import describe_code, now_iso
 from . import checkpoint, determinism, identity
 from .compiling import compile_networks, compile_summary
 from .flops import counting_flops, flops_record, mfu
@@ -178,7 +176,19 @@ class Run:
         self.checkpoint_every = s.checkpoint_every
         self.checkpointed_at: int | None = None
         self.peers_preempted = False  # under torchrun: a rank got a preemption signal (as of the last flush)
-        self.record = self._initial_record()
+        self.record = RunRecord.starting(
+            cfg,
+            run_dir=run_dir,
+            variant=variant,
+            device=self.device,
+            dist=self.dist,
+            task=self.task,
+            data_info=self.data.info,
+            total_steps=self.total_steps,
+            fp32_math=self.fp32_math,
+            channels_last=self.channels_last,
+            products=self._products_record(),
+        )
         saved = self._within_schedule(saved)
         # Rank 0 writes everything; the other ranks compute the same log rows and drop them.
         self.metrics = MetricsLog(run_dir / "metrics.jsonl", keep_before_step=saved["step"] if saved else None) if self.dist.is_main else NullLog()
@@ -399,68 +409,6 @@ class Run:
         # relaunch keeps.
         self.record.steps, self.record.samples, self.record.checkpoint_step = self.step, state["samples"], self.step
         self.save_record()
-
-    def _initial_record(self) -> RunRecord:
-        cfg = self.cfg
-        code = code_identity()
-        plain = as_plain(cfg)
-        return RunRecord(
-            status="running",
-            run_dir=str(self.run_dir),
-            choices={k: plain[k]["name"] for k in GROUPS},
-            variant=self.variant,
-            seed=cfg.seed,
-            config=plain,
-            precision={
-                "name": cfg.precision.name,
-                "label": cfg.precision.label,
-                "param_dtype": cfg.precision.param_dtype.name,
-                "master_weights": cfg.precision.master_weights,
-                "norm_fp32": cfg.precision.norm_fp32,
-                "autocast": cfg.precision.autocast.name if cfg.precision.autocast else None,
-                "update": cfg.precision.update_rule.name,
-                "fp32_math": self.fp32_math,
-                "tf32_active": bool(cfg.precision.tf32 and self.device.type == "cuda"),  # TF32 exists only on CUDA
-                "channels_last": self.channels_last,
-                # FP16/BF16 products and LSTMs on a CPU: as a GPU's (cpu_tensor_cores.py) or torch's own kernels
-                "cpu_arithmetic": ("emulated" if cfg.emulate_tensor_cores else "native") if computes_low_precision_on_cpu(cfg.precision, self.device) else None,
-                "autocast_lists": "cuda" if cfg.precision.autocast else None,  # on a CPU too (cuda_autocast.py)
-                "products": self._products_record(),
-            },
-            scale_config={
-                "strategy": cfg.scale.name,
-                "value": static_scale_value(cfg) if cfg.scale.name == "static" else None,
-            },
-            optim={
-                "name": cfg.optim.name,
-                "lr": effective_lr(cfg),
-                "lr_config": cfg.optim.lr,
-                "lr_batch": cfg.optim.lr_batch,
-                "batch_size": cfg.schedule.batch_size,
-            },
-            # schedule.batch_size is the global batch; each process trains on its slice of it.
-            distributed={
-                "world_size": self.dist.world_size,
-                "backend": backend(self.device) if self.dist.enabled else None,
-                "global_batch_size": cfg.schedule.batch_size,
-                "per_process_batch_size": cfg.schedule.batch_size // self.dist.world_size,
-                "allreduce_dtype": cfg.precision.allreduce_dtype.name if cfg.precision.allreduce_dtype else "the gradients' own",
-                "sync_batchnorm": cfg.distributed.sync_batchnorm,
-            },
-            data={k: v for k, v in self.data.info.items() if isinstance(v, (str, int, float, bool, type(None)))},
-            total_steps=self.total_steps,
-            steps=0,
-            samples=0,
-            primary_metric=self.task.primary_metric,
-            higher_is_better=self.task.higher_is_better,
-            evaluation=self.task.evaluation_info,
-            sample_grids=[] if self.task.saves_samples else None,
-            environment=environment(self.device),
-            git=code,
-            segments=[{"from_step": 0, "to_step": 0, "total_steps": self.total_steps, "git": dict(code)}],
-            started_at=now_iso(),
-            nondeterministic_ops=[] if cfg.deterministic else None,
-        )
 
     def _over_ranks(self, tp: dict) -> dict:
         """Throughput of the whole job: each process's figure summed over processes."""
