@@ -20,7 +20,7 @@ from mpt.datasets.text_corpus import EOS, UNK, MarkovSource, Sentences, rows_of
 from mpt.models import biglstm
 from mpt.models.biglstm import BigLSTM, LanguageModel, log_uniform_log_prob, log_uniform_sample, sampled_softmax_loss
 from mpt.precision import product_operands as ops
-from mpt.precision import quantized_products as qp
+from mpt.precision import quantized_model as qm
 from mpt.precision.engine import PrecisionEngine
 from mpt.precision.formats import get_format
 from mpt.precision.scaler import build_scaler
@@ -226,7 +226,7 @@ def test_the_true_logit_as_a_product_is_the_diagonal_of_the_quantized_logits():
     (dot, _), (product, _) = logits(nets["dot"]), logits(nets["product"])
     assert torch.allclose(product, dot, rtol=1e-5, atol=1e-6)  # unquantized, one logit either way
     for net in nets.values():
-        qp.QuantizedProducts(net, mxfp4)
+        qm.QuantizedProducts(net, mxfp4)
     (dot, dot_full), (product, product_full) = logits(nets["dot"]), logits(nets["product"])
     assert torch.equal(dot_full, product_full)
     assert torch.allclose(product, product_full.diagonal(), rtol=1e-6, atol=1e-6)

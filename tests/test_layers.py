@@ -80,3 +80,49 @@ def test_the_check_resolves_relative_and_nested_imports():
 def test_every_module_is_in_a_layer():
     for path in modules():
         layer_of(module_name(path))
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Each module's mpt imports, at the top or inside a function, as modules of the tree."""
+    names = {module_name(p) for p in modules()}
+    graph = {}
+    for path in modules():
+        targets = set()
+        for t in imported(path):
+            while t and t not in names:  # `from .x import y`: y is a name in module x
+                t = t.rpartition(".")[0]
+            if t and t != module_name(path):
+                targets.add(t)
+        graph[module_name(path)] = targets
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles: modules that reach themselves, each circle once, by depth-first search."""
+    found, done = [], set()
+
+    def visit(node: str, path: list[str]) -> None:
+        if node in path:
+            circle = path[path.index(node) :]
+            if set(circle) not in [set(c) for c in found]:
+                found.append(circle)
+            return
+        if node in done:
+            return
+        for nxt in sorted(graph.get(node, ())):
+            visit(nxt, [*path, node])
+        done.add(node)
+
+    for node in sorted(graph):
+        visit(node, [])
+    return found
+
+
+def test_no_module_imports_itself_round_a_circle():
+    """Deferred imports count: one inside a function is still a circle the layering hides."""
+    assert circles(import_graph()) == []
+
+
+def test_the_circle_check_finds_a_circle():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set()}) == []

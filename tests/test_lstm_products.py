@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from mpt.precision import product_operands as ops
+from mpt.precision import quantized_model as qm
 from mpt.precision import quantized_products as qp
 from mpt.precision.formats import E4M3, E5M2, BlockFormat, get_format, quantize
 
@@ -20,13 +21,13 @@ RECIPES = {
 STEPS, BATCH = 5, 16
 
 
-def lstm_with(recipe: ops.Recipe, proj_size: int = 0, fused_cell: str | None = None) -> tuple[nn.LSTM, qp.QuantizedProducts]:
+def lstm_with(recipe: ops.Recipe, proj_size: int = 0, fused_cell: str | None = None) -> tuple[nn.LSTM, qm.QuantizedProducts]:
     torch.manual_seed(0)
     lstm = nn.LSTM(32, 32, num_layers=2, proj_size=proj_size, bidirectional=True)
-    return lstm, qp.QuantizedProducts(lstm, recipe, fused_cell)
+    return lstm, qm.QuantizedProducts(lstm, recipe, fused_cell)
 
 
-def train_step(lstm: nn.LSTM, products: qp.QuantizedProducts, seed: int = 1) -> list[torch.Tensor]:
+def train_step(lstm: nn.LSTM, products: qm.QuantizedProducts, seed: int = 1) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(STEPS, BATCH, 32, generator=gen).requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16):

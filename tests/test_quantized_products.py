@@ -16,6 +16,7 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from mpt.config import ConfigError
 from mpt.precision import product_operands as ops
+from mpt.precision import quantized_model as qm
 from mpt.precision import quantized_products as qp
 from mpt.precision.formats import E4M3, E5M2, get_format, quantize
 from mpt.runner.validation import validate
@@ -84,7 +85,7 @@ def test_an_fp8_linear_layer_computes_what_torchaos_emulated_float8linear_comput
     ref = nn.Sequential(nn.Linear(64, 48))
     ours = copy.deepcopy(ref)
     float8.convert_to_float8_training(ref, config=float8.Float8LinearConfig(emulate=True))
-    qp.QuantizedProducts(ours, FP8)
+    qm.QuantizedProducts(ours, FP8)
     x = torch.randn(16, 64) * 3
     g = torch.randn(16, 48) * 1e-3
     for autocast in (False, True):
@@ -107,7 +108,7 @@ def test_each_product_of_an_mx_linear_layer_takes_its_blocks_along_its_own_reduc
     torch.manual_seed(0)
     layer = nn.Linear(64, 96)
     w = layer.weight.detach().clone()
-    qp.QuantizedProducts(layer, MXFP8)
+    qm.QuantizedProducts(layer, MXFP8)
     x = torch.randn(2, 8, 64, requires_grad=True)
     y = layer(x)
     g = torch.randn_like(y)
@@ -126,7 +127,7 @@ def test_each_product_of_an_mx_convolution_takes_its_blocks_along_its_own_reduct
     torch.manual_seed(0)
     conv = nn.ConvTranspose2d(40, 36, 4, stride=2, padding=1) if transposed else nn.Conv2d(40, 36, 3, stride=2, padding=1)
     w = conv.weight.detach().clone()
-    qp.QuantizedProducts(conv, MXFP8)
+    qm.QuantizedProducts(conv, MXFP8)
     x = torch.randn(34, 40, 6, 6, requires_grad=True)
     y = conv(x)
     g = torch.randn_like(y)
@@ -166,7 +167,7 @@ def test_delayed_scaling_follows_transformer_engines_recurrence():
 
 def test_a_delayed_layer_quantizes_with_the_last_steps_scale_and_keeps_the_largest_amax_of_a_step():
     layer = nn.Linear(8, 4, bias=False)
-    products = qp.QuantizedProducts(layer, ops.Recipe(E4M3, E5M2, "delayed", 16, 0, "max"))
+    products = qm.QuantizedProducts(layer, ops.Recipe(E4M3, E5M2, "delayed", 16, 0, "max"))
     x = torch.randn(5, 8) * 1000  # beyond E4M3's 448: unscaled at step 0, it saturates
     w = layer.weight.detach()
     assert torch.equal(layer(x).detach(), F.linear(ops.round_to(x, E4M3), ops.round_to(w, E4M3)))
@@ -185,7 +186,7 @@ def test_a_delayed_layer_quantizes_with_the_last_steps_scale_and_keeps_the_large
 
 def test_a_step_run_again_quantizes_with_the_scales_it_ran_with_and_adds_no_amax():
     layer = nn.Linear(8, 4, bias=False)
-    products = qp.QuantizedProducts(layer, ops.Recipe(E4M3, E5M2, "delayed", 16, 0, "max"))
+    products = qm.QuantizedProducts(layer, ops.Recipe(E4M3, E5M2, "delayed", 16, 0, "max"))
     x = torch.randn(5, 8) * 1000
     first = layer(x).detach()
     products.end_step()
@@ -205,7 +206,7 @@ def test_delayed_state_saved_and_loaded_continues_as_if_never_stopped():
     recipe = ops.Recipe(E4M3, E5M2, "delayed", 3, 0, "max")
     layers = [nn.Linear(8, 4), nn.Linear(8, 4)]
     layers[1].load_state_dict(layers[0].state_dict())
-    a, b = (qp.QuantizedProducts(layer, recipe) for layer in layers)
+    a, b = (qm.QuantizedProducts(layer, recipe) for layer in layers)
     xs = [torch.randn(5, 8) * 10**k for k in range(6)]
     for x in xs[:4]:  # the history of 3 wraps
         layers[0](x).sum().backward()
@@ -224,7 +225,7 @@ def test_delayed_state_saved_and_loaded_continues_as_if_never_stopped():
 
 def test_under_torchrun_each_amax_is_the_largest_over_the_ranks():
     layer = nn.Linear(8, 4, bias=False)
-    products = qp.QuantizedProducts(layer, ops.Recipe(E4M3, E5M2, "delayed", 16, 0, "max"))
+    products = qm.QuantizedProducts(layer, ops.Recipe(E4M3, E5M2, "delayed", 16, 0, "max"))
     x = torch.randn(5, 8)
     layer(x)
     products.end_step(reduce_max=lambda t: t * 4)  # another rank saw four times this one's amax
@@ -240,16 +241,16 @@ def test_a_subclass_with_its_own_forward_is_refused_and_one_without_is_quantized
         pass
 
     with pytest.raises(ConfigError, match="Scaled has a forward of its own; only Linear itself can be quantized"):
-        qp.QuantizedProducts(Scaled(4, 4), FP8)
+        qm.QuantizedProducts(Scaled(4, 4), FP8)
     lstm = Plain(4, 4)
-    qp.QuantizedProducts(lstm, FP8)
+    qm.QuantizedProducts(lstm, FP8)
     assert isinstance(lstm, Plain) and lstm(torch.randn(3, 2, 4))[0].shape == (3, 2, 4)
 
 
 def test_a_batched_product_and_an_fp8_convolution_take_their_operands_as_quantized():
     torch.manual_seed(0)
     mm = qp.BatchMatmul()
-    qp.QuantizedProducts(mm, MXFP8)
+    qm.QuantizedProducts(mm, MXFP8)
     a, b = torch.randn(3, 5, 64, requires_grad=True), torch.randn(3, 64, 40, requires_grad=True)
     y = mm(a, b)
     g = torch.randn_like(y)
@@ -261,7 +262,7 @@ def test_a_batched_product_and_an_fp8_convolution_take_their_operands_as_quantiz
 
     conv = nn.Conv2d(6, 8, 3, padding=1, bias=False)
     w = conv.weight.detach().clone()
-    qp.QuantizedProducts(conv, FP8)
+    qm.QuantizedProducts(conv, FP8)
     x = (torch.randn(2, 6, 5, 5) * 50).requires_grad_()
     y = conv(x)
     g = torch.randn_like(y)
@@ -282,7 +283,7 @@ def test_the_written_out_lstm_computes_what_nn_lstm_computes(monkeypatch):
     for kw in (dict(num_layers=2, batch_first=True, bidirectional=True), dict(num_layers=2, proj_size=3, batch_first=True), dict(num_layers=1)):
         ref = nn.LSTM(5, 6, **kw)
         ours = copy.deepcopy(ref)
-        qp.QuantizedProducts(ours, FP8)
+        qm.QuantizedProducts(ours, FP8)
         batch_first = kw.get("batch_first", False)
         x = torch.randn(4, 7, 5) if batch_first else torch.randn(7, 4, 5)
         for packed in (False, True):
@@ -301,7 +302,7 @@ def test_the_written_out_lstm_computes_what_nn_lstm_computes(monkeypatch):
 
 def test_an_fp8_lstm_quantizes_every_gate_product():
     lstm = nn.LSTM(6, 8, num_layers=2, proj_size=4, bidirectional=True)
-    products = qp.QuantizedProducts(lstm, ops.Recipe(E4M3, E5M2, "delayed", 4, 0, "max"))
+    products = qm.QuantizedProducts(lstm, ops.Recipe(E4M3, E5M2, "delayed", 4, 0, "max"))
     out, _ = lstm(torch.randn(5, 3, 6))
     out.sum().backward()
     assert sorted(products.sites) == sorted(f".{k}_l{i}{d}" for k in ("ih", "hh", "hr") for i in (0, 1) for d in ("", "_reverse"))
@@ -325,7 +326,7 @@ def test_recurrent_weights_quantized_once_per_forward_give_each_steps_own_values
     def run(reuse: bool):
         torch.manual_seed(0)
         lstm = nn.LSTM(40, 48, num_layers=2, proj_size=36, bidirectional=True)
-        products = qp.QuantizedProducts(lstm, recipe)
+        products = qm.QuantizedProducts(lstm, recipe)
         results = []
         with monkeypatch.context() as m:
             if not reuse:
@@ -409,8 +410,8 @@ def test_on_fp8_tensor_cores_a_linear_layer_runs_on_scaled_mm_and_agrees_with_th
     torch.manual_seed(0)
     fast = nn.Linear(64, 48).cuda()
     emulated = copy.deepcopy(fast)
-    products = qp.QuantizedProducts(fast, FP8)
-    qp.QuantizedProducts(emulated, FP8)
+    products = qm.QuantizedProducts(fast, FP8)
+    qm.QuantizedProducts(emulated, FP8)
     x = torch.randn(32, 64, device="cuda") * 3
     g = torch.randn(32, 48, device="cuda") * 1e-3
     results = []

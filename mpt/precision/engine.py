@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from ..config import ConfigError, DType, Update
-from . import quantized_products
+from . import quantized_model
 from .cpu_tensor_cores import TensorCoreArithmetic
 from .cuda_autocast import cuda_autocast, cuda_lists
 from .lookahead import Lookahead
@@ -311,7 +311,7 @@ class PrecisionEngine:
         }
         self.model = prepare_model(model, cfg.precision, device, channels_last)
         # FP8 and MX modes: the network's products quantize their operands (None: they do not)
-        self.products = quantized_products.install(self.model, cfg.precision)
+        self.products = quantized_model.install(self.model, cfg.precision)
         self.arithmetic = lambda: arithmetic(cfg, device)
         # Under torchrun: the maximum over processes, so that every rank skips the same steps and
         # keeps the same scale even where the gradients it holds are not averaged yet.
