@@ -34,7 +34,7 @@ from .cuda_autocast import cuda_autocast, cuda_lists
 from .lookahead import Lookahead
 from .lost_updates import LostUpdates
 from .optim import FP16MomentumSGD, build_lr_schedule, build_torch_optimizer, effective_lr, param_groups
-from .resident_scale import ResidentScale, resolve
+from .resident_scale import ResidentScale, by_dtype, resolve
 from .scaler import LossScaler
 
 TORCH_DTYPES = {DType.float32: torch.float32, DType.float16: torch.float16, DType.bfloat16: torch.bfloat16}
@@ -499,7 +499,7 @@ class PrecisionEngine:
         brought to the host in the same sync."""
         found_inf = torch.zeros(1, device=self.device)
         inv_scale = torch.full((1,), unscale, dtype=torch.float32, device=self.device)
-        for same_dtype in _by_dtype(grads):
+        for same_dtype in by_dtype(grads):
             torch._amp_foreach_non_finite_check_and_unscale_(same_dtype, found_inf, inv_scale)
         if left_scale is None or not grads:
             return bool(self.reduce_max(found_inf).item()), None
@@ -562,13 +562,6 @@ class PrecisionEngine:
             for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
                 if isinstance(group["lr"], torch.Tensor):
                     group["lr"] = float(lr)
-
-
-def _by_dtype(tensors: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
-    groups: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault(t.dtype, []).append(t)
-    return iter(groups.values())
 
 
 def _host_copy(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

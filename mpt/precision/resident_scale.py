@@ -83,7 +83,8 @@ def resolve(cfg: DictConfig, device: torch.device) -> bool:
     return bool(cfg.scale.on_device)
 
 
-def _by_dtype(tensors: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
+def by_dtype(tensors: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
+    """The tensors in groups of one dtype: torch's fused overflow check takes one dtype a call."""
     groups: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         groups.setdefault(t.dtype, []).append(t)
@@ -153,7 +154,7 @@ class ResidentScale:
         found = torch.zeros((), dtype=torch.float32, device=self.device)
         # As GradScaler does: the reciprocal in float64, rounded once to FP32, as the host path's 1/S
         inv = (self.scale.double() * shift).reciprocal().float()
-        for same_dtype in _by_dtype(grads):
+        for same_dtype in by_dtype(grads):
             torch._amp_foreach_non_finite_check_and_unscale_(same_dtype, found, inv)
         return reduce_max(found)
 
