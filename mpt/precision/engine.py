@@ -436,9 +436,7 @@ class PrecisionEngine:
         if overflow:
             self._zero_grad()
             return False
-        clipped = [id(p) in self.clip_ids for p in self.update.params if p.grad is not None]  # aligned with grads
-        to_clip = [g for g, c in zip(grads, clipped) if c]
-        coef = self._clip_coef(to_clip, scale if self.update.carries_scale else 1.0) if self.clip and to_clip else None
+        coef, clipped = self._clipping(grads, scale if self.update.carries_scale else 1.0)
         self.update.apply(grads, scale, coef, clipped)
         self.scheduler.step()  # a skipped step does not advance the schedule
         self._zero_grad()
@@ -451,15 +449,10 @@ class PrecisionEngine:
         if r.full():  # the lr table covers no more steps: read back first (schedule.log_every keeps it rare)
             r.read_back()
         found = r.check_and_unscale(grads, self.shift, self.reduce_max)
-        clipped = [id(p) in self.clip_ids for p in self.update.params if p.grad is not None]
-        to_clip = [g for g, c in zip(grads, clipped) if c]
         # On an overflowing step the factor is not finite and the update is skipped anyway
-        coef = self._clip_coef(to_clip, 1.0) if self.clip and to_clip else None
-        take_back = r.skipping(found)
-        try:
+        coef, clipped = self._clipping(grads, 1.0)
+        with r.skipping(found):
             self.update.apply(grads, 1.0, coef, clipped)
-        finally:
-            take_back()
         r.advance(found, at)
         self._zero_grad()
         if not know:
@@ -506,6 +499,13 @@ class PrecisionEngine:
         largest = torch.stack(torch._foreach_norm(grads, float("inf"), dtype=torch.float32)).max() / left_scale
         found, grad_max = self.reduce_max(torch.cat([found_inf, largest.reshape(1)])).tolist()
         return bool(found), grad_max
+
+    def _clipping(self, grads: list[torch.Tensor], scale: float) -> tuple[torch.Tensor | None, list[bool]]:
+        """optim.clip_grad_norm's factor for the gradients it covers (None: no clipping), and which
+        of `grads` those are; `scale`: what the gradients still carry."""
+        clipped = [id(p) in self.clip_ids for p in self.update.params if p.grad is not None]  # aligned with grads
+        to_clip = [g for g, c in zip(grads, clipped) if c]
+        return (self._clip_coef(to_clip, scale) if self.clip and to_clip else None), clipped
 
     def _clip_coef(self, grads: list[torch.Tensor], scale: float) -> torch.Tensor:
         """torch.nn.utils.clip_grad_norm_'s factor, on the norm of the unscaled gradients."""

@@ -20,6 +20,7 @@ device's. A divergence is therefore found at the flush after it, with the step i
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from typing import Callable, Iterator
@@ -158,14 +159,14 @@ class ResidentScale:
             torch._amp_foreach_non_finite_check_and_unscale_(same_dtype, found, inv)
         return reduce_max(found)
 
-    def skipping(self, found: torch.Tensor) -> Callable[[], None]:
-        """Hand the flag to the fused optimizer for its next step; returns the call that takes it back."""
+    @contextlib.contextmanager
+    def skipping(self, found: torch.Tensor) -> Iterator[None]:
+        """The fused optimizer's steps within hold the flag, and skip themselves where it is set."""
         self.optimizer.found_inf = found  # type: ignore[attr-defined]  # read by the fused step, as GradScaler sets it
-
-        def taken_back() -> None:
+        try:
+            yield
+        finally:
             del self.optimizer.found_inf  # type: ignore[attr-defined]
-
-        return taken_back
 
     def advance(self, found: torch.Tensor, step: int | None) -> None:
         """After the step's update: log the scale it ran with, update the scale, move the schedule."""
