@@ -34,7 +34,7 @@ def git_commit(start: Path) -> dict:
         return {"commit": git("rev-parse", "HEAD"), "dirty": bool(changed)}
     except (OSError, subprocess.SubprocessError):
         pass
-    # A copy of the tree without .git (a remote GPU machine): scripts/device_carry.sh read the
+    # A copy of the tree without .git (a remote GPU machine): scripts/device/device_carry.sh read the
     # checkout's state when it packed the tree, and device_session.sh passes it on.
     if os.environ.get("MPT_GIT_COMMIT"):
         return {"commit": os.environ["MPT_GIT_COMMIT"], "dirty": os.environ.get("MPT_GIT_DIRTY") == "1", "source": "MPT_GIT_COMMIT"}

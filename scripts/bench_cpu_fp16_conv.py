@@ -11,22 +11,19 @@ median seconds per pass. Writes one JSON record per call.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
+from mpt.files import write_json_atomic
+from mpt.precision.cpu_tensor_cores import TensorCoreArithmetic
+from mpt.provenance import environment, git_commit, now_iso
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import contextlib  # noqa: E402
-
-from mpt.files import write_json_atomic  # noqa: E402
-from mpt.precision.cpu_tensor_cores import TensorCoreArithmetic  # noqa: E402
-from mpt.provenance import environment, git_commit, now_iso  # noqa: E402
 
 
 def build(model: str, image_size: int) -> torch.nn.Module:

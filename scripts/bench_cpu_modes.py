@@ -21,21 +21,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from mpt.config import register_configs  # noqa: E402
-from mpt.files import write_json_atomic  # noqa: E402
-from mpt.precision.engine import held_for_the_run  # noqa: E402
-from mpt.provenance import code_identity, environment, now_iso  # noqa: E402
-from mpt.runner.throughput import synchronize  # noqa: E402
-from mpt.runner.train import Run, resolve_device  # noqa: E402
-from mpt.runner.validation import validate  # noqa: E402
+from mpt.config import register_configs
+from mpt.files import write_json_atomic
+from mpt.precision.engine import held_for_the_run
+from mpt.provenance import code_identity, environment, now_iso
+from mpt.runner.instruments.throughput import synchronize
+from mpt.runner.process import resolve_device
+from mpt.runner.train import Run
+from mpt.runner.validation import validate
 
 MODES = {"fp32": "none", "fp16": "static", "mixed": "static", "fp16_modmom": "static", "amp": "dynamic", "bf16": "none"}
 # Issue 24's modes (--modes): quantized products, everything else in BF16, no loss scaling.

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,17 +28,15 @@ import torch.nn.functional as F
 import torchvision
 from omegaconf import DictConfig
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from mpt.config import register_configs  # noqa: E402
-from mpt.datasets.synthetic import SyntheticImages  # noqa: E402
-from mpt.files import write_json_atomic  # noqa: E402
-from mpt.precision.engine import set_fp32_math  # noqa: E402
-from mpt.provenance import code_identity, environment, now_iso  # noqa: E402
-from mpt.runner.throughput import synchronize  # noqa: E402
-from mpt.runner.train import Run, resolve_device  # noqa: E402
-from mpt.runner.validation import validate  # noqa: E402
+from mpt.config import register_configs
+from mpt.datasets.synthetic import SyntheticImages
+from mpt.files import write_json_atomic
+from mpt.precision.engine import set_fp32_math
+from mpt.provenance import code_identity, environment, now_iso
+from mpt.runner.instruments.throughput import synchronize
+from mpt.runner.process import resolve_device
+from mpt.runner.train import Run
+from mpt.runner.validation import validate
 
 SCALE_FOR = {"fp32": "none", "tf32": "none", "bf16": "none", "amp": "dynamic", "mixed": "static"}
 

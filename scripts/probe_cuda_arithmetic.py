@@ -5,7 +5,7 @@ the CPU emulation's (mpt/precision/cpu_tensor_cores.py), forward and every gradi
 
 Each figure is the worst element's error against float64 on the same rounded inputs, as a fraction
 of the bound the CPU tests use: one ulp of the dtype plus what FP32 accumulation may add
-(tests/test_cpu_tensor_cores.py). 1.0 or less: one rounding of an FP32 sum. Measured under
+(mpt/precision/oracle.py). 1.0 or less: one rounding of an FP32 sum. Measured under
 torch's defaults, then with cuBLAS's reduced-precision split-K reductions off, then with cuDNN
 restricted to deterministic algorithms (which excludes some Winograd and FFT kernels).
 """
@@ -14,19 +14,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from mpt.files import write_json_atomic
+from mpt.precision.cpu_tensor_cores import TensorCoreArithmetic
+from mpt.precision.oracle import against_float64, bound_fraction, randn
+from mpt.provenance import environment, git_commit, now_iso
 
-from mpt.files import write_json_atomic  # noqa: E402
-from mpt.precision.cpu_tensor_cores import TensorCoreArithmetic  # noqa: E402
-from mpt.provenance import environment, git_commit, now_iso  # noqa: E402
-from tests.test_cpu_tensor_cores import against_float64, bound_fraction, randn  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 OPS = {
     "mm": (torch.mm, [(64, 256), (256, 48)]),

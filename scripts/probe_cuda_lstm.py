@@ -24,18 +24,16 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import sys
 from pathlib import Path
 
 import torch
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from mpt.files import write_json_atomic
+from mpt.precision.oracle import ulp
+from mpt.provenance import environment, git_commit, now_iso
 
-from mpt.files import write_json_atomic  # noqa: E402
-from mpt.provenance import environment, git_commit, now_iso  # noqa: E402
-from tests.test_cpu_tensor_cores import ulp  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def candidates(x, h0, c0, w_ih, w_hh, b_ih, b_hh, dtype):

@@ -2,7 +2,7 @@
 """How far torch's own FP16 and BF16 CPU convolution is from one rounding of an exact sum, forward
 and backward, beside the tensor-core emulation: each output and gradient's worst error against a
 float64 evaluation of the same rounded inputs, in units of the tests' bound (one ulp of the dtype
-plus the FP32 accumulation term; tests/test_cpu_tensor_cores.py). 1.0 or less is within it.
+plus the FP32 accumulation term; mpt/precision/oracle.py). 1.0 or less is within it.
 
     python scripts/probe_native_conv_accuracy.py --out results/cpu-fp16-conv
 """
@@ -11,19 +11,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from mpt.files import write_json_atomic
+from mpt.precision.cpu_tensor_cores import TensorCoreArithmetic
+from mpt.precision.oracle import against_float64, bound_fraction
+from mpt.provenance import environment, git_commit, now_iso
 
-from mpt.files import write_json_atomic  # noqa: E402
-from mpt.precision.cpu_tensor_cores import TensorCoreArithmetic  # noqa: E402
-from mpt.provenance import environment, git_commit, now_iso  # noqa: E402
-from tests.test_cpu_tensor_cores import against_float64, bound_fraction  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 SHAPES = [(2, 6, 7, 7), (4, 6, 3, 3), (4,)]  # input, weight, bias; padding 1
 

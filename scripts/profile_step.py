@@ -26,7 +26,6 @@ import functools
 import gzip
 import itertools
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
@@ -35,16 +34,15 @@ import yaml
 from omegaconf import OmegaConf
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from mpt.config import register_configs
+from mpt.files import write_json_atomic
+from mpt.precision.engine import held_for_the_run
+from mpt.provenance import code_identity, environment, now_iso
+from mpt.runner.instruments.throughput import synchronize
+from mpt.runner.train import Run
+from mpt.runner.validation import validate
 
-from mpt.config import register_configs  # noqa: E402
-from mpt.files import write_json_atomic  # noqa: E402
-from mpt.precision.engine import held_for_the_run  # noqa: E402
-from mpt.provenance import code_identity, environment, now_iso  # noqa: E402
-from mpt.runner.throughput import synchronize  # noqa: E402
-from mpt.runner.train import Run  # noqa: E402
-from mpt.runner.validation import validate  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 LABEL = "mpt."  # regions mpt labels with torch.profiler.record_function
 

@@ -76,7 +76,6 @@ def summary(args: argparse.Namespace, results: list[dict]) -> dict:
 
     import torch
 
-    sys.path.insert(0, str(ROOT))
     from mpt.provenance import cpu_name, git_commit
 
     return {

@@ -21,11 +21,10 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from mpt.files import write_json_atomic
+from mpt.provenance import environment, git_commit, now_iso
 
-from mpt.files import write_json_atomic  # noqa: E402
-from mpt.provenance import environment, git_commit, now_iso  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 RUN = ["model=mobilenet_v3_small", "schedule=smoke", "schedule.steps=40", "schedule.checkpoint_every=5", "schedule.log_every=1",
        "schedule.eval_every=20", "deterministic=true", "device=cpu"]  # fmt: skip

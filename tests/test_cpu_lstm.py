@@ -14,9 +14,9 @@ from torch import nn
 
 from mpt.precision.cpu_tensor_cores import TensorCoreArithmetic, emulated_lstm
 from mpt.precision.engine import arithmetic
+from mpt.precision.oracle import FP32_ACCUMULATION, ulp
 
 from .conftest import ROOT, compose_cfg, mpt_run, read_record
-from .test_cpu_tensor_cores import FP32_ACCUMULATION, ulp
 
 LOW = [torch.float16, torch.bfloat16]
 

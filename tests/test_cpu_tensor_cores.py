@@ -1,11 +1,10 @@
 """The tensor-core arithmetic on a CPU: every emulated product, forward and gradients, within one
 FP16 (or BF16) ulp of a float64 evaluation of the same rounded inputs, plus what accumulating in
 FP32 may add. That term matters only where the sum cancels to far below its terms (a result near
-zero, whose ulp is tiny); accumulating in FP16 instead would exceed it some 8000 times over."""
+zero, whose ulp is tiny); accumulating in FP16 instead would exceed it some 8000 times over. The
+oracle and its bound: mpt/precision/oracle.py."""
 
 from __future__ import annotations
-
-import dataclasses
 
 import pytest
 import torch
@@ -13,65 +12,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from mpt.precision.cpu_tensor_cores import TensorCoreArithmetic, _Scratch
+from mpt.precision.oracle import against_float64, bound_fraction, randn
 
 LOW = [torch.float16, torch.bfloat16]
-# (mantissa bits, smallest normal exponent)
-FORMAT = {torch.float16: (10, -14), torch.bfloat16: (7, -126)}
-
-
-def ulp(reference: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The spacing of `dtype`'s values at each element's magnitude (subnormal spacing near zero)."""
-    mantissa, emin = FORMAT[dtype]
-    exponent = torch.floor(torch.log2(reference.abs().clamp_min(2.0**emin))).clamp_min(emin)
-    return torch.exp2(exponent - mantissa)
-
-
-TERMS = 256  # at most this many products are summed into one result in these tests
-FP32_ACCUMULATION = TERMS * 2.0**-24  # the classic bound for summing TERMS terms in FP32, relative to the sum of |terms|
-
-
-def bound_fraction(ours: torch.Tensor, reference: torch.Tensor, magnitude: torch.Tensor, dtype: torch.dtype) -> float:
-    """The worst error as a fraction of the bound. `magnitude`: the sum of the absolute values of
-    the products that make each element."""
-    err = (ours.double() - reference).abs()
-    return (err / (ulp(reference, dtype) + FP32_ACCUMULATION * magnitude)).max().item()
 
 
 def assert_within_one_ulp(ours: torch.Tensor, reference: torch.Tensor, magnitude: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    """The oracle's bound (mpt.precision.oracle.bound_fraction) as a test's assertion."""
     assert ours.dtype == dtype, what
     worst = bound_fraction(ours, reference, magnitude, dtype)
     assert worst <= 1.0, f"{what}: {worst:.3f} of the bound"
-
-
-@dataclasses.dataclass
-class Evaluation:
-    """fn on inputs rounded to a dtype (`low`, `out`), the output gradient it was given, and fn on
-    the same values in float64 (`exact`, `ref`) and on their absolute values (`size`, `bound`)."""
-
-    low: list[torch.Tensor]
-    out: torch.Tensor
-    grad: torch.Tensor
-    exact: list[torch.Tensor]
-    ref: torch.Tensor
-    size: list[torch.Tensor]
-    bound: torch.Tensor
-
-
-def against_float64(fn, inputs: list[torch.Tensor], dtype: torch.dtype, arithmetic) -> Evaluation:
-    """fn forward and backward on `inputs` rounded to dtype, inside `arithmetic`, and in float64."""
-    low = [x.to(dtype).requires_grad_() for x in inputs]
-    exact = [x.detach().double().requires_grad_() for x in low]
-    # Each op here is linear in each input, so on |inputs| and |gradient| it sums |products|.
-    size = [x.detach().double().abs().requires_grad_() for x in low]
-    with arithmetic:
-        out = fn(*low)
-        grad = torch.randn_like(out, dtype=torch.float32).to(dtype)
-        out.backward(grad)
-    ref = fn(*exact)
-    ref.backward(grad.double())
-    bound = fn(*size)
-    bound.backward(grad.double().abs())
-    return Evaluation(low, out.detach(), grad, exact, ref.detach(), size, bound.detach())
 
 
 def check(fn, inputs: list[torch.Tensor], dtype: torch.dtype, what: str, forward: bool = True) -> dict[str, int]:
@@ -84,10 +34,6 @@ def check(fn, inputs: list[torch.Tensor], dtype: torch.dtype, what: str, forward
     for i, (a, b, m) in enumerate(zip(e.low, e.exact, e.size)):
         assert_within_one_ulp(a.grad, b.grad, m.grad, dtype, f"{what} gradient of input {i}")
     return mode.counts
-
-
-def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
-    return torch.randn(*shape) * scale
 
 
 @pytest.mark.parametrize("dtype", LOW, ids=["fp16", "bf16"])

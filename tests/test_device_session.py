@@ -22,7 +22,7 @@ SHIFT_CELLS = 6  # mixed unscaled and dynamic at k = 0, 12, 24
 def dry_run(part: str, tmp_path, timeout: int) -> subprocess.CompletedProcess:
     """The part on this CPU, two steps a run, seeds 0 and 1 planned; its tarball under tmp_path/out."""
     env = {**os.environ, "DRY_RUN": "1", "PLAN": "0,1", "WORK": str(tmp_path / "work"), "OUT": str(tmp_path / "out"), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(["bash", "scripts/device_session.sh", part], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run(["bash", "scripts/device/device_session.sh", part], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done
 

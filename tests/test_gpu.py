@@ -16,11 +16,12 @@ from torch import nn
 from mpt.config import ConfigError, Update
 from mpt.precision.cpu_tensor_cores import TensorCoreArithmetic
 from mpt.precision.engine import PrecisionEngine, forward_context
+from mpt.precision.oracle import FP32_ACCUMULATION, TERMS, against_float64, randn, ulp
 from mpt.precision.scaler import build_scaler
 from mpt.runner import checkpoint
 
 from .conftest import ROOT, TINY, Vector, build_run, compose_cfg, read_record
-from .test_cpu_tensor_cores import FP32_ACCUMULATION, TERMS, against_float64, assert_within_one_ulp, randn, ulp
+from .test_cpu_tensor_cores import assert_within_one_ulp
 from .test_resume import SMALL_GAN, SMALL_LM, SMALL_NMT, Killed, assert_resumed_as_uninterrupted, log_rows, resume_args, stop_at
 
 pytestmark = pytest.mark.gpu

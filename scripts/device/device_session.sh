@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issue 11's GPU measurements, one part per call of the device tool (each call has 10 minutes).
 #
-# Here, first:   scripts/device_carry.sh PART     (fills the ignored .whl/ and .data/ for PART)
-# On the GPU:    scripts/device_session.sh PART [extra mpt-run overrides ...]
+# Here, first:   scripts/device/device_carry.sh PART     (fills the ignored .whl/ and .data/ for PART)
+# On the GPU:    scripts/device/device_session.sh PART [extra mpt-run overrides ...]
 #   with carry=[".whl", ".data"]; it installs the wheels, runs PART in /tmp/mpt/PART and leaves
 #   one $OUT/PART.tar.gz (records, logs, pictures; no checkpoints): the device tool returns 8 files.
 #
@@ -23,7 +23,7 @@
 #   gnmt       Multi30k GNMT (gnmt_small): fp32, mixed without scaling, mixed with static scaling, 3 seeds
 #   biglstm    PTB bigLSTM (biglstm_small): fp32, mixed without scaling, mixed with scale 128, 3 seeds
 #   dcgan      UTKFace DCGAN: fp32 and mixed sample grids, 3 seeds
-#   next       what the loans so far left, in one call of at most 8 minutes (scripts/device_carry.sh next): the
+#   next       what the loans so far left, in one call of at most 8 minutes (scripts/device/device_carry.sh next): the
 #              LSTM comparisons against the emulation that now rounds each gate product and the
 #              CUDA-graphs test that now asserts a compiled graph, the torch.compile rows of the
 #              speed options (the third loan's compiled nothing) beside eager, and DCGAN's FP32
@@ -54,7 +54,7 @@
 # PART_SECONDS=N: the part stops its commands N seconds after it starts (runs get SIGTERM, stop
 # after a step and record `preempted`; the suite gets SIGINT, so pytest reports), and still packs.
 set -uo pipefail
-part=${1:?usage: scripts/device_session.sh PART [overrides...]}
+part=${1:?usage: scripts/device/device_session.sh PART [overrides...]}
 shift
 if [ "$part" = next ]; then
   PART_SECONDS=170 bash "$0" suite -k "cpu_lstm or cuda_graphs"

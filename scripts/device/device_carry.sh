@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Fill the ignored .whl/ and .data/ that a device call of scripts/device_session.sh PART carries
+# Fill the ignored .whl/ and .data/ that a device call of scripts/device/device_session.sh PART carries
 # (64 MiB in all, so each part carries only its own data). Run from the project root, here:
-#   scripts/device_carry.sh PART
+#   scripts/device/device_carry.sh PART
 # peer: also needs DLE_GIT, a git directory of NVIDIA/DeepLearningExamples, and DLLOGGER_GIT, one
 # of NVIDIA/dllogger (e.g. what the search tool's fetch brought); their files go into .data/peer,
 # which git ignores: the peer's code is run on the device, never added to the project.
 set -euo pipefail
-part=${1:?usage: scripts/device_carry.sh PART}
+part=${1:?usage: scripts/device/device_carry.sh PART}
 root=$(git rev-parse --show-toplevel)
 cd "$root"
 shared=${SHARED_DATA:-$root/../shared/data}
