@@ -389,7 +389,7 @@ class ScheduleConfig:
     log_every: int = 10  # steps between flushes of the per-step log (the only host syncs besides overflow checks)
     throughput_warmup: int = 5  # steps excluded from throughput
     throughput_window: int = 5  # steps per timing window; throughput is the median over windows
-    count_flops: bool = False  # count model FLOPs on the process's first step, for MFU (flops.py)
+    count_flops: bool = False  # count model FLOPs on the process's first step, for MFU (runner/instruments/flops.py)
 
 
 @dataclass
@@ -415,7 +415,7 @@ class OptimConfig:
 
 @dataclass
 class StatsConfig:
-    """Gradient statistics (runner/grad_collector.py): histograms of log2|g| of activation gradients
+    """Gradient statistics (runner/instruments/grad_stats.py): histograms of log2|g| of activation gradients
     (each parameterized layer's output) and weight gradients, per layer and in total; the weight
     updates FP16 weights lose; and the numerics atlas of the formats listed."""
 
@@ -427,7 +427,7 @@ class StatsConfig:
     # activation gradients and weight gradients against each of these formats (precision/formats.py)
     formats: list[str] = field(default_factory=list)
     # On a skipped step, run it again with hooks to name the first module whose tensor became
-    # non-finite (runner/overflow_trace.py); steps that do not overflow pay nothing for it
+    # non-finite (runner/instruments/overflow_trace.py); steps that do not overflow pay nothing for it
     trace_overflow: bool = True
 
 

@@ -296,8 +296,8 @@ def test_a_record_that_cannot_be_written_leaves_the_previous_one_whole(tmp_path,
 
 def test_a_log_that_fills_the_disk_ends_the_run_as_an_error_naming_it(tmp_path, in_process):
     job = build_run(tmp_path, TINY, "schedule=smoke", "schedule.steps=3", "schedule.log_every=1", "checkpoint=false")
-    job.metrics._file.close()
-    job.metrics._file = open("/dev/full", "a")  # every flush: No space left on device, and the close after it too
+    job.logbook.metrics._file.close()
+    job.logbook.metrics._file = open("/dev/full", "a")  # every flush: No space left on device, and the close after it too
     rec = job.execute()
     assert rec.status == "error"
     assert rec.message == f"WriteError: could not write {tmp_path / 'metrics.jsonl'}: No space left on device"

@@ -1,4 +1,4 @@
-"""Model FLOPs and MFU (mpt/runner/flops.py) against hand-counted matmuls and convolutions."""
+"""Model FLOPs and MFU (mpt/runner/instruments/flops.py) against hand-counted matmuls and convolutions."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from mpt.config import ConfigError
 from mpt.report import tables
 from mpt.report.records import record_row
-from mpt.runner.flops import counting_flops, math_of, mfu, peak_tflops
+from mpt.runner.instruments.flops import counting_flops, math_of, mfu, peak_tflops
 from mpt.runner.record import RunRecord
 from mpt.runner.validation import validate
 

@@ -16,7 +16,7 @@ from mpt.precision.engine import PrecisionEngine
 from mpt.precision.grad_histogram import GradHistogram
 from mpt.precision.scaler import build_scaler
 from mpt.report.cli import build_report
-from mpt.runner.grad_collector import GradStatsCollector
+from mpt.runner.instruments.grad_stats import GradStatsCollector
 
 from .conftest import CPU, ROOT, build_run, compose_cfg, mpt_run, read_record
 
@@ -221,7 +221,7 @@ def test_runs_count_unscaled_gradients_in_any_precision_and_the_report_draws_the
 
 
 def test_a_sampled_step_is_left_out_of_its_throughput_window(monkeypatch):
-    from mpt.runner import throughput
+    from mpt.runner.instruments import throughput
 
     clock = [0.0]
     monkeypatch.setattr(throughput.time, "perf_counter", lambda: clock[0])

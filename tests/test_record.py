@@ -12,6 +12,7 @@ import torch
 
 from mpt.config import as_plain
 from mpt.files import write_json_atomic
+from mpt.runner import outcomes, upgrade
 from mpt.runner.identity import same_computation
 from mpt.runner.record import SCHEMA_VERSION, RecordError, RunRecord
 from mpt.runner.train import Run
@@ -66,7 +67,7 @@ def test_asking_for_cuda_without_one_is_one_line(tmp_path, in_process):
 
 
 def test_cpu_peak_memory_is_per_run_not_per_process():
-    from mpt.runner.memory import peak_memory, reset_peak_memory
+    from mpt.runner.instruments.memory import peak_memory, reset_peak_memory
 
     cpu = torch.device("cpu")
     big = torch.ones(64 * 2**20, dtype=torch.float32)  # 256 MiB resident
@@ -87,15 +88,15 @@ def test_non_finite_weights_diverge_naming_the_tensor(tmp_path, precision):
     bn = next(n for n, m in model.named_modules() if isinstance(m, torch.nn.BatchNorm2d))
     model.get_submodule(bn).running_var[0] = math.inf  # an FP16 statistic past 65504
     with pytest.raises(Diverged, match=rf"in model by step 7 \({bn}.running_var \(buffer\)\)$"):
-        run._check_weights(7)
+        outcomes.check_weights(run.engines, run.dist, 7)
     next(model.parameters()).data[0] = math.nan
     with pytest.raises(Diverged, match=r"\(features\.0\.0\.weight \(weight\) and 1 more\)$"):
-        run._check_weights(7)
+        outcomes.check_weights(run.engines, run.dist, 7)
 
 
 def test_the_steady_peak_leaves_out_what_only_the_warm_up_allocated(monkeypatch):
     """A fake device whose counter behaves as CUDA's: the warm-up's spike stays in the run's peak only."""
-    from mpt.runner import memory
+    from mpt.runner.instruments import memory
 
     counter = {"peak": 0, "now": 0}
 
@@ -281,7 +282,7 @@ COMMITTED = sorted((ROOT / "results").rglob("result.json"))
 
 @pytest.mark.parametrize("path", COMMITTED, ids=[str(p.parent.relative_to(ROOT / "results")) for p in COMMITTED])
 def test_every_committed_record_reads_as_a_run_record_and_writes_back_the_same(path, tmp_path):
-    original = json.loads(path.read_text())
+    original = upgrade.record(json.loads(path.read_text()), path.parent.name)  # as today's schema reads it
     rec = RunRecord.load(path)
     # A run stopped for a time budget (a GPU call's limit, a CPU session's end) can be kept as far as
     # it went, saying where it stopped; never one that says it is still running.

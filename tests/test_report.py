@@ -273,7 +273,6 @@ def test_a_preempted_run_counts_as_unfinished_and_a_cut_log_line_is_left_out(swe
 
 def test_a_static_scales_value_is_the_modes_not_the_variants():
     assert cell_variant("scale.value=128,schedule.steps=50") == "schedule.steps=50"
-    assert cell_variant("schedule.log_every=5,scale.value=1024") == ""  # logging is not computation either
 
 
 def test_the_accuracy_table_holds_the_test_split_beside_validation():

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from mpt.runner import throughput
+from mpt.runner.instruments import throughput
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from mpt.runner import time_to_result
+from mpt.runner.instruments import RunEnd, StepDone, time_to_result
 
 from .conftest import TINY, build_run, read_record
 
@@ -100,7 +100,7 @@ def test_a_run_that_did_not_finish_ok_has_no_time_to_result_though_it_evaluated(
     with watch.final():
         clock["t"] += 1.0
     watch.stop()
-    assert watch.summary(finished=False)["seconds"] is None and watch.summary()["seconds"] == pytest.approx(1.0)
+    assert watch.summary(RunEnd(finished=False, together=True))["seconds"] is None and watch.summary()["seconds"] == pytest.approx(1.0)
 
 
 def test_a_run_extended_past_its_old_end_counts_that_end_as_an_evaluation_along_the_way(clock):
@@ -112,10 +112,26 @@ def test_a_run_extended_past_its_old_end_counts_that_end_as_an_evaluation_along_
     with first.leaving_out():
         state = first.state_dict()  # the checkpoint at the old end
     longer = time_to_result.TimeToResult(torch.device("cpu"))
-    longer.load_state_dict(state, extended=True)
+    longer.load_state_dict(state)
     longer.start()
     clock["t"] += 3.0
+    longer.after_step(StepDone(step=7, samples=4, wait_s=0.0, sampled=False, sampled_s=None, overhead_s=None, traced_s=0.0))
     with longer.final():
         clock["t"] += 1.0
     longer.stop()
     assert longer.summary() == pytest.approx({"seconds": 5.0 + 3.0 + 1.0, "final_evaluation_s": 1.0, "left_out_s": 2.0})
+
+
+def test_a_checkpoint_at_the_end_that_trains_no_further_does_not_leave_its_evaluation_out(clock):
+    first = time_to_result.TimeToResult(torch.device("cpu"))
+    first.start()
+    clock["t"] += 5.0
+    with first.final():
+        clock["t"] += 2.0
+    with first.leaving_out():
+        state = first.state_dict()
+    again = time_to_result.TimeToResult(torch.device("cpu"))
+    again.load_state_dict(state)
+    again.start()
+    again.stop()
+    assert again.summary()["left_out_s"] == pytest.approx(0.0)

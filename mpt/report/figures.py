@@ -369,7 +369,7 @@ def gradient_histograms_over_training(runs: pd.DataFrame, out: Path) -> list[Pat
         stats, title, cell = _grad_stats_of(run)
         for net, kinds in (stats.get("networks") or {}).items():
             for kind, hist in kinds.items():
-                steps = hist.get("steps") or []  # records before per-step histograms have none
+                steps = hist["steps"]
                 if len(steps) < 2:
                     continue
                 shown = [steps[0], steps[len(steps) // 2], steps[-1]] if len(steps) > 2 else steps

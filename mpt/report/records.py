@@ -95,9 +95,9 @@ def shown_path(value: Any) -> Any:
 
 
 def cell_variant(variant: str) -> str:
-    """What sets a run's setup apart from its model, data and schedule's default: the computational
-    overrides (older records held every override) less those the mode states, paths as shown."""
-    parts = identity.variant_parts(identity.computational_variant(variant))
+    """What sets a run's setup apart from its model, data and schedule's default: its computational
+    overrides less those the mode states, paths as shown."""
+    parts = identity.variant_parts(variant)
     shown = []
     for part in parts:
         key, _, value = part.partition("=")
@@ -136,9 +136,7 @@ def record_row(rec: RunRecord, path: Path) -> dict:
         "status": rec.status,
         "message": rec.message,
         **rec.choices,
-        # Older records held every override (log_every too); records before the field, none: their
-        # folder's name held the overrides after "__".
-        "variant": cell_variant(rec.variant if rec.variant is not None else path.parent.name.partition("__")[2]),
+        "variant": cell_variant(rec.variant or ""),
         "seed": rec.seed,
         "precision_label": label,
         "scale_value": scale_value,
@@ -196,7 +194,7 @@ def record_row(rec: RunRecord, path: Path) -> dict:
             continue
         for key in ("updated", "lost_fp16", "share_lost_fp16"):
             row[f"lost.{net}.{key}"] = _number(lost["total"].get(key))
-        row[f"lost.{net}.counted"] = lost.get("counted", "would_be_lost")  # records before fp16's own count had only this
+        row[f"lost.{net}.counted"] = lost["counted"]
     _flatten("config", rec.config or {}, row)
     return row
 

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from ..files import write_atomic
+from . import upgrade
 
 FILENAME = "checkpoint.pt"
 STALE = ".stale-"  # checkpoint.pt.stale-<UTC time>: set aside, never resumed
@@ -101,7 +102,7 @@ def load(run_dir: Path) -> dict | None:
         first = (str(e).strip().splitlines() or [""])[0]
         raise CorruptCheckpoint(f"{path} cannot be read ({type(e).__name__}: {first}); resume=false starts the run over") from e
     check(saved, path)
-    return saved
+    return upgrade.checkpoint(saved)
 
 
 def check(saved: object, path: Path) -> None:

@@ -197,7 +197,8 @@ def _save_hydra_files(cfg: DictConfig, run_dir: Path) -> None:
 def _run_locked(cfg: DictConfig, run_dir: Path, multirun: bool, owner: bool) -> tuple[str, bool]:
     """The run's status, and whether a preemption signal asks the process to stop. `owner`: this
     process holds the folder's lock (rank 0)."""
-    from .train import Run, failure  # torch and torchvision load after Hydra has parsed the command line
+    from .outcomes import failure  # torch and torchvision load after Hydra has parsed the command line
+    from .train import Run
     from .validation import validate
 
     previous = previous_record(run_dir)

@@ -27,7 +27,7 @@ def validate(cfg: DictConfig) -> None:
     if cfg.compile.backend is not None and cfg.schedule.count_flops:
         import torch
 
-        if not hasattr(torch.compiler, "set_stance"):  # runner/flops.py: the counted step runs the networks eager
+        if not hasattr(torch.compiler, "set_stance"):  # runner/instruments/flops.py: the counted step runs the networks eager
             raise ConfigError(
                 f"compile.backend={cfg.compile.backend} with schedule.count_flops=true: counting FLOPs beside torch.compile needs torch>=2.6 "
                 f"(torch.compiler.set_stance), this is {torch.__version__}; set schedule.count_flops=false"

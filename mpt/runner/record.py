@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional, TextIO
 
 from ..files import failed_write, json_safe, write_json_atomic, write_text_atomic
+from . import upgrade
 
 if TYPE_CHECKING:
     import torch
@@ -70,12 +71,12 @@ class RunRecord:
     # code in `git`. More than one when it resumed; to_step of a launch that died is its last checkpoint.
     segments: Optional[list] = None
     nondeterministic_ops: Optional[list] = None  # deterministic=true: ops torch ran without a deterministic kernel
-    throughput: Optional[dict] = None  # throughput.py
-    time_to_result: Optional[dict] = None  # time_to_result.py
+    throughput: Optional[dict] = None  # instruments/throughput.py
+    time_to_result: Optional[dict] = None  # instruments/time_to_result.py
     memory: Optional[dict] = None
     loss_scale: Optional[dict] = None  # per network: the scaler's summary
     compile: Optional[dict] = None  # compile.backend: what torch.compile made of the networks
-    flops: Optional[dict] = None  # schedule.count_flops: model FLOPs of one step (flops.py)
+    flops: Optional[dict] = None  # schedule.count_flops: model FLOPs of one step (instruments/flops.py)
     mfu: Optional[dict] = None
     grad_stats: Optional[dict] = None  # stats.grad_hist: gradient histograms against FP16's range
     overflow_origins: Optional[dict] = None  # stats.trace_overflow: which module overflowed first on each skipped step
@@ -122,7 +123,7 @@ class RunRecord:
             data = json.loads(path.read_text())
         except (OSError, ValueError) as e:
             raise RecordError(f"{path}: not a readable result record ({e})") from None
-        return cls.from_dict(data, str(path))
+        return cls.from_dict(upgrade.record(data, path.parent.name), str(path))
 
     @classmethod
     def partial(cls, status: str, message: str, run_dir: str, choices: dict, seed: int, config: dict) -> RunRecord:
@@ -130,6 +131,14 @@ class RunRecord:
         kept = {"schema", "status", "message", "run_dir", "choices", "seed", "config"}
         absent = frozenset(f.name for f in fields(cls) if f.name not in kept)
         return cls(status=status, message=message, run_dir=run_dir, choices=choices, seed=seed, config=config, absent=absent)
+
+    def put(self, name: str, value: object) -> None:
+        """A section by name: a field of the record, or (a section this class does not declare, such
+        as a new instrument's summary) a key of its own after them."""
+        if name in {f.name for f in fields(self)} - {"extra", "absent"}:
+            setattr(self, name, value)
+        else:
+            self.extra[name] = value
 
     def to_dict(self) -> dict:
         out = {}

@@ -22,9 +22,10 @@ from omegaconf import DictConfig
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from ..config import DType
-from ..precision.formats import BlockFormat, get_format
-from ..precision.product_operands import TORCH_FP8
+from ...config import DType
+from ...precision.formats import BlockFormat, get_format
+from ...precision.product_operands import TORCH_FP8
+from . import Instrument, RunEnd, StepDone
 
 # (a substring of torch.cuda.get_device_name(), dense peak TFLOP/s per math), most specific first.
 # Sources: NVIDIA's H100 and H200 datasheets (their tensor-core figures are "with sparsity", halved
@@ -41,7 +42,7 @@ PEAK_TFLOPS: list[tuple[str, dict[str, Optional[float]]]] = [
     ("V100-PCIE", {"fp32": 14, "tf32": None, "fp16": 112, "bf16": None, "fp8": None}),
     ("V100", {"fp32": 15.7, "tf32": None, "fp16": 125, "bf16": None, "fp8": None}),  # SXM2
 ]
-PEAK_SOURCE = "NVIDIA datasheets, dense (no sparsity), per GPU (mpt/runner/flops.py)"
+PEAK_SOURCE = "NVIDIA datasheets, dense (no sparsity), per GPU (mpt/runner/instruments/flops.py)"
 
 
 def math_of(p: DictConfig) -> str:
@@ -66,7 +67,7 @@ def peak_tflops(device_name: str, math: str) -> tuple[Optional[float], str]:
             if peaks.get(math) is None:
                 return None, f"{device_name} has no {math} tensor-core peak"
             return peaks[math], f"{key} {math}: {PEAK_SOURCE}"
-    return None, f"no peak for {device_name!r} in the table of mpt/runner/flops.py (known: {', '.join(k for k, _ in PEAK_TFLOPS)})"
+    return None, f"no peak for {device_name!r} in the table of mpt/runner/instruments/flops.py (known: {', '.join(k for k, _ in PEAK_TFLOPS)})"
 
 
 @contextlib.contextmanager
@@ -89,6 +90,35 @@ def counting_flops(networks: list[nn.Module]) -> Iterator[FlopCounterMode]:
             yield counter
     finally:
         torch.backends.cudnn.enabled, torch.backends.mkldnn.enabled = saved
+
+
+class FlopCount(Instrument):
+    """Counts the FLOPs of this process's first step (`enabled`), or of the first after it if a
+    trace ran that step twice."""
+
+    key = field = "flops"
+
+    def __init__(self, networks: list[nn.Module], enabled: bool, unit: str):
+        self.networks, self.enabled, self.unit = networks, enabled, unit
+        self.record: dict | None = None
+        self._counter: FlopCounterMode | None = None
+
+    @contextlib.contextmanager
+    def around_step(self, step: int) -> Iterator[None]:
+        if not self.enabled or self.record is not None:
+            yield
+            return
+        with counting_flops(self.networks) as counter:
+            self._counter = counter
+            yield
+
+    def after_step(self, done: StepDone) -> None:
+        counter, self._counter = self._counter, None
+        if counter is not None and not done.traced_s:
+            self.record = flops_record(counter, done.samples, done.step, self.unit)
+
+    def summary(self, end: RunEnd | None = None) -> dict | None:
+        return self.record
 
 
 def flops_record(counter: FlopCounterMode, samples: int, step: int, unit: str) -> dict:

@@ -33,11 +33,12 @@ from omegaconf import DictConfig
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from ..precision.atlas import FormatAtlas
-from ..precision.engine import PrecisionEngine
-from ..precision.formats import get_format
-from ..precision.grad_histogram import CHUNK, GradHistogram
-from ..precision.lost_updates import LostUpdates
+from ...precision.atlas import FormatAtlas
+from ...precision.engine import PrecisionEngine
+from ...precision.formats import get_format
+from ...precision.grad_histogram import CHUNK, GradHistogram
+from ...precision.lost_updates import LostUpdates
+from . import Instrument, RunEnd
 from .throughput import synchronize
 
 KINDS = ("activation", "weight")
@@ -71,11 +72,13 @@ def parameterized_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name or "(root)", m) for name, m in model.named_modules() if next(m.parameters(recurse=False), None) is not None]
 
 
-class GradStatsCollector:
+class GradStatsCollector(Instrument):
     """One per run, over every network of the task. Disabled (stats.grad_hist and
     stats.lost_updates false), every method returns at once and `summary()` is None."""
 
     MEMORY_NOTE = f"includes the sampled steps' histogram temporaries: {CHUNK} values at a time, some tens of bytes each"
+
+    key = field = "grad_stats"
 
     def __init__(self, stats: DictConfig, networks: dict[str, nn.Module], device: torch.device, warmup: int = 0):
         self.hist_on, self.updates_on = bool(stats.grad_hist), bool(stats.get("lost_updates", False))
@@ -104,6 +107,7 @@ class GradStatsCollector:
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._backward_of: tuple[str, float] | None = None  # the network whose loss is in backward, and its scale
         self._paused = False
+        self.current: dict = {"sampled": False, "seconds": None, "overhead": None}  # the last step's, as step() yields it
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -127,6 +131,7 @@ class GradStatsCollector:
         timed = (sampled or self.sampling(step + 1)) and self._steps_seen >= self.warmup
         self._steps_seen += 1
         info: dict[str, bool | float | None] = {"sampled": sampled, "seconds": None, "overhead": None}
+        self.current = info
         if not (sampled or timed):
             yield info
             return
@@ -151,6 +156,9 @@ class GradStatsCollector:
             info["seconds"] = seconds if sampled else None
             if sampled and self.step_seconds["plain"]:  # against the plain step timed just before it
                 info["overhead"] = max(seconds - self.step_seconds["plain"][-1], 0.0)
+
+    def around_step(self, step: int) -> contextlib.AbstractContextManager[dict]:
+        return self.step(step)
 
     @contextlib.contextmanager
     def backward(self, network: str, scale_of: Callable[[], float]) -> Iterator[None]:
@@ -270,7 +278,7 @@ class GradStatsCollector:
             layers[layer] = GradHistogram(self.device)
         return layers[layer]
 
-    def summary(self) -> dict | None:
+    def summary(self, end: RunEnd | None = None) -> dict | None:
         if not self.enabled:
             return None
         networks: dict[str, dict] = {}
@@ -368,7 +376,7 @@ class GradStatsCollector:
             for kind, layers in kinds.items():
                 for name, saved in layers.items():
                     self._layer_total(net, kind, name).load_state_dict(saved)
-        for net, kinds in state.get("step_hists", {}).items():  # checkpoints before per-step histograms have none
+        for net, kinds in state["step_hists"].items():
             for kind, steps in kinds.items():
                 self.step_hists[net][kind] = [(step, GradHistogram(self.device)) for step, _ in steps]
                 for (_, h), (_, saved) in zip(self.step_hists[net][kind], steps):
@@ -376,12 +384,12 @@ class GradStatsCollector:
         self.sampled_steps = list(state["sampled_steps"])
         self.loss_scales = {net: list(v) for net, v in state["loss_scales"].items()}
         self.step_seconds = {k: list(v) for k, v in state["step_seconds"].items()}
-        for net, layers in state.get("lost", {}).items():  # checkpoints before lost updates have none
+        for net, layers in state["lost"].items():
             for name, counts in layers.items():
                 self.lost[net].setdefault(name, LostUpdates(self.device)).counts = counts.to(self.device)
-        self.lost_steps.update({net: list(v) for net, v in state.get("lost_steps", {}).items()})
-        self.lost_counted.update(state.get("lost_counted", {}))
-        for net, layers in state.get("atlas", {}).items():  # checkpoints before the atlas have none
+        self.lost_steps.update({net: list(v) for net, v in state["lost_steps"].items()})
+        self.lost_counted.update(state["lost_counted"])
+        for net, layers in state["atlas"].items():
             for layer, roles in layers.items():
                 for role, saved in roles.items():
                     self._atlas(net, layer, role).load_state_dict(saved)

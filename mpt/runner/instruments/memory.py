@@ -18,6 +18,9 @@ from typing import Optional
 
 import torch
 
+from ...distributed import Dist
+from . import Instrument, RunEnd, StepDone
+
 LIFETIME = "cpu_process_lifetime_peak_rss"  # a peak that cannot be reset, so has no steady part
 
 
@@ -52,11 +55,15 @@ def peak_memory(device: torch.device) -> dict:
     return {"peak_bytes": rss if sys.platform == "darwin" else rss * 1024, "kind": "cpu_process_lifetime_peak_rss"}
 
 
-class MemoryPeaks:
-    """One run's peaks, over its processes (a resumed run carries its earlier ones)."""
+class MemoryPeaks(Instrument):
+    """One run's peaks, over its processes (a resumed run carries its earlier ones). The steady
+    state begins where throughput's does: after `warmup` steps of this process, and at least one."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    key = field = "memory"
+
+    def __init__(self, device: torch.device, warmup: int = 0, dist: Dist = Dist()):
+        self.device, self.warmup, self.dist = device, max(warmup, 1), dist
+        self.steps_seen = 0
         self.warmup_peak: Optional[int] = None  # this process's peak through its warm-up, once over
         self.before = {"peak_bytes": 0, "steady_peak_bytes": 0}  # the run's, before this process
 
@@ -69,7 +76,22 @@ class MemoryPeaks:
             self.warmup_peak = peak_memory(self.device)["peak_bytes"]
             reset_peak_memory(self.device)
 
-    def summary(self) -> dict:
+    def after_step(self, done: StepDone) -> None:
+        self.steps_seen += 1
+        if self.steps_seen >= self.warmup:
+            self.steady_from_now()
+
+    def summary(self, end: RunEnd = RunEnd(finished=True, together=True)) -> dict:
+        """The peaks; under torchrun, once every process got here, the largest process's."""
+        out = self._peaks()
+        for key in ("peak_bytes", "steady_peak_bytes"):
+            if end.together and key in out:
+                out[key] = int(self.dist.largest(out[key], self.device))
+        if self.dist.enabled:
+            out["over"] = f"the largest of {self.dist.world_size} processes"
+        return out
+
+    def _peaks(self) -> dict:
         """`peak_bytes`, its `kind`, and `steady_peak_bytes` where a steady state was reached."""
         now = peak_memory(self.device)
         out = {**now, "peak_bytes": max(now["peak_bytes"], self.warmup_peak or 0, self.before["peak_bytes"])}
@@ -79,8 +101,9 @@ class MemoryPeaks:
         return out
 
     def state_dict(self) -> dict:
-        s = self.summary()
-        return {"peak_bytes": s["peak_bytes"], "steady_peak_bytes": s.get("steady_peak_bytes", 0)}
+        """The largest process's (collective: every process saves)."""
+        s = self._peaks()
+        return {k: int(self.dist.largest(s.get(k, 0), self.device)) for k in ("peak_bytes", "steady_peak_bytes")}
 
     def load_state_dict(self, state: dict) -> None:
         self.before = {"peak_bytes": int(state["peak_bytes"]), "steady_peak_bytes": int(state.get("steady_peak_bytes", 0))}

@@ -20,7 +20,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from .checkpoint import rng_state, set_rng_state
+from ..checkpoint import rng_state, set_rng_state
+from . import Instrument, RunEnd
 
 KEPT = 20  # the first overflows kept in full in the record; the counts cover all of them
 
@@ -67,10 +68,12 @@ class _Watch:
             h.remove()
 
 
-class OverflowTracer:
+class OverflowTracer(Instrument):
     """One per run. `trace` re-runs one network's overflowing step through `rerun(loss_hook)`,
     which must recompute the loss from the saved state, pass it to `loss_hook`, and run the
     backward at the step's scale."""
+
+    key, field = "overflow_trace", "overflow_origins"
 
     def __init__(self, networks: dict[str, nn.Module], enabled: bool, sampled_only: bool = False):
         self.networks, self.enabled = networks, enabled
@@ -79,6 +82,17 @@ class OverflowTracer:
         self.counts: dict[str, dict[str, int]] = {net: {} for net in networks}  # "module role" -> skips
         self.first: dict[str, list[dict]] = {net: [] for net in networks}
         self.seconds = 0.0  # spent re-running, left out of throughput
+        self.step_seconds = 0.0  # the current step's share of it
+
+    @contextlib.contextmanager
+    def around_step(self, step: int) -> Iterator[None]:
+        self.step_seconds = 0.0
+        yield
+
+    def spent(self, seconds: float) -> None:
+        """Time spent tracing the current step's overflow."""
+        self.seconds += seconds
+        self.step_seconds += seconds
 
     @contextlib.contextmanager
     def restoring(self) -> Iterator[None]:
@@ -116,7 +130,7 @@ class OverflowTracer:
             self.first[network].append(entry)
         return entry
 
-    def summary(self) -> dict | None:
+    def summary(self, end: RunEnd | None = None) -> dict | None:
         if not self.enabled or not any(self.counts.values()):
             return None
         return {

@@ -23,15 +23,20 @@ import time
 
 import torch
 
+from ...distributed import Dist
+from . import Instrument, RunEnd, StepDone
+
 
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-class ThroughputMeter:
-    def __init__(self, device: torch.device, warmup: int, window: int, unit: str):
-        self.device, self.warmup, self.window, self.unit = device, warmup, window, unit
+class ThroughputMeter(Instrument):
+    key = field = "throughput"
+
+    def __init__(self, device: torch.device, warmup: int, window: int, unit: str, dist: Dist = Dist()):
+        self.device, self.warmup, self.window, self.unit, self.dist = device, warmup, window, unit, dist
         self.pipeline: list[float] = []
         self.compute: list[float] = []
         self.steps_seen = 0
@@ -100,6 +105,15 @@ class ThroughputMeter:
             self.compute.append(self._samples / max(busy, 1e-12))
             self._start()
 
+    def after_step(self, done: StepDone) -> None:
+        if done.sampled and done.sampled_s is None:
+            self.interrupt()  # a sampled step that was not timed: its window cannot be corrected
+        # A sampled step's hooks are not training's work: the step is left out (its timed seconds
+        # include any trace). Elsewhere only the time spent running an overflowing step again to
+        # trace it is.
+        excluded = None if done.sampled_s is None else done.sampled_s + done.wait_s
+        self.step(done.samples, done.wait_s, excluded_s=excluded, untimed_s=done.traced_s)
+
     def state_dict(self) -> dict:
         return {"pipeline": list(self.pipeline), "compute": list(self.compute)}
 
@@ -111,8 +125,9 @@ class ThroughputMeter:
         """An evaluation or a checkpoint ran: the open window no longer times training alone."""
         self._open = False
 
-    def summary(self) -> dict:
-        out = {
+    def summary(self, end: RunEnd = RunEnd(finished=True, together=True)) -> dict:
+        """The medians; under torchrun, once every process got here, the whole job's (summed)."""
+        out: dict = {
             "unit": f"{self.unit}/s",
             "windows": len(self.pipeline),
             "window_steps": self.window,
@@ -124,4 +139,13 @@ class ThroughputMeter:
             out.update(pipeline=None, compute=None, note="the run had no complete timing window after warm-up")
         else:
             out.update(pipeline=statistics.median(self.pipeline), compute=statistics.median(self.compute))
+        return self._over_processes(out) if end.together and self.dist.enabled else out
+
+    def _over_processes(self, out: dict) -> dict:
+        for key in ("pipeline", "compute"):
+            if out.get(key) is not None:
+                out[f"{key}_per_process"] = out[key]
+                out[key] = self.dist.total(out[key], self.device)
+        out["processes"] = self.dist.world_size
+        out["method"] += f"; summed over {self.dist.world_size} processes"
         return out

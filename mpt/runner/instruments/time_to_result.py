@@ -16,12 +16,16 @@ from typing import Iterator
 
 import torch
 
+from . import Instrument, RunEnd, StepDone
 from .throughput import synchronize
 
 
-class TimeToResult:
+class TimeToResult(Instrument):
+    key = field = "time_to_result"
+
     def __init__(self, device: torch.device):
         self.device = device
+        self._resumed_final: float | None = None  # the final evaluation a checkpoint counted
         self.seconds = 0.0  # earlier launches' and this one's closed spans
         self.left_out = 0.0
         self.final_evaluation: float | None = None
@@ -63,6 +67,13 @@ class TimeToResult:
         synchronize(self.device)
         self.final_evaluation = time.perf_counter() - t0
 
+    def after_step(self, done: StepDone) -> None:
+        # a sampled step's own training counts: only what its statistics added to a plain step
+        self.leave_out(done.traced_s if done.overhead_s is None else done.overhead_s)
+        if self._resumed_final is not None:  # a longer schedule trains on: that evaluation was along the way
+            self.left_out += self._resumed_final
+            self._resumed_final = None
+
     def leave_out(self, seconds: float) -> None:
         """Seconds already measured with the device synchronized (a sampled step's)."""
         if self._started is not None:
@@ -73,17 +84,16 @@ class TimeToResult:
         running = 0.0 if self._started is None else now - self._started - (0.0 if self._out_since is None else now - self._out_since)
         return {"seconds": self.seconds + running, "left_out": self.left_out, "final_evaluation": self.final_evaluation}
 
-    def load_state_dict(self, state: dict, extended: bool = False) -> None:
-        """`extended`: the run resumes from its old end under a longer schedule, so the final
-        evaluation it counted then was one along the way."""
+    def load_state_dict(self, state: dict) -> None:
+        """A checkpoint written at the run's end counted its final evaluation. If a longer schedule
+        resumes it, that evaluation was one along the way: it is left out once the next step is taken."""
         self.seconds, self.left_out = float(state["seconds"]), float(state["left_out"])
-        if extended and state.get("final_evaluation") is not None:
-            self.left_out += float(state["final_evaluation"])
+        self._resumed_final = None if state.get("final_evaluation") is None else float(state["final_evaluation"])
 
-    def summary(self, finished: bool = True) -> dict:
+    def summary(self, end: RunEnd = RunEnd(finished=True, together=True)) -> dict:
         """`seconds`: training's, the final evaluation's included; None until that evaluation ran,
-        and for a run that did not finish `ok` (`finished` false): it reached no result."""
-        done = finished and self.final_evaluation is not None
+        and for a run that did not finish `ok`: it reached no result."""
+        done = end.finished and self.final_evaluation is not None
         return {
             "seconds": self.seconds - self.left_out if done else None,
             "final_evaluation_s": self.final_evaluation,

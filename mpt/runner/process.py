@@ -1,0 +1,55 @@
+"""What a run sets in its process before it builds anything: its device, seeds and math settings."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+from omegaconf import DictConfig
+
+from ..config import ConfigError
+from ..distributed import Dist
+from ..distributed import setup as setup_distributed
+from ..precision.engine import check_device_support, set_fp32_math
+from . import determinism
+
+
+def resolve_device(name: str, dist: Dist = Dist()) -> torch.device:
+    """`dist`: under torchrun, the process's place: its GPU is cuda:LOCAL_RANK."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"device={name}: expected auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and device.index is not None and dist.enabled:
+        raise ConfigError(f"device={name}: under torchrun each process takes cuda:LOCAL_RANK; use device=cuda or auto")
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", dist.local_rank)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device={name}: no CUDA device is available here (torch.cuda.is_available() is False); use device=cpu or auto")
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device={name}: expected auto, cpu, cuda or cuda:N")
+    return device
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def prepare(cfg: DictConfig, dist: Dist) -> tuple[torch.device, dict]:
+    """The run's device, with the process set for it: the process group, the seeds, determinism,
+    cuDNN's benchmark and the FP32 math (returned as the engine set it)."""
+    device = resolve_device(cfg.device, dist)
+    check_device_support(cfg.precision, device)
+    if cfg.schedule.batch_size % dist.world_size:
+        raise ConfigError(f"schedule.batch_size={cfg.schedule.batch_size} is the global batch: it does not divide among {dist.world_size} processes")
+    setup_distributed(dist, device)
+    seed_everything(cfg.seed)
+    if cfg.deterministic:
+        determinism.enable()
+    torch.backends.cudnn.benchmark = cfg.cudnn_benchmark and not cfg.deterministic
+    return device, set_fp32_math(cfg.precision.tf32)
