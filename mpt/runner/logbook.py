@@ -41,6 +41,26 @@ class Logbook:
         self.board: TensorBoardLog | NullBoard = NullBoard()
         self.progress: Progress | None = None  # shown while a run trains, not while a benchmark drives its steps
 
+    def show_progress(self, label: str, total_steps: int, step: int) -> None:
+        """The progress line, from `step` of `total_steps` (what a resumed run skipped so far counted)."""
+        skipped = {name: e.scaler.summary()["skipped_steps"] for name, e in self.engines.items()}
+        unit = self.meter.unit + ("/s per process" if self.dist.enabled else "/s")
+        self.progress = Progress(label, total_steps, step, skipped, unit)
+
+    def close(self) -> None:
+        try:
+            self.metrics.close()
+        finally:
+            self.board.close()  # never raises: a failing writer only warns
+            if self.progress is not None:
+                self.progress.close()
+
+    def state_dict(self) -> dict:
+        return {"last_loss": self.last_loss, "last_finite_loss": self.last_finite_loss}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.last_loss, self.last_finite_loss = state["last_loss"], state["last_finite_loss"]
+
     def flush(self, step: int, check: bool = True, diverged_at: int | None = None) -> Diverged | None:
         """Bring the logged tensors to the host in one sync, write them, and watch for divergence.
         A scale kept on the device is read back here: a divergence it finds is raised (`check`) or

@@ -140,6 +140,32 @@ class RunRecord:
         else:
             self.extra[name] = value
 
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of the record: the run's history, which a resumed launch continues."""
+        keys = ("config", "metrics", "sample_grids", "started_at", "nondeterministic_ops", "git", "segments")
+        return {k: getattr(self, k) for k in keys}
+
+    def resume(self, saved: dict) -> None:
+        """This launch's record continues the run of the checkpoint `saved`: its start, its launches,
+        its last evaluation, and the place it resumes from."""
+        from ..provenance import describe_code, now_iso  # here: the report reads records without loading torch
+
+        step = saved["step"]
+        # Until this launch writes one, the checkpoint it resumed is what a relaunch would resume.
+        self.checkpoint_step = self.steps = self.resumed_from_step = step
+        self.samples = saved["samples"]
+        self.metrics = saved["metrics"]
+        if self.sample_grids is not None:
+            self.sample_grids = saved["sample_grids"]
+        self.started_at, self.resumed_at = saved["started_at"], now_iso()
+        if self.nondeterministic_ops is not None:
+            self.nondeterministic_ops.extend(op for op in saved["nondeterministic_ops"] if op not in self.nondeterministic_ops)
+        if saved["git"] != self.git:
+            print(f"mpt-run: warning: the checkpoint was written by {describe_code(saved['git'])}; this is {describe_code(self.git)}", flush=True)
+        assert self.segments is not None  # the initial record's
+        self.segments = [*saved["segments"], *self.segments]
+        self.segments[-1]["from_step"] = self.segments[-1]["to_step"] = step
+
     def to_dict(self) -> dict:
         out = {}
         for f in fields(self):

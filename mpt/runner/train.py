@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import functools
 import itertools
 import logging
-import math
 import signal
 import sys
 import time
@@ -19,7 +17,6 @@ import torch
 from omegaconf import DictConfig
 
 from .. import preemption
-from ..config import as_plain
 from ..datasets import build_data
 from ..distributed import from_env
 from ..models import build_task
@@ -29,10 +26,11 @@ from ..precision.engine import (
     forward_context,
     held_for_the_run,
 )
-from ..precision.scaler import Diverged, build_scaler
-from ..provenance import describe_code, now_iso
+from ..precision.scaler import Diverged
+from ..provenance import now_iso
 from . import checkpoint, data_parallel, determinism, outcomes, process
 from .compiling import compile_networks, compile_summary
+from .engines import Plan, build_engines, products_record
 from .instruments import Instrument, RunEnd, StepDone
 from .instruments.flops import FlopCount, mfu
 from .instruments.grad_stats import GradStatsCollector
@@ -41,7 +39,6 @@ from .instruments.overflow_trace import OverflowTracer
 from .instruments.throughput import ThroughputMeter
 from .instruments.time_to_result import TimeToResult
 from .logbook import Logbook
-from .progress import Progress
 from .record import MetricsLog, RunRecord
 from .resumption import Resumption
 from .tensorboard_log import open_board
@@ -68,27 +65,10 @@ class Run:
         self.task = build_task(cfg, self.data.info, shard=self.dist)
         self.task.prepare(self.data)
         s = cfg.schedule
-        per_epoch = self.data.steps_per_epoch
-        self.total_steps = int(s.steps) if s.steps is not None else max(1, math.ceil(s.epochs * per_epoch))
-        to_steps = (lambda x: int(x)) if s.steps is not None else (lambda x: int(round(x * per_epoch)))
-        milestones = [to_steps(m) for m in s.lr_milestones]
-        self.eval_every = s.eval_every if s.eval_every is not None else (per_epoch if s.epochs is not None else self.total_steps)
-
+        plan = Plan.of(s, self.data.steps_per_epoch)
+        self.total_steps, self.eval_every = plan.total_steps, plan.eval_every
         self.channels_last = cfg.channels_last if cfg.channels_last is not None else default_channels_last(cfg.precision, self.device)
-        self.engines = {
-            name: PrecisionEngine(
-                net,
-                cfg,
-                build_scaler(cfg),
-                milestones,
-                self.device,
-                reduce_max=self.dist.reduce_max,
-                clipped=self.task.clipped_parameters(name),
-                channels_last=self.channels_last,
-                total_steps=self.total_steps,
-            )
-            for name, net in self.task.networks().items()
-        }
+        self.engines = build_engines(cfg, self.task, plan, self.device, self.dist, self.channels_last)
         if self.dist.enabled:
             data_parallel.wrap(cfg, self.task, self.engines, self.device)
         if cfg.compile.backend is not None:
@@ -125,7 +105,7 @@ class Run:
             total_steps=self.total_steps,
             fp32_math=self.fp32_math,
             channels_last=self.channels_last,
-            products=self._products_record(),
+            products=products_record(cfg, self.engines),
         )
         saved = self.resumption.within_schedule(saved, self.total_steps)
         self.logbook = Logbook(self.engines, self.dist, self.device, self.meter, self.grad_stats)
@@ -143,35 +123,22 @@ class Run:
         """A subclass's statistics besides the run's own, each checkpointed and summarized like them."""
         return []
 
-    def _products_record(self) -> dict | None:
-        """The FP8 or MX recipe of the products, and how many layers' products ran on each arithmetic path."""
-        if self.cfg.precision.products.forward is None:
-            return None
-        paths = collections.Counter(path for e in self.engines.values() if e.products for path in e.products.paths().values())
-        return {**as_plain(self.cfg.precision.products), "paths": dict(paths)}
-
     def _state(self) -> dict:
+        """The checkpoint: each part's own state, collected on every rank (some parts gather)."""
         return {
-            "config": self.record.config,
+            **self.record.state_dict(),
+            **self.logbook.state_dict(),
             "step": self.step,
             "samples": self._global_samples(),
             "epoch": self.epoch,
             "batch_in_epoch": self.batch_in_epoch,
-            "last_loss": self.logbook.last_loss,
-            "last_finite_loss": self.logbook.last_finite_loss,
-            "metrics": self.record.metrics,
-            "sample_grids": self.record.sample_grids,
             "data": self.data.state_dict(),
             "engines": {name: {"model": data_parallel.model_state(self.task, self.dist, name, e.model), **e.state_dict()} for name, e in self.engines.items()},
             "rng": checkpoint.rng_state(),
             # Every rank's own GPU generator advances alike (the same draws): rank 0's stands for all.
             "device_rng": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
-            "started_at": self.record.started_at,
-            "nondeterministic_ops": self.record.nondeterministic_ops,
-            "git": self.record.git,
-            "segments": self.record.segments,
             "data_fingerprint": self.resumption.data_fingerprint() if self.dist.is_main else None,  # only rank 0's is saved
-            **{i.key: i.state_dict() for i in self.instruments},  # on every rank: some gather
+            **{i.key: i.state_dict() for i in self.instruments},
         }
 
     def _restore(self, saved: dict) -> None:
@@ -180,24 +147,10 @@ class Run:
             engine.load_state_dict(saved["engines"][name])
         self.data.load_state_dict(saved["data"])
         self.step, self.samples_before_resume = saved["step"], saved["samples"]
-        # Until this launch writes one, the checkpoint it resumed is what a relaunch would resume.
-        self.checkpointed_at = self.record.checkpoint_step = self.record.steps = saved["step"]
-        self.record.samples = saved["samples"]
+        self.checkpointed_at = saved["step"]
         self.epoch, self.batch_in_epoch = saved["epoch"], saved["batch_in_epoch"]
-        self.logbook.last_loss, self.logbook.last_finite_loss = saved["last_loss"], saved["last_finite_loss"]
-        self.record.metrics = saved["metrics"]
-        if self.record.sample_grids is not None:
-            self.record.sample_grids = saved["sample_grids"]
-        self.record.resumed_from_step = saved["step"]
-        self.record.started_at, self.record.resumed_at = saved["started_at"], now_iso()
-        if self.record.nondeterministic_ops is not None:
-            self.record.nondeterministic_ops.extend(op for op in saved["nondeterministic_ops"] if op not in self.record.nondeterministic_ops)
-        if saved["git"] != self.record.git:
-            print(f"mpt-run: warning: the checkpoint was written by {describe_code(saved['git'])}; this is {describe_code(self.record.git)}", flush=True)
-        earlier = saved["segments"]
-        assert self.record.segments is not None  # the initial record's
-        self.record.segments = [*earlier, *self.record.segments]
-        self.record.segments[-1]["from_step"] = self.record.segments[-1]["to_step"] = saved["step"]
+        self.record.resume(saved)
+        self.logbook.load_state_dict(saved)
         for instrument in self.instruments:
             if saved.get(instrument.key):  # one the checkpoint predates (its key absent) starts afresh
                 instrument.load_state_dict(saved[instrument.key])
@@ -205,7 +158,7 @@ class Run:
         if saved["device_rng"] is not None and self.device.type == "cuda":
             torch.cuda.set_rng_state(saved["device_rng"], self.device)
         log.info("resuming %s from its checkpoint at step %d of %d", self.run_dir, self.step, self.total_steps)
-        length = earlier[-1].get("total_steps")
+        length = saved["segments"][-1].get("total_steps")
         longer = f", extending the run from {length} steps" if length is not None and length != self.total_steps else ""
         print(f"mpt-run: resuming from the checkpoint at step {self.step} of {self.total_steps}{longer} (resume=false starts over)", flush=True)
 
@@ -246,9 +199,7 @@ class Run:
         together = interrupted = False
         try:
             if self.dist.is_main:
-                skipped = {name: e.scaler.summary()["skipped_steps"] for name, e in self.engines.items()}
-                unit = self.meter.unit + ("/s per process" if self.dist.enabled else "/s")
-                self.logbook.progress = Progress(self.label, self.total_steps, self.step, skipped, unit)
+                self.logbook.show_progress(self.label, self.total_steps, self.step)
             with (
                 preemption.catching(),
                 held_for_the_run(self.cfg, self.device),
@@ -293,15 +244,12 @@ class Run:
                 rec.compile = compile_summary(self.cfg.compile)
             rec.mfu = mfu(rec.flops, rec.throughput, self.cfg.precision, self.device, rec.environment["device_name"])
             rec.loss_scale = {name: {**e.scaler.summary(), "on_device": e.on_device} for name, e in self.engines.items()}
-            rec.precision["products"] = self._products_record()  # the paths its products took
+            rec.precision["products"] = products_record(self.cfg, self.engines)  # the paths its products took
             rec.finished_at = now_iso()
             rec.duration_s = time.perf_counter() - t_start
             try:
-                self.logbook.metrics.close()
+                self.logbook.close()
             finally:
-                self.logbook.board.close()  # never raises: a failing writer only warns
-                if self.logbook.progress is not None:
-                    self.logbook.progress.close()
                 self.data.close()
         self.save_record()
         if interrupted:
