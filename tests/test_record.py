@@ -356,3 +356,13 @@ def test_a_changed_record_or_sweep_file_under_results_leaves_the_tree_clean_and_
     assert git_commit(repo / "mpt")["dirty"] is False  # asked from below the top, as the runner asks
     (repo / "mpt" / "code.py").write_text("x = 2\n")
     assert git_commit(repo / "mpt")["dirty"] is True
+
+
+def test_every_pointer_a_record_carries_names_a_section_of_docs_record_md():
+    import re
+
+    source = "\n".join(p.read_text() for p in (ROOT / "mpt").rglob("*.py"))
+    pointers = set(re.findall(r"docs/record\.md#([a-z0-9-]+)", source))
+    headings = re.findall(r"^#+ (.+)$", (ROOT / "docs" / "record.md").read_text(), flags=re.M)
+    anchors = {re.sub(r"[^a-z0-9 -]", "", h.lower()).replace(" ", "-") for h in headings}  # GitHub's slugs
+    assert len(pointers) >= 4 and pointers <= anchors, sorted(pointers - anchors)

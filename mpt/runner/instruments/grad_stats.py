@@ -296,7 +296,7 @@ class GradStatsCollector(Instrument):
         updates = None
         if self.updates_on:
             updates = {
-                "what": "per network, `counted`: `lost`, the updates its FP16 weights (updated in place) lost: a non-zero FP32 update left the stored weight unchanged; or `would_be_lost`, the updates an FP16 weight would lose: the update, added in FP32 to the FP16 rounding of the FP32 master (or FP32 weight) and rounded once, gives that FP16 weight back",
+                "what": "docs/record.md#lost-updates",
                 "networks": {
                     net: {
                         "counted": self.lost_counted[net],
@@ -337,7 +337,7 @@ class GradStatsCollector(Instrument):
         return {
             "formats": [f.name for f in self.formats],
             "roles": dict(ROLES),
-            "what": "per format, of the non-zero finite values: the shares that underflow to zero, are subnormal and overflow (become inf or NaN, or saturate) as they are; share_lost = underflow + overflow; SQNR of the round trip as they are and scaled per tensor by the largest safe power of two (block formats: by their block scales); the largest safe and the recommended power-of-two scales (precision/atlas.py)",
+            "what": "docs/record.md#the-numerics-atlas",
             "networks": networks,
         }
 
@@ -350,7 +350,7 @@ class GradStatsCollector(Instrument):
             "ratio": med(sampled) / med(plain) if sampled and plain else None,  # type: ignore[operator]  # both non-empty
             "sampled_steps_timed": len(sampled),
             "plain_steps_timed": len(plain),
-            "method": "median wall time of the sampled steps and of the steps just before them, after the throughput warm-up, device synchronized around each; sampled steps are left out of throughput",
+            "method": "docs/record.md#what-the-statistics-cost",
             **({"note": "every step was sampled (stats.every=1): no plain step to compare with, and no step left for throughput"} if self.every == 1 else {}),
         }
 

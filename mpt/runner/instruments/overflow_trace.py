@@ -134,7 +134,7 @@ class OverflowTracer(Instrument):
         if not self.enabled or not any(self.counts.values()):
             return None
         return {
-            "what": "per network, for each skipped step, the first module whose tensor became non-finite when the step was run again with hooks: its output in the forward, else the loss, else its output gradient in the backward, else a weight gradient",
+            "what": "docs/record.md#overflow-origins",
             "steps_traced": "the skipped steps among those stats.every samples (the scale lived on the device)" if self.sampled_only else "every skipped step",
             "networks": {
                 net: {
