@@ -32,7 +32,7 @@
 #   classifier what `others` runs
 #   others     the second call after `next`, at most 5 minutes (the same carry): ResNet-50's cells of
 #              the CPU classifier sweep (scripts/phenomena.sh classifiers: CIFAR-10 at 32 px, batch
-#              64, 600 steps, its overrides below), seed 0, on CUDA's own kernels
+#              64, 600 steps: its presets phenomena/classifiers/3_resnet50, _static), seed 0, on CUDA's own kernels
 #   sequences  the language model's and GNMT's converged settings (ptb_biglstm, _mixed; multi30k_gnmt,
 #              _mixed, _fp16, _adam), seeds 0-2 planned (PLAN; SEEDS runs some), seed-major; then
 #              bigLSTM's long run without scaling (ptb_biglstm_long) until the part's deadline.
@@ -110,7 +110,6 @@ run() { limited python3 -m mpt.runner.cli "$@" 2>&1 | tee -a "$W/$part.log" || r
 ( while sleep 60; do pack; done ) &
 packer=$!
 trap 'kill $packer 2>/dev/null' EXIT
-seeds="seed=${SEEDS:-0,1,2}"
 cifar_root() {  # CIFAR-10 unpacked once; the folder that holds its train/ and test/
   [ -d /tmp/cifar ] || { mkdir -p /tmp/cifar && tar -xzf "$D/cifar10.tar.gz" -C /tmp/cifar; }
   dirname "$(find /tmp/cifar -maxdepth 3 -type d -name train | head -1)"
@@ -236,46 +235,27 @@ case $part in
     done
     # its own checkpoints, so that a later call could carry it further (they stay on the machine)
     run -m experiment=ptb_biglstm_long "${lm[@]}" "${common[@]/checkpoint=false/checkpoint=true}" "${long[@]}" hydra.sweep.dir="$W/long" "$@" ;;
-  classifier)  # scripts/phenomena.sh's classifier() for ResNet-50, seed 0
+  classifier)  # the CPU classifier sweep's ResNet-50 presets (scripts/phenomena.sh classifiers), seed 0
     root=$(cifar_root)
-    common=(model=resnet50 data=imagefolder data.root="$root" data.val_split=test data.resize_ratio=1.0 schedule.batch_size=64
-            schedule.image_size=32 schedule.steps=600 'schedule.lr_milestones=[300,450]' schedule.eval_every=150 schedule.eval_batches=null
-            schedule.log_every=25 stats.lost_updates=true stats.every=50 seed=0 checkpoint=false hydra.sweep.dir="$W/classifier")
-    run -m precision=fp32,mixed,fp16 scale=none "${common[@]}" "$@"
-    run -m precision=fp16,fp16_modmom scale=static "${common[@]}" "$@" ;;
-  cifar)
-    MODELS=${MODELS:-alexnet,resnet50}
-    root=$(cifar_root)
-    common=(data=imagefolder data.root="$root" data.val_split=test schedule=short schedule.steps=null schedule.epochs=10
-            schedule.eval_every=null schedule.eval_batches=null checkpoint=false $seeds hydra.sweep.dir="$W/cifar")
-    for model in ${MODELS//,/ }; do
-      run -m model=$model precision=fp32,mixed,fp16 scale=none "${common[@]}" "$@"
-      run -m model=$model precision=fp16_modmom scale=static "${common[@]}" "$@"
+    for preset in phenomena/classifiers/3_resnet50 phenomena/classifiers/4_resnet50_static; do
+      run -m "experiment=$preset" "data.root=$root" seed=0 hydra.sweep.dir="$W/classifier" "$@"
     done ;;
-  ssd)
-    common=(model=ssd data=voc data.root="$D/raccoon" 'data.train_sets=[train_labels.csv]' 'data.val_sets=[test_labels.csv]'
-            'data.class_names=[raccoon]' schedule=short schedule.batch_size=32 schedule.steps=1000 schedule.eval_every=250
-            schedule.eval_batches=null checkpoint=false $seeds hydra.sweep.dir="$W/ssd")
-    run -m precision=fp32 scale=none stats.grad_hist=true stats.every=100 "${common[@]}" "$@"
-    run -m precision=mixed scale=none "${common[@]}" "$@"
-    run -m precision=mixed scale=static scale.value=8 "${common[@]}" "$@" ;;
-  gnmt)
-    common=(model=gnmt_small data=parallel_text data.root="$D/multi30k" data.val_split=val data.test_split=test_2016_flickr
-            data.vocab_size=8000 schedule.batch_size=128 schedule.steps=null schedule.epochs=8 schedule.eval_every=null
-            checkpoint=false $seeds hydra.sweep.dir="$W/gnmt")
-    run -m precision=fp32,mixed scale=none "${common[@]}" "$@"
-    run -m precision=mixed scale=static "${common[@]}" "$@" ;;
-  biglstm)
-    common=(model=biglstm_small data=text_corpus data.root="$D/ptb" 'data.train_split=ptb.train.txt*' 'data.val_split=ptb.valid.txt*'
-            'data.test_split=ptb.test.txt*' data.min_count=1 schedule.steps=null schedule.epochs=5 schedule.eval_every=null
-            schedule.eval_batches=null checkpoint=false $seeds hydra.sweep.dir="$W/biglstm")
-    run -m precision=fp32,mixed scale=none "${common[@]}" "$@"
-    run -m precision=mixed scale=static scale.value=128 "${common[@]}" "$@" ;;
-  dcgan)
-    mkdir -p /tmp/utk && tar -xzf "$D/utkface.tar.gz" -C /tmp/utk
-    root=$(dirname "$(find /tmp/utk -name '*.jpg' | head -1)")
-    run -m model=dcgan64 data=image_dir data.root="$root" schedule.batch_size=128 schedule.steps=2000 schedule.eval_every=500 \
-        precision=fp32,mixed scale=none checkpoint=false $seeds hydra.sweep.dir="$W/dcgan" "$@" ;;
+  cifar | ssd | gnmt | biglstm | dcgan)  # the earlier loans' settings: configs/experiment/gpu/<part>/
+    case $part in
+    cifar) root=$(cifar_root) ;;
+    dcgan)
+      mkdir -p /tmp/utk
+      tar -xzf "$D/utkface.tar.gz" -C /tmp/utk
+      root=$(dirname "$(find /tmp/utk -name '*.jpg' | head -1)") ;;
+    ssd) root=$D/raccoon ;;
+    gnmt) root=$D/multi30k ;;
+    biglstm) root=$D/ptb ;;
+    esac
+    models=()
+    [ "$part" = cifar ] && models=("model=${MODELS:-alexnet,resnet50}")
+    for preset in $(cd configs/experiment && ls gpu/"$part"/*.yaml | sed 's/\.yaml$//'); do
+      run -m "experiment=$preset" "data.root=$root" "${models[@]}" ${SEEDS:+"seed=$SEEDS"} hydra.sweep.dir="$W/$part" "$@"
+    done ;;
   *) echo "device_session.sh: PART=$part: expected one of accuracy, sequences, speed, suite, arithmetic, bench, options, peer, next, others, classifier, cifar, ssd, gnmt, biglstm, dcgan" >&2; exit 2 ;;
 esac
 exit $rc
