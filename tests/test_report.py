@@ -16,6 +16,7 @@ from PIL import Image
 from mpt.report.cli import build_report
 from mpt.report.cli import main as report_main
 from mpt.report.figures import _cell_name
+from mpt.report.naming import Figure, figure_name
 from mpt.report.records import cell_variant, mode_label
 from mpt.report.tables import accuracy, render_accuracy, sample_std
 from mpt.runner import identity
@@ -42,9 +43,20 @@ def swept(tmp_path_factory) -> Path:
     r = mpt_run(*SWEEP, f"hydra.sweep.dir={runs}", cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     # No terminal here: each run's plain progress line, labelled with its place in the sweep.
-    assert [line.split(":")[1] for line in r.stdout.splitlines() if line.startswith("mpt-run: run ")] == [f" run {i}/8" for i in range(1, 9)]
+    assert [line.split(":")[1] for line in r.stdout.splitlines() if line.startswith("mpt-run: run ")] == [
+        f" run {i}/8" for i in range(1, 9)
+    ]
     assert "run 8/8: step 3/3 (100%), loss " in r.stdout
-    r = mpt_run("-m", "precision=fp32", "optim.lr=1e12", "schedule=smoke", "schedule.log_every=1", "checkpoint=false", f"hydra.sweep.dir={runs}", cwd=ROOT)
+    r = mpt_run(
+        "-m",
+        "precision=fp32",
+        "optim.lr=1e12",
+        "schedule=smoke",
+        "schedule.log_every=1",
+        "checkpoint=false",
+        f"hydra.sweep.dir={runs}",
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return runs
 
@@ -88,16 +100,44 @@ def test_relaunching_a_sweep_skips_finished_runs_and_force_reruns(swept):
     unfinished = swept / "resnet50_fp32_none_synthetic_smoke_cpu_seed1" / "result.json"
     rec = json.loads(unfinished.read_text())
     unfinished.write_text(json.dumps({**rec, "status": "running"}))
-    r = mpt_run("-m", "precision=fp32", "scale=none", "seed=0,1", "schedule=smoke", "checkpoint=false", f"hydra.sweep.dir={swept}", cwd=ROOT)
+    r = mpt_run(
+        "-m",
+        "precision=fp32",
+        "scale=none",
+        "seed=0,1",
+        "schedule=smoke",
+        "checkpoint=false",
+        f"hydra.sweep.dir={swept}",
+        cwd=ROOT,
+    )
     assert r.stdout.count("skipped (force=true") == 1 and json.loads(unfinished.read_text())["status"] == "ok"
 
-    r = mpt_run("-m", "precision=fp32", "scale=none", "seed=0", "schedule=smoke", "force=true", "checkpoint=false", f"hydra.sweep.dir={swept}", cwd=ROOT)
+    r = mpt_run(
+        "-m",
+        "precision=fp32",
+        "scale=none",
+        "seed=0",
+        "schedule=smoke",
+        "force=true",
+        "checkpoint=false",
+        f"hydra.sweep.dir={swept}",
+        cwd=ROOT,
+    )
     assert "skipped (force=true" not in r.stdout
     forced = swept / "resnet50_fp32_none_synthetic_smoke_cpu_seed0" / "result.json"
     assert forced.stat().st_mtime_ns != before[forced]
 
     # A diverged run is a result too: relaunched, it is skipped, not diverged again.
-    r = mpt_run("-m", "precision=fp32", "optim.lr=1e12", "schedule=smoke", "schedule.log_every=1", "checkpoint=false", f"hydra.sweep.dir={swept}", cwd=ROOT)
+    r = mpt_run(
+        "-m",
+        "precision=fp32",
+        "optim.lr=1e12",
+        "schedule=smoke",
+        "schedule.log_every=1",
+        "checkpoint=false",
+        f"hydra.sweep.dir={swept}",
+        cwd=ROOT,
+    )
     assert "already has a record with status diverged; skipped" in r.stdout
     # Relaunched logging or timing differently, it is the same computation: the same folder, skipped.
     before = {p: p.stat().st_mtime_ns for p in swept.glob("*/result.json")}
@@ -131,7 +171,10 @@ def test_accuracy_pivot_holds_the_mean_over_seeds(report, swept):
             top1 = [
                 r["metrics"]["top1"]
                 for r in recs
-                if r["choices"]["precision"] == precision and r["choices"]["scale"] == scale and r["status"] == "ok" and not r["variant"]
+                if r["choices"]["precision"] == precision
+                and r["choices"]["scale"] == scale
+                and r["status"] == "ok"
+                and not r["variant"]
                 if not skipped_all(r)
             ]
             cell = acc[(acc.precision == precision) & (acc.scale == scale) & (acc.variant == "")]
@@ -161,7 +204,10 @@ def test_throughput_speedup_is_over_fp32_on_the_same_device(report, swept):
         return statistics.median(
             r["throughput"]["pipeline"]
             for r in recs
-            if r["choices"]["precision"] == precision and r["choices"]["scale"] == scale and r["status"] == "ok" and not r["variant"]
+            if r["choices"]["precision"] == precision
+            and r["choices"]["scale"] == scale
+            and r["status"] == "ok"
+            and not r["variant"]
         )
 
     fp16 = tp[(tp.precision == "fp16") & (tp.scale == "none") & tp.variant.isna()]
@@ -177,7 +223,9 @@ def test_the_time_to_result_table_holds_each_cells_median_time_and_mean_metric(r
 
     def cell(precision):
         mine = [r for r in recs if r["choices"]["precision"] == precision and r["choices"]["scale"] == "none"]
-        return statistics.median(r["time_to_result"]["seconds"] for r in mine), statistics.mean(r["metrics"]["top1"] for r in mine)
+        return statistics.median(r["time_to_result"]["seconds"] for r in mine), statistics.mean(
+            r["metrics"]["top1"] for r in mine
+        )
 
     (fp16_s, fp16_top1), (fp32_s, _) = cell("fp16"), cell("fp32")
     row = ttr[(ttr.precision == "fp16") & (ttr.scale == "none") & ttr.variant.isna()]
@@ -191,7 +239,11 @@ def test_the_steady_peak_table_holds_each_cells_median_steady_peak(report, swept
     mem = pd.read_csv(report / "tables" / "memory_steady.csv", dtype={"variant": "string"})
     recs = [r for r in records(swept).values() if r["status"] == "ok" and not r["variant"]]
     fp16 = mem[(mem.precision == "fp16") & (mem.scale == "none") & mem.variant.isna()]
-    steady = [r["memory"]["steady_peak_bytes"] for r in recs if r["choices"]["precision"] == "fp16" and r["choices"]["scale"] == "none"]
+    steady = [
+        r["memory"]["steady_peak_bytes"]
+        for r in recs
+        if r["choices"]["precision"] == "fp16" and r["choices"]["scale"] == "none"
+    ]
     assert fp16.steady_peak_memory_bytes.item() == pytest.approx(statistics.median(steady))
     assert "after the warm-up" in (report / "report.md").read_text()
 
@@ -199,13 +251,20 @@ def test_the_steady_peak_table_holds_each_cells_median_steady_peak(report, swept
 def test_paper_comparison_puts_our_cells_next_to_the_published_ones(report):
     paper = pd.read_csv(report / "tables" / "paper_comparison.csv")
     acc = pd.read_csv(report / "tables" / "accuracy.csv").fillna({"variant": ""})
-    row = paper[(paper.table == "Table 1") & (paper.model == "resnet50") & (paper.precision == "fp32") & (paper.variant.fillna("") == "")]
+    row = paper[
+        (paper.table == "Table 1")
+        & (paper.model == "resnet50")
+        & (paper.precision == "fp32")
+        & (paper.variant.fillna("") == "")
+    ]
     assert row.published.item() == 75.92 and row.data.item() == "synthetic" and row.schedule.item() == "smoke"
     ours = acc[(acc.precision == "fp32") & (acc.scale == "none") & (acc.variant == "")]["mean"].item()
     assert row.ours.item() == pytest.approx(100 * ours)
     md = (report / "tables" / "paper_comparison.md").read_text().splitlines()
     ours_diverged = [line for line in md if "| resnet50 | fp32 |" in line and "optim.lr=" in line]
-    assert len(ours_diverged) == 3 and all("| diverged |" in line for line in ours_diverged)  # Table 1 top-1, GTC top-1 and top-5
+    assert len(ours_diverged) == 3 and all(
+        "| diverged |" in line for line in ours_diverged
+    )  # Table 1 top-1, GTC top-1 and top-5
 
 
 def report_cli(capsys, *argv: str) -> tuple[int, str, str]:
@@ -230,19 +289,55 @@ def test_a_report_of_only_diverged_runs_says_so(swept, tmp_path, capsys):
             shutil.copytree(rec.parent, only / rec.parent.name)
     code, _, err = report_cli(capsys, only, "--out", tmp_path / "out")
     assert code == 0, err[-2000:]
-    rows = [line for line in (tmp_path / "out" / "tables" / "accuracy.md").read_text().splitlines() if line.startswith("| resnet50")]
+    rows = [
+        line
+        for line in (tmp_path / "out" / "tables" / "accuracy.md").read_text().splitlines()
+        if line.startswith("| resnet50")
+    ]
     assert len(rows) == 1 and rows[0].endswith("| diverged |")
 
 
 def test_figures_are_valid_pngs(report):
     names = sorted(p.name for p in (report / "figures").glob("*.png"))
-    assert "loss_resnet50_synthetic_smoke.png" in names and "loss_scale_resnet50_synthetic_smoke.png" in names
+    smoke = ("resnet50", "synthetic", "smoke")
+    assert figure_name(Figure("loss", *smoke)) in names and figure_name(Figure("loss_scale", *smoke)) in names
     assert any(n.startswith("throughput_") for n in names)
     for name in names:
         with Image.open(report / "figures" / name) as im:
             im.verify()
             assert im.format == "PNG"
     assert all(f"figures/{n}" in (report / "report.md").read_text() for n in names)
+
+
+def markdown_table(text: str) -> list[dict[str, str]]:
+    """The rows of the one Markdown table in `text`, by header; escaped pipes unescaped."""
+    lines = [line for line in text.splitlines() if line.startswith("|")]
+    cells = [re.split(r"(?<!\\)\|", line)[1:-1] for line in lines]
+    split = [[c.strip().replace("\\|", "|").replace("\\\\", "\\") for c in row] for row in cells]
+    header, rule, *rows = split
+    assert all(re.fullmatch(r":?-+:?", c) for c in rule) and all(len(r) == len(header) for r in rows)
+    return [dict(zip(header, r)) for r in rows]
+
+
+def test_figures_md_lists_every_figure_once_with_what_its_tag_stands_for(report):
+    from mpt.report import naming
+
+    assert "[figures.md](figures.md)" in (report / "report.md").read_text()
+    rows = markdown_table((report / "figures.md").read_text())
+    linked = [re.fullmatch(r"\[(.+)\]\((.+)\)", row["figure"]) for row in rows]
+    assert all(m and m[2] == f"figures/{m[1]}" for m in linked)
+    names = [m[1] for m in linked if m]
+    assert sorted(names) == sorted(p.name for p in (report / "figures").glob("*.png"))  # every figure, each once
+    variants = set(pd.read_csv(report / "runs.csv")["variant"].fillna(""))
+    assert len(variants) == 2 and "" in variants  # the sweep's and the diverging run's
+    for name, row in zip(names, rows):
+        assert len(name) <= naming.NAME_LIMIT
+        variant = row["variant"].strip("`")
+        assert variant in variants
+        # The row is the whole description: from it alone, the name's tag again.
+        figure = Figure(row["kind"], row["model"], row["data"], row["schedule"], variant, row["cell"], row["network"])
+        assert name.endswith(f"_{row['tag']}.png") and row["tag"] == naming.tag(figure)
+    assert {row["variant"].strip("`") for row in rows if row["kind"] == "loss"} == variants
 
 
 def test_report_without_records_is_an_error(tmp_path, capsys):
@@ -298,7 +393,11 @@ def test_a_rebuilt_report_keeps_only_the_figures_it_lists(swept, tmp_path):
     stale = out / "figures" / "loss_a_variant_since_renamed.png"
     stale.write_bytes(b"")
     build_report([swept], out, None)
-    listed = {line.split("(figures/")[1].rstrip(")") for line in (out / "report.md").read_text().splitlines() if "(figures/" in line}
+    listed = {
+        line.split("(figures/")[1].rstrip(")")
+        for line in (out / "report.md").read_text().splitlines()
+        if "(figures/" in line
+    }
     assert listed and {p.name for p in (out / "figures").iterdir()} == listed
 
 
@@ -310,7 +409,15 @@ def test_no_machine_path_reaches_a_table_and_titles_leave_the_variant_to_report_
     data = make_folder(tmp_path / "on-this-machine", per_class=4, size=32)
     runs = tmp_path / "runs"
     r = mpt_run(
-        "-m", TINY, "data=imagefolder", f"data.root={data}", "data.num_workers=0", "schedule=smoke", "checkpoint=false", f"hydra.sweep.dir={runs}", cwd=ROOT
+        "-m",
+        TINY,
+        "data=imagefolder",
+        f"data.root={data}",
+        "data.num_workers=0",
+        "schedule=smoke",
+        "checkpoint=false",
+        f"hydra.sweep.dir={runs}",
+        cwd=ROOT,
     )
     assert r.returncode == 0, r.stderr[-3000:]
     out = tmp_path / "report"
@@ -322,7 +429,10 @@ def test_no_machine_path_reaches_a_table_and_titles_leave_the_variant_to_report_
     lines = (out / "report.md").read_text().splitlines()
     figure = next(i for i, line in enumerate(lines) if line.startswith("![loss_"))
     assert lines[figure + 2] == f"variant {identity.tag(variant)}: `{variant}`"
-    assert _cell_name(("resnet50", "imagefolder", "smoke", variant))[1] == f"resnet50, imagefolder, smoke (variant {identity.tag(variant)})"
+    assert (
+        _cell_name(("resnet50", "imagefolder", "smoke", variant))[1]
+        == f"resnet50, imagefolder, smoke (variant {identity.tag(variant)})"
+    )
 
 
 def copied(swept: Path, dest: Path, name: str, **changes) -> Path:
@@ -435,7 +545,7 @@ def test_a_report_cut_short_leaves_the_previous_files_whole(swept, tmp_path, cap
     out = tmp_path / "out"
     build_report([swept], out, None)
     (out / "runs.csv").write_text("the previous runs.csv\n")
-    figure = out / "figures" / "loss_resnet50_synthetic_smoke.png"  # the first figure drawn
+    figure = out / "figures" / figure_name(Figure("loss", "resnet50", "synthetic", "smoke"))  # the first figure drawn
     figure.write_bytes(b"the previous figure")
     real_write = files._Recorder.write
 
@@ -524,9 +634,18 @@ def test_the_time_to_result_table_keeps_the_metric_of_a_setup_without_an_image_s
             "metric_value": ppl,
         }
 
-    runs = pd.DataFrame([row("fp32", 0, 10.0, 140.0), row("fp32", 1, 12.0, 142.0), row("bf16", 0, 5.0, 141.0), row("bf16", 1, 7.0, 143.0)])
+    runs = pd.DataFrame(
+        [
+            row("fp32", 0, 10.0, 140.0),
+            row("fp32", 1, 12.0, 142.0),
+            row("bf16", 0, 5.0, 141.0),
+            row("bf16", 1, 7.0, 143.0),
+        ]
+    )
     table = tables.time_to_result(runs).set_index("precision")
-    assert table.loc["bf16", "metric_mean"] == pytest.approx(142.0) and table.loc["fp32", "metric_mean"] == pytest.approx(141.0)
+    assert table.loc["bf16", "metric_mean"] == pytest.approx(142.0) and table.loc[
+        "fp32", "metric_mean"
+    ] == pytest.approx(141.0)
     assert table.loc["bf16", "ratio_to_fp32"] == pytest.approx(6.0 / 11.0)
 
 
@@ -534,6 +653,8 @@ def test_the_spread_of_values_near_a_floats_range_is_finite():
     """pandas' std squares the deviations and overflows for perplexities of 1e200: the table's
     spread is the same statistic, scaled, as statistics.stdev gives of the values divided down."""
     values = [1.5, 4.0, 2.25]
-    assert sample_std(pd.Series([v * 1e200 for v in values])) / 1e200 == pytest.approx(statistics.stdev(values), rel=1e-12)
+    assert sample_std(pd.Series([v * 1e200 for v in values])) / 1e200 == pytest.approx(
+        statistics.stdev(values), rel=1e-12
+    )
     assert sample_std(pd.Series(values)) == pytest.approx(statistics.stdev(values), rel=1e-12)
     assert sample_std(pd.Series([3.0, 3.0])) == 0.0 and math.isnan(sample_std(pd.Series([3.0])))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from pathlib import Path
 from typing import Iterable
@@ -14,6 +13,7 @@ from ..files import WriteError, remove_stale_temporaries
 from ..runner import identity
 from ..runner.record import RecordError
 from . import comparisons, figures, tables
+from .naming import INDEX_NAME, Figure, FigureIndex, render_index
 from .output import write_text
 from .records import load_atlas, load_curves, load_lost_update_steps, load_overflow_origins, load_runs, shown_path
 
@@ -36,15 +36,16 @@ def write_table(df: pd.DataFrame, markdown: str, out: Path, name: str, written: 
     return markdown
 
 
-def _figure_entry(path: Path, runs: pd.DataFrame) -> str:
+def _figure_entry(path: Path, figure: Figure | None) -> str:
     """A figure in report.md, and under it the variant its title names only by tag."""
-    variants = {identity.tag(v): v for v in runs["variant"].dropna().unique() if v}
-    tag = re.search(r"_([0-9a-f]{8})$", path.stem)
     entry = f"![{path.stem}](figures/{path.name})"
-    return entry + (f"\n\nvariant {tag[1]}: `{variants[tag[1]]}`" if tag and tag[1] in variants else "")
+    variant = figure.variant if figure is not None else ""
+    return entry + (f"\n\nvariant {identity.tag(variant)}: `{variant}`" if variant else "")
 
 
-def build_report(paths: list[Path], out: Path, published_path: Path | None, declared: Iterable[comparisons.Declared] = ()) -> list[Path]:
+def build_report(
+    paths: list[Path], out: Path, published_path: Path | None, declared: Iterable[comparisons.Declared] = ()
+) -> list[Path]:
     runs = load_runs(paths)
     if runs.empty:
         raise SystemExit(f"mpt-report: error: no result.json under {', '.join(map(str, paths))}")
@@ -94,15 +95,24 @@ def build_report(paths: list[Path], out: Path, published_path: Path | None, decl
             "Peak memory (MiB; ratio to fp32 on the same device, batch and resolution)",
             "memory",
             mem,
-            tables.render_relative(mem, "peak_memory_bytes", "ratio_to_fp32", lambda v: f"{v / 2**20:.0f}", "memory_kind"),
+            tables.render_relative(
+                mem, "peak_memory_bytes", "ratio_to_fp32", lambda v: f"{v / 2**20:.0f}", "memory_kind"
+            ),
         ),
         (
             "Peak memory after the warm-up (MiB; ratio to fp32): without what only the first steps allocated, such as cuDNN's benchmark workspaces",
             "memory_steady",
             steady,
-            tables.render_relative(steady, "steady_peak_memory_bytes", "ratio_to_fp32", lambda v: f"{v / 2**20:.0f}", "memory_kind"),
+            tables.render_relative(
+                steady, "steady_peak_memory_bytes", "ratio_to_fp32", lambda v: f"{v / 2**20:.0f}", "memory_kind"
+            ),
         ),
-        ("Model FLOPs utilization (model FLOPs per sample x samples/s over the GPU's dense peak for the mode's math)", "mfu", util, tables.render_mfu(util)),
+        (
+            "Model FLOPs utilization (model FLOPs per sample x samples/s over the GPU's dense peak for the mode's math)",
+            "mfu",
+            util,
+            tables.render_mfu(util),
+        ),
         ("Loss scaling", "loss_scaling", ls, tables.render_loss_scaling(ls)),
         (
             "The loss-scaling control (the loss times 2^-k before the backward, the gradients times 2^k before the update)",
@@ -142,7 +152,9 @@ def build_report(paths: list[Path], out: Path, published_path: Path | None, decl
             if published_path.resolve().is_relative_to(Path.cwd())
             else shown_path(str(published_path.resolve()))
         )
-        sections.append((f"Against the published values ({shown})", "paper_comparison", paper, tables.render_paper(paper)))
+        sections.append(
+            (f"Against the published values ({shown})", "paper_comparison", paper, tables.render_paper(paper))
+        )
     counts = ", ".join(f"{n} {s}" for s, n in runs.status.value_counts().items())
     skipped = int(tables.skipped_every_step(runs).sum())
     # A run that skipped every step trained nothing, whatever its record says: never a result.
@@ -156,24 +168,40 @@ def build_report(paths: list[Path], out: Path, published_path: Path | None, decl
     if not lost_steps.empty:  # one row per sampled step: a CSV to read, not a table to print
         shown_steps = lost_steps.drop(columns=["precision_order", "scale_order"]).map(shown_path)
         written.append(write_text(out, "tables", "lost_updates_by_step.csv", text=shown_steps.to_csv(index=False)))
-    figs = figures.loss_curves(curves, out / "figures") + figures.loss_scale_curves(curves, out / "figures") + figures.throughput_bars(tp, out / "figures")
-    figs += figures.shift_control(shifted, out / "figures") + figures.sample_grids(runs, out / "figures") + figures.gradient_histograms(runs, out / "figures")
-    figs += figures.gradient_histograms_over_training(runs, out / "figures") + figures.lost_update_curves(lost_steps, curves, out / "figures")
-    figs += figures.atlas_heatmaps(atlas_rows, out / "figures") + figures.atlas_histograms(runs, out / "figures")
+    drawn, index = out / "figures", FigureIndex()
+    figs = figures.loss_curves(curves, drawn, index=index) + figures.loss_scale_curves(curves, drawn, index=index)
+    figs += figures.throughput_bars(tp, drawn, index=index) + figures.shift_control(shifted, drawn, index=index)
+    figs += figures.sample_grids(runs, drawn, index=index) + figures.gradient_histograms(runs, drawn, index=index)
+    figs += figures.gradient_histograms_over_training(runs, drawn, index=index)
+    figs += figures.lost_update_curves(lost_steps, curves, drawn, index=index)
+    figs += figures.atlas_heatmaps(atlas_rows, drawn, index=index) + figures.atlas_histograms(runs, drawn, index=index)
     written += figs
     # figures/ is the report's own: a figure an earlier report drew for a cell that no longer exists
     # (a variant renamed, a record removed) would otherwise sit beside the new ones, unlisted.
     for stale in set((out / "figures").glob("*.png")) - set(figs):
         stale.unlink()
-    text.append("## Figures\n\n" + "\n\n".join(_figure_entry(p, runs) for p in figs) + "\n")
+    # What each figure's tag stands for: its whole description, one row per figure.
+    described = [(p, f) for p in dict.fromkeys(figs) if (f := index.get(p)) is not None]
+    written.append(write_text(out, INDEX_NAME, text=render_index(described, out)))
+    listed = f"Each figure's full description (what the tag ending its name stands for): [{INDEX_NAME}]({INDEX_NAME})."
+    entries = [listed, *(_figure_entry(p, index.get(p)) for p in figs)] if figs else []
+    text.append("## Figures\n\n" + "\n\n".join(entries) + "\n")
     written.append(write_text(out, "report.md", text="\n".join(text)))
     return written
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="mpt-report", description="Tables and figures from mpt-run's result records.")
-    ap.add_argument("paths", nargs="*", type=Path, default=[Path("results/runs")], help="folders searched for result.json (default: results/runs)")
-    ap.add_argument("--out", type=Path, default=Path("results"), help="where runs.csv, tables/ and figures/ go (default: results)")
+    ap.add_argument(
+        "paths",
+        nargs="*",
+        type=Path,
+        default=[Path("results/runs")],
+        help="folders searched for result.json (default: results/runs)",
+    )
+    ap.add_argument(
+        "--out", type=Path, default=Path("results"), help="where runs.csv, tables/ and figures/ go (default: results)"
+    )
     ap.add_argument(
         "--comparisons",
         type=Path,
@@ -182,7 +210,9 @@ def main(argv: list[str] | None = None) -> None:
         metavar="FILE",
         help="an experiment declaration (a preset, or its experiment: node) applied to the runs whose records declare none; the table says it came after the runs (repeatable)",
     )
-    ap.add_argument("--published", type=Path, default=None, help="published values CSV (default: results/paper/published.csv)")
+    ap.add_argument(
+        "--published", type=Path, default=None, help="published values CSV (default: results/paper/published.csv)"
+    )
     args = ap.parse_args(argv)
     missing = [str(p) for p in args.paths if not p.exists()]
     if missing:
@@ -191,13 +221,16 @@ def main(argv: list[str] | None = None) -> None:
     try:
         declared = [comparisons.load_declaration(path) for path in args.comparisons]
         written = build_report(args.paths, args.out, args.published or default_published(), declared)
-    except (RecordError, comparisons.DeclarationError) as e:  # a result.json that is not a record this version reads: name it, write nothing more
+    except (
+        RecordError,
+        comparisons.DeclarationError,
+    ) as e:  # a result.json that is not a record this version reads: name it, write nothing more
         print(f"mpt-report: error: {e}", file=sys.stderr)
         sys.exit(2)
     except WriteError as e:  # a full disk: the file it names is as the previous report left it
         print(f"mpt-report: error: {e}", file=sys.stderr)
         sys.exit(1)
-    print(f"mpt-report: {len(written)} files in {args.out}: runs.csv, report.md, tables/, figures/")
+    print(f"mpt-report: {len(written)} files in {args.out}: runs.csv, report.md, tables/, figures/, {INDEX_NAME}")
 
 
 if __name__ == "__main__":

@@ -68,12 +68,19 @@ class Declared:
         missing = [k for k in ("name", "metric", "margin") if node.get(k) in (None, "???")]
         if missing:
             raise DeclarationError(f"experiment declared {source} has no {', '.join(missing)}")
-        comparisons = tuple({**c, "cell": dict(c.get("cell") or {}), "against": dict(c.get("against") or {})} for c in node.get("comparisons") or [])
+        comparisons = tuple(
+            {**c, "cell": dict(c.get("cell") or {}), "against": dict(c.get("against") or {})}
+            for c in node.get("comparisons") or []
+        )
         for c in comparisons:
             if not c["against"]:
-                raise DeclarationError(f"experiment {node['name']}: a comparison of {c['cell']} names nothing in `against`")
+                raise DeclarationError(
+                    f"experiment {node['name']}: a comparison of {c['cell']} names nothing in `against`"
+                )
             if c.get("expect") not in (None, *(v.value for v in Verdict)):
-                raise DeclarationError(f"experiment {node['name']}: expect={c.get('expect')}: must be one of {', '.join(v.value for v in Verdict)}")
+                raise DeclarationError(
+                    f"experiment {node['name']}: expect={c.get('expect')}: must be one of {', '.join(v.value for v in Verdict)}"
+                )
         return cls(
             str(node["name"]),
             str(node["metric"]),
@@ -124,7 +131,9 @@ def load_declaration(path: Path) -> Declared:
     if isinstance(node, dict) and isinstance(node.get("experiment"), dict):
         node = node["experiment"]
     if not isinstance(node, dict):
-        raise DeclarationError(f"--comparisons {path}: holds no experiment declaration (name, metric, margin, comparisons)")
+        raise DeclarationError(
+            f"--comparisons {path}: holds no experiment declaration (name, metric, margin, comparisons)"
+        )
     return Declared.from_dict(node, source=f"after the runs, in {path.name}")
 
 
@@ -139,13 +148,18 @@ def declarations(runs: pd.DataFrame, extra: Iterable[Declared] = ()) -> list[Dec
         seen: dict[str, tuple[Declared, str]] = {}
         planned: dict[tuple[int, ...], str] = {}
         for _, run in group.iterrows():
-            node = {k.removeprefix("config.experiment."): run[k] for k in run.index if k.startswith("config.experiment.")}
+            node = {
+                k.removeprefix("config.experiment."): run[k] for k in run.index if k.startswith("config.experiment.")
+            }
             node["comparisons"] = json.loads(node.get("comparisons") or "[]")
             declared = Declared.from_dict(node)
             if declared.seeds is not None:
                 planned.setdefault(declared.seeds, run["run_dir"])
             # A record made before `seeds` existed declares none: it ran one of the seeds its preset swept.
-            seen.setdefault(json.dumps({**declared.__dict__, "seeds": None}, sort_keys=True, default=str), (declared, run["run_dir"]))
+            seen.setdefault(
+                json.dumps({**declared.__dict__, "seeds": None}, sort_keys=True, default=str),
+                (declared, run["run_dir"]),
+            )
         if len(seen) > 1:
             (a, a_dir), (b, b_dir) = list(seen.values())[:2]
             raise DeclarationError(
@@ -194,7 +208,11 @@ def _rest(run: pd.Series, against: dict) -> tuple:
     """What must be equal between a cell and its baseline: everything `against` does not set. A
     group `against` sets takes its own overrides with it (precision.norm_fp32 goes with precision)."""
     dropped = set(against)
-    parts = [p for p in identity.variant_parts(run["variant"] or "") if not any(p.partition("=")[0] == k or p.startswith(k + ".") for k in dropped)]
+    parts = [
+        p
+        for p in identity.variant_parts(run["variant"] or "")
+        if not any(p.partition("=")[0] == k or p.startswith(k + ".") for k in dropped)
+    ]
     # A CPU run is never paired with a GPU run: the device is part of what must be equal.
     keys = ["device_type", *(g for g in ("model", "data", "schedule", "precision", "scale") if g not in dropped)]
     scale_value = None if "scale" in dropped else run.get("scale_value")
@@ -270,7 +288,9 @@ def _row(declared: Declared, spec: dict, metric: str, cell: pd.DataFrame, bases:
     comparison that could not fail)."""
     first = cell.iloc[0]
     rest = _rest(first, spec["against"])
-    base = bases.loc[pd.Series([_rest(r, spec["against"]) == rest for _, r in bases.iterrows()], index=bases.index, dtype=bool)]
+    base = bases.loc[
+        pd.Series([_rest(r, spec["against"]) == rest for _, r in bases.iterrows()], index=bases.index, dtype=bool)
+    ]
     base_cells = base.groupby(CELL, dropna=False, sort=False)
     if set(base["run_dir"]) == set(cell["run_dir"]):
         return None
@@ -288,24 +308,42 @@ def _row(declared: Declared, spec: dict, metric: str, cell: pd.DataFrame, bases:
     }
     if base_cells.ngroups != 1:
         planned = declared.seeds is not None and base_cells.ngroups == 0  # its baseline is still to run
-        row.update(n=0, diverged=0, against=None, verdict=Verdict.inconclusive.value, finding="incomplete" if planned else "not tested")
-        row["note"] = "no baseline runs" if base_cells.ngroups == 0 else f"{base_cells.ngroups} cells match `against`: name more settings"
+        row.update(
+            n=0,
+            diverged=0,
+            against=None,
+            verdict=Verdict.inconclusive.value,
+            finding="incomplete" if planned else "not tested",
+        )
+        row["note"] = (
+            "no baseline runs"
+            if base_cells.ngroups == 0
+            else f"{base_cells.ngroups} cells match `against`: name more settings"
+        )
         return row
     other = base["variant"].iloc[0]  # the baseline's own variant, by tag, where it is not the cell's
     row["against_variant"] = other
-    row["against"] = base["mode"].iloc[0] + (f" (variant {identity.tag(other)})" if other not in ("", first["variant"]) else "")
+    row["against"] = base["mode"].iloc[0] + (
+        f" (variant {identity.tag(other)})" if other not in ("", first["variant"]) else ""
+    )
     higher = direction(declared, first)
     notes = []
     if declared.seeds is not None:  # only the planned pairs count
         unplanned = sorted({int(s) for s in pd.concat([cell["seed"], base["seed"]]) if s not in declared.seeds})
-        notes += [f"seed{'s' * (len(unplanned) > 1)} {', '.join(map(str, unplanned))} not planned, left out"] if unplanned else []
+        notes += (
+            [f"seed{'s' * (len(unplanned) > 1)} {', '.join(map(str, unplanned))} not planned, left out"]
+            if unplanned
+            else []
+        )
         cell, base = cell[cell["seed"].isin(declared.seeds)], base[base["seed"].isin(declared.seeds)]
     cell, base = _final_first(cell), _final_first(base)
     for side in (cell, base):
         twice = side[side.duplicated("seed", keep=False)]
         if len(twice):
             a, b = twice["run_dir"].iloc[:2]
-            raise DeclarationError(f"experiment {declared.name}: {a} and {b} are one cell's seed {twice['seed'].iloc[0]} twice; report one of them")
+            raise DeclarationError(
+                f"experiment {declared.name}: {a} and {b} are one cell's seed {twice['seed'].iloc[0]} twice; report one of them"
+            )
     finished_base = results(base).set_index("seed")
     diffs, cell_values, base_values, diverged = [], [], [], 0
     skipped_all = skipped_every_step(cell)
@@ -335,15 +373,23 @@ def _row(declared: Declared, spec: dict, metric: str, cell: pd.DataFrame, bases:
         margin=margin,
         verdict=found.value,
         # a caveat says the metric itself is in doubt: the verdict is shown, no finding drawn from it
-        finding="not tested" if declared.caveat else "incomplete" if unfinished else finding(found, spec.get("expect"), declared.converged),
+        finding="not tested"
+        if declared.caveat
+        else "incomplete"
+        if unfinished
+        else finding(found, spec.get("expect"), declared.converged),
     )
     notes[:0] = [f"diverged in {diverged} of {diverged + len(diffs)} paired seeds"] if diverged else []
     if unfinished:
         assert declared.seeds is not None  # nothing is unfinished without a plan
-        ended = pd.concat([cell, base]).groupby("seed")["status"].agg(lambda st: ", ".join(sorted(set(st) - set(FINAL))))
+        ended = (
+            pd.concat([cell, base]).groupby("seed")["status"].agg(lambda st: ", ".join(sorted(set(st) - set(FINAL))))
+        )
         says = ", ".join(f"{s} ({ended[s]})" if s in ended.index and ended[s] else str(s) for s in unfinished)
         finished = len(declared.seeds) - len(unfinished)
-        notes.append(f"{finished} of {len(declared.seeds)} planned pairs finished; seed{'s' * (len(unfinished) > 1)} {says} not yet")
+        notes.append(
+            f"{finished} of {len(declared.seeds)} planned pairs finished; seed{'s' * (len(unfinished) > 1)} {says} not yet"
+        )
     notes += latched(pd.concat([cell, base]), declared.metric)
     row["note"] = "; ".join(notes)
     return row
@@ -380,7 +426,10 @@ def latched(runs: pd.DataFrame, metric: str) -> list[str]:
     if column not in runs:
         return []
     hit = runs[pd.to_numeric(runs[column], errors="coerce") > LATCHED_CELL]
-    return [f"{mode} seed {seed}'s evaluation latched (cell state {value:.0f})" for mode, seed, value in zip(hit["mode"], hit["seed"], hit[column])]
+    return [
+        f"{mode} seed {seed}'s evaluation latched (cell state {value:.0f})"
+        for mode, seed, value in zip(hit["mode"], hit["seed"], hit[column])
+    ]
 
 
 def _number(metric: str, value: float, signed: bool = False) -> str:
@@ -403,7 +452,9 @@ def render(table: pd.DataFrame) -> str:
             # A variant runs to hundreds of characters: named by its tag, spelled out below the table.
             "setup": [
                 f"{d} {m} {data} {s}" + (f" (variant {identity.tag(v)})" if v else "")
-                for d, m, data, s, v in zip(table.device_type.fillna(""), table.model, table.data, table.schedule, table.variant)
+                for d, m, data, s, v in zip(
+                    table.device_type.fillna(""), table.model, table.data, table.schedule, table.variant
+                )
             ],
             "cell": table.cell,
             "against": table.against,  # the rows without one are listed below the table
@@ -411,7 +462,8 @@ def render(table: pd.DataFrame) -> str:
             "n": table.n.astype(int).astype(str) + table.diverged.map(lambda d: f" (+{int(d)} diverged)" if d else ""),
             "Δ": [_number(m, v, signed=True) for m, v in zip(table.metric, table.delta)],
             "95% interval": [
-                f"[{_number(m, lo, True)}, {_number(m, hi, True)}]" if pd.notna(lo) else "-" for m, lo, hi in zip(table.metric, table.ci_low, table.ci_high)
+                f"[{_number(m, lo, True)}, {_number(m, hi, True)}]" if pd.notna(lo) else "-"
+                for m, lo, hi in zip(table.metric, table.ci_low, table.ci_high)
             ],
             "margin": [f"±{_number(m, v)}" for m, v in zip(table.metric, table.margin)],
             "verdict": table.verdict,
@@ -423,7 +475,11 @@ def render(table: pd.DataFrame) -> str:
     if table.note.fillna("").astype(bool).any():  # a diverged or latched seed, said beside its row
         shown["note"] = table.note.fillna("").values
     variants = sorted(v for v in pd.concat([table.variant, unpaired.variant]).dropna().unique() if v)
-    variants += sorted({v for v in table.against_variant.dropna() if v and v not in variants}) if "against_variant" in table else []
+    variants += (
+        sorted({v for v in table.against_variant.dropna() if v and v not in variants})
+        if "against_variant" in table
+        else []
+    )
     missing = [
         f"{r.cell} ({r.model}{f', variant {identity.tag(r.variant)}' if r.variant else ''}; {r.experiment}): {r.note}, {r.finding}"
         for r in unpaired.itertuples()
@@ -431,7 +487,9 @@ def render(table: pd.DataFrame) -> str:
     text = _md(shown) if len(table) else "(no compared cell has its baseline among these runs)"
     text += "\n\nCells a comparison matches without a baseline: " + "; ".join(missing) if missing else ""
     caveats = dict.fromkeys(
-        f"{e}: {c}" for e, c in zip(pd.concat([table.experiment, unpaired.experiment]), pd.concat([table.caveat, unpaired.caveat])) if isinstance(c, str) and c
+        f"{e}: {c}"
+        for e, c in zip(pd.concat([table.experiment, unpaired.experiment]), pd.concat([table.caveat, unpaired.caveat]))
+        if isinstance(c, str) and c
     )
     text += "".join(f"\n\nCaveat, {c}" for c in caveats)
     return text + "".join(f"\n\nvariant {identity.tag(v)}: `{v}`" for v in variants)

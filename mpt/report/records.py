@@ -251,14 +251,30 @@ def load_runs(paths: Iterable[Path]) -> pd.DataFrame:
     df = pd.DataFrame(rows)
     if df.empty:
         return df
-    df["precision_order"] = df["precision"].map(lambda p: PRECISION_ORDER.index(p) if p in PRECISION_ORDER else len(PRECISION_ORDER))
-    df["scale_order"] = df["scale"].map(lambda s: SCALE_ORDER.index(s) if s in SCALE_ORDER else len(SCALE_ORDER))
-    return df.sort_values(["model", "data", "schedule", "variant", "precision_order", "scale_order", "scale_value", "seed"], na_position="first").reset_index(
-        drop=True
+    df["precision_order"] = df["precision"].map(
+        lambda p: PRECISION_ORDER.index(p) if p in PRECISION_ORDER else len(PRECISION_ORDER)
     )
+    df["scale_order"] = df["scale"].map(lambda s: SCALE_ORDER.index(s) if s in SCALE_ORDER else len(SCALE_ORDER))
+    return df.sort_values(
+        ["model", "data", "schedule", "variant", "precision_order", "scale_order", "scale_value", "seed"],
+        na_position="first",
+    ).reset_index(drop=True)
 
 
-ATLAS_KEYS = ["model", "data", "schedule", "variant", "mode", "precision", "scale", "scale_value", "precision_order", "scale_order", "seed", "run_dir"]
+ATLAS_KEYS = [
+    "model",
+    "data",
+    "schedule",
+    "variant",
+    "mode",
+    "precision",
+    "scale",
+    "scale_value",
+    "precision_order",
+    "scale_order",
+    "seed",
+    "run_dir",
+]
 
 
 def load_atlas(runs: pd.DataFrame) -> pd.DataFrame:
@@ -295,7 +311,9 @@ def load_overflow_origins(runs: pd.DataFrame) -> pd.DataFrame:
         origins = RunRecord.load(Path(run["run_dir"]) / "result.json").overflow_origins or {}
         for net, found in (origins.get("networks") or {}).items():
             for entry in found["by_module"]:
-                rows.append({**{k: run[k] for k in ATLAS_KEYS}, "network": net, **entry, "skipped_steps": run["skipped_steps"]})
+                rows.append(
+                    {**{k: run[k] for k in ATLAS_KEYS}, "network": net, **entry, "skipped_steps": run["skipped_steps"]}
+                )
     return pd.DataFrame(rows)
 
 
@@ -352,7 +370,19 @@ def load_lost_update_steps(runs: pd.DataFrame, curves: pd.DataFrame) -> pd.DataF
                 rows.append(
                     {
                         "run_dir": run["run_dir"],
-                        **{k: run[k] for k in ["model", "data", "schedule", "variant", "mode", "precision_order", "scale_order", "seed"]},
+                        **{
+                            k: run[k]
+                            for k in [
+                                "model",
+                                "data",
+                                "schedule",
+                                "variant",
+                                "mode",
+                                "precision_order",
+                                "scale_order",
+                                "seed",
+                            ]
+                        },
                         "network": net,
                         "counted": lost.get("counted", "would_be_lost"),
                         "step": s["step"],
@@ -364,5 +394,9 @@ def load_lost_update_steps(runs: pd.DataFrame, curves: pd.DataFrame) -> pd.DataF
         return table
     if curves.empty:
         return table.assign(lr=float("nan"))
-    logged = curves[["run_dir", "group", "step", "lr"]].rename(columns={"group": "network"}).drop_duplicates(["run_dir", "network", "step"])
+    logged = (
+        curves[["run_dir", "group", "step", "lr"]]
+        .rename(columns={"group": "network"})
+        .drop_duplicates(["run_dir", "network", "step"])
+    )
     return table.merge(logged, on=["run_dir", "network", "step"], how="left")

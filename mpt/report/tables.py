@@ -20,7 +20,15 @@ MODE_KEYS = ["mode", "precision", "scale", "scale_value"]
 CELL_KEYS = ["model", "data", "schedule", "variant"]
 # Speed and memory are compared only within one setup: same model, device, data, schedule, variant,
 # batch size and resolution.
-SAME_SETUP = ["model", "device_name", "data", "schedule", "variant", "config.schedule.batch_size", "config.schedule.image_size"]
+SAME_SETUP = [
+    "model",
+    "device_name",
+    "data",
+    "schedule",
+    "variant",
+    "config.schedule.batch_size",
+    "config.schedule.image_size",
+]
 
 
 def sample_std(values: pd.Series) -> float:
@@ -144,7 +152,12 @@ def time_to_result(runs: pd.DataFrame) -> pd.DataFrame:
     table = _relative_to_fp32(finished, "time_to_result_s", "ratio_to_fp32", extra=["primary_metric"])
     keys = [k for k in SAME_SETUP if k in finished.columns]
     # a merge, not a lookup: a setup key may be NaN (the sequence models have no image size)
-    means = finished.groupby([*keys, "mode"], dropna=False, sort=False)["metric_value"].mean().rename("metric_mean").reset_index()
+    means = (
+        finished.groupby([*keys, "mode"], dropna=False, sort=False)["metric_value"]
+        .mean()
+        .rename("metric_mean")
+        .reset_index()
+    )
     return table.merge(means, on=[*keys, "mode"], how="left")
 
 
@@ -155,7 +168,11 @@ def render_time_to_result(table: pd.DataFrame) -> str:
         cell=[
             f"{r.time_to_result_s:.4g} s"
             + ("" if math.isnan(r.ratio_to_fp32) else f" ({r.ratio_to_fp32:.2f}x)")
-            + ("" if math.isnan(r.metric_mean) else f", {r.primary_metric} {_fmt_metric(r.primary_metric, r.metric_mean)}")
+            + (
+                ""
+                if math.isnan(r.metric_mean)
+                else f", {r.primary_metric} {_fmt_metric(r.primary_metric, r.metric_mean)}"
+            )
             for r in table.itertuples()
         ]
     )
@@ -176,7 +193,11 @@ def mfu(runs: pd.DataFrame) -> pd.DataFrame:
         return pd.DataFrame()
     keys = [k for k in SAME_SETUP if k in finished.columns]
     return (
-        finished.groupby([*keys, *MODE_KEYS, "precision_order", "scale_order", "throughput_unit", "mfu_math"], dropna=False, sort=False)
+        finished.groupby(
+            [*keys, *MODE_KEYS, "precision_order", "scale_order", "throughput_unit", "mfu_math"],
+            dropna=False,
+            sort=False,
+        )
         .agg(mfu=("mfu", "median"), flops_per_sample=("flops_per_sample", "median"), runs=("mfu", "count"))
         .reset_index()
     )
@@ -189,7 +210,8 @@ def render_mfu(table: pd.DataFrame) -> str:
     order = _mode_order(table)
     table = (
         table.assign(
-            cell=[f"{r.mfu * 100:.1f}% ({r.mfu_math})" for r in table.itertuples()], gflop_per_sample=[f"{v / 1e9:.4g}" for v in table.flops_per_sample]
+            cell=[f"{r.mfu * 100:.1f}% ({r.mfu_math})" for r in table.itertuples()],
+            gflop_per_sample=[f"{v / 1e9:.4g}" for v in table.flops_per_sample],
         )
         .astype({k: object for k in keys})
         .fillna({k: "" for k in keys})
@@ -216,7 +238,10 @@ def _relative_to_fp32(runs: pd.DataFrame, value: str, ratio: str, extra: list[st
     )
     baseline = table[(table.precision == "fp32") & (table.scale == "none")].set_index(keys)[value]
     table[ratio] = [
-        row[value] / baseline.loc[tuple(row[k] for k in keys)] if tuple(row[k] for k in keys) in baseline.index else math.nan for _, row in table.iterrows()
+        row[value] / baseline.loc[tuple(row[k] for k in keys)]
+        if tuple(row[k] for k in keys) in baseline.index
+        else math.nan
+        for _, row in table.iterrows()
     ]
     return table
 
@@ -226,7 +251,9 @@ def loss_scaling(runs: pd.DataFrame) -> pd.DataFrame:
     scaled = runs[runs.scale != "none"]
     groups = sorted({c.split(".")[1] for c in runs.columns if c.startswith("loss_scale.") and c.endswith(".final")})
     rows = []
-    for keys, group in scaled.groupby([*CELL_KEYS, *MODE_KEYS, "precision_order", "scale_order"], dropna=False, sort=False):
+    for keys, group in scaled.groupby(
+        [*CELL_KEYS, *MODE_KEYS, "precision_order", "scale_order"], dropna=False, sort=False
+    ):
         for net in groups:
             skipped, steps = group[f"loss_scale.{net}.skipped_steps"], group[f"loss_scale.{net}.steps"]
             rows.append(
@@ -304,7 +331,9 @@ def shift_control(runs: pd.DataFrame) -> pd.DataFrame:
     # Only the setups where some run shifted: the others' runs are no part of this control.
     shifted = shifted.groupby(setup, dropna=False, sort=False).filter(lambda g: bool((g.k > 0).any()))
     rows = []
-    for (model, data, schedule, variant, mode, k), group in shifted.groupby(["model", "data", "schedule", "setup_variant", "mode", "k"], sort=True):
+    for (model, data, schedule, variant, mode, k), group in shifted.groupby(
+        ["model", "data", "schedule", "setup_variant", "mode", "k"], sort=True
+    ):
         ok = results(group)
         metric = f"metric.{group.primary_metric.iloc[0]}"
         zero = "grad.model.activation.share_zero"
@@ -337,7 +366,12 @@ def render_shift_control(table: pd.DataFrame) -> str:
         return "_no run shifted its loss (scale.shift_down)_"
     shown = pd.DataFrame(
         {
-            "setup": table.model + " " + table.data + " " + table.schedule + table.variant.map(lambda v: f" (variant {identity.tag(v)})" if v else ""),
+            "setup": table.model
+            + " "
+            + table.data
+            + " "
+            + table.schedule
+            + table.variant.map(lambda v: f" (variant {identity.tag(v)})" if v else ""),
             "mode": table["mode"],
             "k": table.k,
             table.metric.iloc[0]: [
@@ -345,7 +379,9 @@ def render_shift_control(table: pd.DataFrame) -> str:
                 for m, mean, sd, n in zip(table.metric, table["mean"], table["std"], table.n)
             ],
             "n": table.n.astype(str) + table.diverged.map(lambda d: f" (+{d} diverged)" if d else ""),
-            "% of activation gradients zero": table.activation_share_zero.map(lambda v: "-" if pd.isna(v) else f"{v * 100:.2f}"),
+            "% of activation gradients zero": table.activation_share_zero.map(
+                lambda v: "-" if pd.isna(v) else f"{v * 100:.2f}"
+            ),
         }
     )
     return _md(shown)
@@ -359,7 +395,9 @@ def render_lost_updates(table: pd.DataFrame) -> str:
         out = pd.DataFrame(
             {
                 **{k: rows[k] for k in [*CELL_KEYS[1:], "mode", "seed", "network", "sampled_steps"]},
-                "counted": rows.counted.map({"lost": "lost by the FP16 weights", "would_be_lost": "an FP16 weight would lose"}),
+                "counted": rows.counted.map(
+                    {"lost": "lost by the FP16 weights", "would_be_lost": "an FP16 weight would lose"}
+                ),
                 "updated": rows.updated.map(lambda v: f"{v:.0f}"),
                 "% lost in FP16": rows.share_lost_fp16.map(lambda v: f"{v * 100:.2f}"),
             }
@@ -373,7 +411,12 @@ def paper_comparison(runs: pd.DataFrame, published: pd.DataFrame) -> pd.DataFram
     ours = metric_summary(runs)
     rows = []
     for pub in published.itertuples():
-        match = ours[(ours.model == pub.model) & (ours.precision == pub.precision) & (ours.scale == pub.scale) & (ours.metric == pub.metric)]
+        match = ours[
+            (ours.model == pub.model)
+            & (ours.precision == pub.precision)
+            & (ours.scale == pub.scale)
+            & (ours.metric == pub.metric)
+        ]
         if not pd.isna(pub.scale_value):
             match = match[match.scale_value == pub.scale_value]
         row = {
@@ -453,9 +496,16 @@ def render_atlas(table: pd.DataFrame) -> str:
                 "% subnormal": rows.share_subnormal.map(pct),
                 "% overflow": rows.share_overflow.map(pct),
                 "SQNR dB": [db(v, n, lost) for v, n, lost in zip(rows.sqnr_db, rows.nonzero, rows.share_lost)],
-                "SQNR dB scaled": [f"{db(v, n, lost)} ({how})" for v, n, lost, how in zip(rows.sqnr_db_scaled, rows.nonzero, rows.share_lost, rows.scaling)],
-                "recommended scale": [scale(v) if how == "per-tensor" else "" for v, how in zip(rows.recommended_scale, rows.scaling)],
-                "largest safe": [scale(v) if how == "per-tensor" else "" for v, how in zip(rows.max_safe_scale, rows.scaling)],
+                "SQNR dB scaled": [
+                    f"{db(v, n, lost)} ({how})"
+                    for v, n, lost, how in zip(rows.sqnr_db_scaled, rows.nonzero, rows.share_lost, rows.scaling)
+                ],
+                "recommended scale": [
+                    scale(v) if how == "per-tensor" else "" for v, how in zip(rows.recommended_scale, rows.scaling)
+                ],
+                "largest safe": [
+                    scale(v) if how == "per-tensor" else "" for v, how in zip(rows.max_safe_scale, rows.scaling)
+                ],
             }
         )
         parts.append(f"### {model}\n\n{fit}\n\n" + _md(out))
@@ -487,7 +537,10 @@ def render_overflow_origins(table: pd.DataFrame) -> str:
 def _md(df: pd.DataFrame) -> str:
     header = "| " + " | ".join(map(str, df.columns)) + " |"
     rule = "|" + "---|" * len(df.columns)
-    body = ["| " + " | ".join("" if (isinstance(v, float) and math.isnan(v)) else str(v) for v in row) + " |" for row in df.itertuples(index=False)]
+    body = [
+        "| " + " | ".join("" if (isinstance(v, float) and math.isnan(v)) else str(v) for v in row) + " |"
+        for row in df.itertuples(index=False)
+    ]
     return "\n".join([header, rule, *body])
 
 
@@ -504,7 +557,12 @@ def render_accuracy(acc: pd.DataFrame) -> str:
 def render_relative(table: pd.DataFrame, value: str, ratio: str, fmt_value, unit_col: str) -> str:
     if table.empty:
         return "_no runs with this figure_"
-    table = table.assign(cell=[f"{fmt_value(r[value])}" + ("" if math.isnan(r[ratio]) else f" ({r[ratio]:.2f}x)") for _, r in table.iterrows()])
+    table = table.assign(
+        cell=[
+            f"{fmt_value(r[value])}" + ("" if math.isnan(r[ratio]) else f" ({r[ratio]:.2f}x)")
+            for _, r in table.iterrows()
+        ]
+    )
     return render_cells(table, unit_col)
 
 
@@ -540,7 +598,9 @@ def render_gradient_stats(table: pd.DataFrame) -> str:
     """One table per model (the paper's Figures 2b and 3 as numbers)."""
     if table.empty:
         return "_no runs with stats.grad_hist=true_"
-    return "\n\n".join(f"### {model}\n\n" + _gradient_stats_md(rows) for model, rows in table.groupby("model", sort=False))
+    return "\n\n".join(
+        f"### {model}\n\n" + _gradient_stats_md(rows) for model, rows in table.groupby("model", sort=False)
+    )
 
 
 def _gradient_stats_md(table: pd.DataFrame) -> str:
@@ -556,7 +616,8 @@ def _gradient_stats_md(table: pd.DataFrame) -> str:
             "% overflow": table.share_overflow_fp16.map(pct),
             "max abs": table.max_abs.map(lambda v: f"{v:.3g}"),
             "recommended scale": [
-                f"none keeps {k * 100:g}%" if pd.isna(r) else f"{r:g} (keeps {k * 100:g}%)" for r, k in zip(table.recommended_scale, table.keep)
+                f"none keeps {k * 100:g}%" if pd.isna(r) else f"{r:g} (keeps {k * 100:g}%)"
+                for r, k in zip(table.recommended_scale, table.keep)
             ],
             "largest safe scale": table.max_safe_scale.map(scale),
             "sampled step cost": table.cost_ratio.map(lambda v: "" if pd.isna(v) else f"{v:.2f}x"),
@@ -569,7 +630,9 @@ def render_paper(table: pd.DataFrame) -> str:
     if table.empty:
         return "_no published values_"
     out = table.copy()
-    out["published"] = [("diverges" if s == "diverged" else f"{v:g}") for v, s in zip(out.published, out.published_status)]
+    out["published"] = [
+        ("diverges" if s == "diverged" else f"{v:g}") for v, s in zip(out.published, out.published_status)
+    ]
     if "ours" not in out:
         out["ours"] = math.nan
     cells = []
@@ -580,9 +643,27 @@ def render_paper(table: pd.DataFrame) -> str:
             skipped = getattr(r, "ours_skipped_every_step", 0)
             cells.append("diverged" if r.ours_diverged else "skipped every step" if skipped else "failed")
         else:
-            cells.append(f"{r.ours:.2f}" + (f" ± {r.ours_std:.2f}" if r.ours_seeds > 1 else "") + f" (n={r.ours_seeds:g})")
+            cells.append(
+                f"{r.ours:.2f}" + (f" ± {r.ours_std:.2f}" if r.ours_seeds > 1 else "") + f" (n={r.ours_seeds:g})"
+            )
     out["ours"] = cells
     out["scale"] = [s if pd.isna(v) else f"{s} {v:g}" for s, v in zip(out.scale, out.scale_value)]
     for col in ("data", "schedule", "variant"):
         out[col] = out[col].fillna("") if col in out else ""
-    return _md(out[["table", "model", "precision", "scale", "metric", "published", "ours", "data", "schedule", "variant", "source"]])
+    return _md(
+        out[
+            [
+                "table",
+                "model",
+                "precision",
+                "scale",
+                "metric",
+                "published",
+                "ours",
+                "data",
+                "schedule",
+                "variant",
+                "source",
+            ]
+        ]
+    )
