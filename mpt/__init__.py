@@ -19,9 +19,15 @@ def _use_the_checkouts_configs() -> None:
 
     package = Path(__file__).resolve().parent
     configs = package.parent / "configs"
-    if (package / "configs").exists() or not (configs / "config.yaml").is_file() or not (configs / "__init__.py").is_file():
+    if (
+        (package / "configs").exists()
+        or not (configs / "config.yaml").is_file()
+        or not (configs / "__init__.py").is_file()
+    ):
         return
-    spec = importlib.util.spec_from_file_location(__name__ + ".configs", configs / "__init__.py", submodule_search_locations=[str(configs)])
+    spec = importlib.util.spec_from_file_location(
+        __name__ + ".configs", configs / "__init__.py", submodule_search_locations=[str(configs)]
+    )
     assert spec is not None and spec.loader is not None  # a .py path always has a spec and a loader
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module

@@ -109,14 +109,22 @@ class ModelConfig:
     name: str = MISSING
     task: Task = Task.classification
     arch: str = MISSING  # torchvision builder name, or the architecture's own name
-    input_size: Optional[int] = 224  # the paper's resolution (schedule=paper and bench); null: the model takes no images
+    input_size: Optional[int] = (
+        224  # the paper's resolution (schedule=paper and bench); null: the model takes no images
+    )
     small_input_size: Optional[int] = 32  # smallest size the architecture accepts (schedule=short and smoke)
     static_scale: float = 1000.0  # default of scale=static for this model
     static_scale_source: str = ""
     aux_loss_weight: float = 0.0  # auxiliary classifier heads (GoogLeNet, Inception v3)
-    dropout: Optional[float] = None  # classifiers with dropout (AlexNet, VGG, GoogLeNet, Inception v3): its rate; null: torchvision's
-    backbone_weights: Optional[str] = None  # detection: a local torchvision vgg16 state dict to start from (null: random init)
-    input_convention: str = "unit_variance"  # detection: unit_variance ([0,1], ImageNet mean/std) | caffe (0-255 minus the mean pixel)
+    dropout: Optional[float] = (
+        None  # classifiers with dropout (AlexNet, VGG, GoogLeNet, Inception v3): its rate; null: torchvision's
+    )
+    backbone_weights: Optional[str] = (
+        None  # detection: a local torchvision vgg16 state dict to start from (null: random init)
+    )
+    input_convention: str = (
+        "unit_variance"  # detection: unit_variance ([0,1], ImageNet mean/std) | caffe (0-255 minus the mean pixel)
+    )
     # Classifiers: the loss's label smoothing and reduction over the batch (mean | sum), and the
     # test-time augmentation of each evaluation (0: none, 1: the mirror image too, 2: and the image
     # translated by one pixel up-left and down-right, Jordan 2024's levels).
@@ -182,7 +190,9 @@ class GANModelConfig(ModelConfig):
     leaky_slope: float = 0.2
     init_std: float = 0.02  # Radford et al.: every weight from N(0, 0.02), batch-norm scales from N(1, 0.02)
     sample_grid: int = 64  # fixed-noise samples in each evaluation's grid (a square number looks best)
-    fid_weights: Optional[str] = None  # a local Inception weights file; null: FID is not computed (nothing is downloaded)
+    fid_weights: Optional[str] = (
+        None  # a local Inception weights file; null: FID is not computed (nothing is downloaded)
+    )
     fid_samples: int = 10000  # generated images per FID (against at most this many real ones)
 
 
@@ -190,9 +200,12 @@ class GANModelConfig(ModelConfig):
 class ProductsConfig:
     """The operands of matrix products in a narrower format (precision/quantized_products.py, product_operands.py)."""
 
-    forward: Optional[str] = None  # format of the forward's inputs and weights (a name in formats.FORMATS); null: products as the mode computes them
+    # format of the forward's inputs and weights (a name in formats.FORMATS); null: products as the
+    # mode computes them
+    forward: Optional[str] = None
     backward: Optional[str] = None  # format of the gradients flowing back into a product
-    scaling: str = "tensor"  # tensor: each operand's own amax; delayed: an amax history (Transformer Engine); block: MX block scales
+    # tensor: each operand's own amax; delayed: an amax history (Transformer Engine); block: MX block scales
+    scaling: str = "tensor"
     amax_history: int = 1024  # delayed: steps of amax kept (Transformer Engine's default)
     margin: int = 0  # delayed: powers of two of headroom below the format's largest value
     amax_reduction: str = "max"  # delayed: max over the history, or most_recent
@@ -213,7 +226,9 @@ class PrecisionConfig:
     update_rule: Update = Update.optimizer
     tf32: bool = False  # TF32 tensor-core math for FP32 matmuls and convolutions (CUDA only)
     products: ProductsConfig = field(default_factory=ProductsConfig)
-    allreduce_dtype: Optional[DType] = None  # under torchrun: the dtype gradients are all-reduced in (null: their own; FP16 for mixed)
+    allreduce_dtype: Optional[DType] = (
+        None  # under torchrun: the dtype gradients are all-reduced in (null: their own; FP16 for mixed)
+    )
     label: str = ""  # how tables name the mode
 
 
@@ -354,7 +369,9 @@ class TextCorpusDataConfig(FileDataConfig):
 class ImageDirDataConfig(FileDataConfig):
     """Every image under root, any depth (GANs)."""
 
-    crop: Optional[int] = None  # center-crop side in pixels before resizing to the model's size (null: the shorter side)
+    crop: Optional[int] = (
+        None  # center-crop side in pixels before resizing to the model's size (null: the shorter side)
+    )
     val_samples: int = 1000  # reference images for D(x) and FID: a seeded sample of the folder
 
 
@@ -420,7 +437,8 @@ class StatsConfig:
     updates FP16 weights lose; and the numerics atlas of the formats listed."""
 
     grad_hist: bool = False  # on: sample every `every`-th step; off: no hook is ever installed
-    lost_updates: bool = False  # on: on the same sampled steps, count the updates FP16 weights lose or would lose (precision/lost_updates.py)
+    # on: on the same sampled steps, count the updates FP16 weights lose or would lose (precision/lost_updates.py)
+    lost_updates: bool = False
     every: int = 100  # the every-th, 2*every-th, ... step is sampled (1: every step)
     keep: float = 0.999  # the share of non-zero gradients the recommended scale keeps from FP16's zero
     # The numerics atlas: on the same sampled steps, every matrix product's inputs, weights,
@@ -435,8 +453,12 @@ class StatsConfig:
 class CompileConfig:
     """torch.compile of each network the task trains through; the optimizer step stays eager."""
 
-    backend: Optional[str] = None  # inductor (torch's own), or any name torch._dynamo.list_backends() gives; null: eager
-    mode: Optional[str] = None  # inductor's: default | reduce-overhead (CUDA graphs) | max-autotune | max-autotune-no-cudagraphs
+    backend: Optional[str] = (
+        None  # inductor (torch's own), or any name torch._dynamo.list_backends() gives; null: eager
+    )
+    mode: Optional[str] = (
+        None  # inductor's: default | reduce-overhead (CUDA graphs) | max-autotune | max-autotune-no-cudagraphs
+    )
 
 
 @dataclass
@@ -522,7 +544,9 @@ class Config:
     force: bool = False  # run even if the run folder already holds a record with status ok
     resume: bool = True  # continue from the run folder's checkpoint when there is one
     checkpoint: bool = True  # write checkpoints (every schedule.checkpoint_every steps and at the end)
-    logger: Optional[str] = "tensorboard"  # event files in the run's folder beside metrics.jsonl (runner/tensorboard_log.py) | none
+    logger: Optional[str] = (
+        "tensorboard"  # event files in the run's folder beside metrics.jsonl (runner/tensorboard_log.py) | none
+    )
 
 
 def _pow2(exponent: float, plus: float = 0) -> float:
@@ -580,21 +604,34 @@ def validate_schedule_shape(schedule: DictConfig) -> None:
     if schedule.lr_shape == "triangle":
         tri = list(schedule.lr_triangle)
         if len(tri) != 3 or not (tri[0] >= 0 and tri[2] >= 0 and 0 < tri[1] < 1):
-            raise ConfigError(f"schedule.lr_triangle={tri}: expected [start multiple >= 0, peak's share of the run in (0, 1), end multiple >= 0]")
+            raise ConfigError(
+                f"schedule.lr_triangle={tri}: expected [start multiple >= 0, peak's share of the run in (0, 1), "
+                "end multiple >= 0]"
+            )
         if schedule.lr_milestones or schedule.lr_warmup_steps:
-            raise ConfigError("schedule.lr_shape=triangle: the triangle is the whole schedule; set schedule.lr_milestones=[] and schedule.lr_warmup_steps=0")
+            raise ConfigError(
+                "schedule.lr_shape=triangle: the triangle is the whole schedule; "
+                "set schedule.lr_milestones=[] and schedule.lr_warmup_steps=0"
+            )
 
 
 def validate_update_extras(cfg: DictConfig) -> None:
     """Nesterov momentum, the batch-norm biases' lr multiple and lookahead (Jordan 2024's recipe)."""
     o = cfg.optim
     if o.nesterov and (o.name != "sgd" or o.momentum <= 0):
-        raise ConfigError(f"optim.nesterov=true: needs optim.name=sgd with momentum > 0 (got {o.name}, momentum {o.momentum})")
+        raise ConfigError(
+            f"optim.nesterov=true: needs optim.name=sgd with momentum > 0 (got {o.name}, momentum {o.momentum})"
+        )
     if not (o.norm_bias_lr_scale > 0 and math.isfinite(o.norm_bias_lr_scale)):
         raise ConfigError(f"optim.norm_bias_lr_scale={o.norm_bias_lr_scale}: must be a positive number")
     la = o.lookahead
-    if la.start_epoch is not None and not (la.start_epoch >= 0 and la.every >= 1 and 0 < la.decay_base <= 1 and la.decay_pow >= 0):
-        raise ConfigError(f"optim.lookahead={OmegaConf.to_container(la)}: need start_epoch >= 0, every >= 1, decay_base in (0, 1] and decay_pow >= 0")
+    if la.start_epoch is not None and not (
+        la.start_epoch >= 0 and la.every >= 1 and 0 < la.decay_base <= 1 and la.decay_pow >= 0
+    ):
+        raise ConfigError(
+            f"optim.lookahead={OmegaConf.to_container(la)}: "
+            "need start_epoch >= 0, every >= 1, decay_base in (0, 1] and decay_pow >= 0"
+        )
 
 
 LOGGERS = ("tensorboard", "none")
@@ -623,19 +660,34 @@ def validate(cfg: DictConfig) -> None:
         positive(cfg, key, allow_none=True)
     if len(cfg.optim.betas) != 2 or not all(0 <= b < 1 for b in cfg.optim.betas):
         raise ConfigError(f"optim.betas={list(cfg.optim.betas)}: expected two numbers in [0, 1)")
-    for key in ["optim.momentum", "optim.weight_decay", "optim.initial_accumulator", "schedule.throughput_warmup", "schedule.lr_warmup_steps"]:
+    for key in [
+        "optim.momentum",
+        "optim.weight_decay",
+        "optim.initial_accumulator",
+        "schedule.throughput_warmup",
+        "schedule.lr_warmup_steps",
+    ]:
         if OmegaConf.select(cfg, key) < 0:
             raise ConfigError(f"{key}={OmegaConf.select(cfg, key)}: must be zero or positive")
     if cfg.logger not in (*LOGGERS, None):
         raise ConfigError(f"logger={cfg.logger}: expected one of {', '.join(LOGGERS)}")
-    if cfg.logger == "tensorboard" and importlib.util.find_spec("tensorboard") is None:  # torch's SummaryWriter needs it
-        raise ConfigError("logger=tensorboard: the tensorboard package is not installed; pip install tensorboard, or set logger=none")
+    if (
+        cfg.logger == "tensorboard" and importlib.util.find_spec("tensorboard") is None
+    ):  # torch's SummaryWriter needs it
+        raise ConfigError(
+            "logger=tensorboard: the tensorboard package is not installed; pip install tensorboard, or set logger=none"
+        )
     if (cfg.schedule.steps is None) == (cfg.schedule.epochs is None):
-        raise ConfigError(f"schedule: set exactly one of schedule.steps and schedule.epochs (got steps={cfg.schedule.steps}, epochs={cfg.schedule.epochs})")
+        raise ConfigError(
+            "schedule: set exactly one of schedule.steps and schedule.epochs "
+            f"(got steps={cfg.schedule.steps}, epochs={cfg.schedule.epochs})"
+        )
     validate_schedule_shape(cfg.schedule)
     validate_update_extras(cfg)
     if cfg.optim.implementation not in OPTIM_IMPLEMENTATIONS:
-        raise ConfigError(f"optim.implementation={cfg.optim.implementation}: expected one of {', '.join(OPTIM_IMPLEMENTATIONS)}")
+        raise ConfigError(
+            f"optim.implementation={cfg.optim.implementation}: expected one of {', '.join(OPTIM_IMPLEMENTATIONS)}"
+        )
     if cfg.optim.name not in OPTIMIZERS:
         raise ConfigError(f"optim.name={cfg.optim.name}: expected one of {', '.join(OPTIMIZERS)}")
 
@@ -656,16 +708,27 @@ def validate_experiment(cfg: DictConfig) -> None:
     if e.seeds is not None:
         seeds = list(e.seeds)
         if len(seeds) < 2 or len(set(seeds)) != len(seeds) or min(seeds) < 0:
-            raise ConfigError(f"experiment.seeds={seeds}: must be two or more distinct seeds >= 0 (an interval needs two pairs)")
+            raise ConfigError(
+                f"experiment.seeds={seeds}: must be two or more distinct seeds >= 0 (an interval needs two pairs)"
+            )
         if cfg.seed not in seeds:
-            raise ConfigError(f"seed={cfg.seed} is not among experiment.seeds={seeds}, the pairs planned before the runs: run one of them")
+            raise ConfigError(
+                f"seed={cfg.seed} is not among experiment.seeds={seeds}, "
+                "the pairs planned before the runs: run one of them"
+            )
     for i, c in enumerate(e.comparisons):
         if not c.against:
-            raise ConfigError(f"experiment.comparisons[{i}].against is empty: name the settings that make the baseline, e.g. {{precision: fp32}}")
+            raise ConfigError(
+                f"experiment.comparisons[{i}].against is empty: "
+                "name the settings that make the baseline, e.g. {precision: fp32}"
+            )
         for side in ("cell", "against"):
             for key in c[side]:
                 if key not in GROUPS and OmegaConf.select(cfg, key, default=MISSING_KEY) is MISSING_KEY:
-                    raise ConfigError(f"experiment.comparisons[{i}].{side}: {key} is neither a config group ({', '.join(GROUPS)}) nor a setting")
+                    raise ConfigError(
+                        f"experiment.comparisons[{i}].{side}: {key} is neither a config group "
+                        f"({', '.join(GROUPS)}) nor a setting"
+                    )
 
 
 MISSING_KEY = object()

@@ -49,8 +49,9 @@ def _note(signum: int, frame) -> None:
         return
     _received.append(signum)
     again = " (Ctrl-C again stops at once)" if signum == signal.SIGINT else ""
+    message = f"mpt-run: {signal.Signals(signum).name} received: stopping after this step, with a checkpoint{again}\n"
     # os.write: a print could interrupt a print of the main thread's
-    os.write(2, f"mpt-run: {signal.Signals(signum).name} received: stopping after this step, with a checkpoint{again}\n".encode())
+    os.write(2, message.encode())
 
 
 @contextlib.contextmanager
@@ -100,6 +101,10 @@ class Preempted(Exception):
 
     def __init__(self, signum: int, step: int, checkpointed: bool):
         name = signal.Signals(signum).name
-        kept = "a checkpoint at that step; run the same command again to resume" if checkpointed else "no checkpoint (checkpoint=false): a relaunch starts over"
+        kept = (
+            "a checkpoint at that step; run the same command again to resume"
+            if checkpointed
+            else "no checkpoint (checkpoint=false): a relaunch starts over"
+        )
         super().__init__(f"{name} at step {step}: stopped after it, with {kept}")
         self.step = step

@@ -25,7 +25,9 @@ def git_commit(start: Path) -> dict:
     not be named by its later records."""
 
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=start, capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", *args], cwd=start, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
 
     try:
         # results/ left out, as device_carry.sh's hash leaves it: a sweep rewriting its tracked
@@ -37,7 +39,11 @@ def git_commit(start: Path) -> dict:
     # A copy of the tree without .git (a remote GPU machine): scripts/device/device_carry.sh read the
     # checkout's state when it packed the tree, and device_session.sh passes it on.
     if os.environ.get("MPT_GIT_COMMIT"):
-        return {"commit": os.environ["MPT_GIT_COMMIT"], "dirty": os.environ.get("MPT_GIT_DIRTY") == "1", "source": "MPT_GIT_COMMIT"}
+        return {
+            "commit": os.environ["MPT_GIT_COMMIT"],
+            "dirty": os.environ.get("MPT_GIT_DIRTY") == "1",
+            "source": "MPT_GIT_COMMIT",
+        }
     return {"commit": None, "dirty": None}
 
 

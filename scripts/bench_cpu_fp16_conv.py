@@ -73,7 +73,9 @@ def main() -> None:
         ("fp16_native", torch.float16, False, args.native_passes),
     ]:
         net = copy.deepcopy(base).to(dtype=dtype, memory_format=torch.channels_last)
-        times = time_passes(net, x.to(dtype).contiguous(memory_format=torch.channels_last), args.warmup, passes, emulate)
+        times = time_passes(
+            net, x.to(dtype).contiguous(memory_format=torch.channels_last), args.warmup, passes, emulate
+        )
         variants[name] = {"seconds_per_pass": statistics.median(times), "passes": times}
         print(f"{name}: {statistics.median(times):.3f} s per forward+backward pass (median of {passes})", flush=True)
     record = {
@@ -85,7 +87,8 @@ def main() -> None:
         "warmup_passes": args.warmup,
         "unit": "seconds per forward+backward pass, median of the timed passes",
         "variants": variants,
-        "speedup_emulated_over_native": variants["fp16_native"]["seconds_per_pass"] / variants["fp16_emulated"]["seconds_per_pass"],
+        "speedup_emulated_over_native": variants["fp16_native"]["seconds_per_pass"]
+        / variants["fp16_emulated"]["seconds_per_pass"],
         "environment": environment(torch.device("cpu")),
         "git": git_commit(ROOT),
         "finished_at": now_iso(),

@@ -56,8 +56,9 @@ def compose(model: str, mode: str, steps: int, extra: tuple[str, ...] = ()):
     from hydra import initialize_config_module
 
     register_configs()
-    overrides = [*MODELS[model], f"precision={mode}", f"scale={MODES[mode]}", "schedule=smoke", f"schedule.steps={steps}",
-                 "schedule.log_every=1000", "checkpoint=false", "logger=none", "device=cpu", *extra]  # fmt: skip
+    overrides = [*MODELS[model], f"precision={mode}", f"scale={MODES[mode]}", "schedule=smoke",
+                 f"schedule.steps={steps}", "schedule.log_every=1000", "checkpoint=false", "logger=none", "device=cpu",
+                 *extra]  # fmt: skip
     with initialize_config_module(config_module="mpt.configs", version_base="1.3"):
         cfg = hydra_compose(config_name="config", overrides=overrides)
     validate(cfg)
@@ -95,7 +96,12 @@ def bench(model: str, args) -> dict:
         for i in range(args.windows):
             for mode in order[i % len(order) :] + order[: i % len(order)]:
                 times[mode].append(time_window(runs[mode], args.window, device, held[mode]()))
-            print(f"{model} window {i + 1}/{args.windows}: " + ", ".join(f"{m} {t[-1] * 1e3:.0f}" for m, t in times.items()) + " ms/step", flush=True)
+            print(
+                f"{model} window {i + 1}/{args.windows}: "
+                + ", ".join(f"{m} {t[-1] * 1e3:.0f}" for m, t in times.items())
+                + " ms/step",
+                flush=True,
+            )
     median = {mode: statistics.median(t) for mode, t in times.items()}
     return {
         "benchmark": "cpu_modes",
@@ -122,10 +128,19 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=2, help="steps per timed window")
     ap.add_argument("--windows", type=int, default=9, help="timed windows per run")
     ap.add_argument(
-        "--modes", nargs="+", choices=list(MODES), default=list(PAPER_MODES), help="precision modes to time (fp32 among them: the ratios are to it)"
+        "--modes",
+        nargs="+",
+        choices=list(MODES),
+        default=list(PAPER_MODES),
+        help="precision modes to time (fp32 among them: the ratios are to it)",
     )
     ap.add_argument("--out", type=Path, default=None, help="folder for the JSON records")
-    ap.add_argument("--override", nargs="*", default=[], help="Hydra overrides for every run, after the model's (e.g. schedule.batch_size=32)")
+    ap.add_argument(
+        "--override",
+        nargs="*",
+        default=[],
+        help="Hydra overrides for every run, after the model's (e.g. schedule.batch_size=32)",
+    )
     args = ap.parse_args()
     if not args.all and args.model is None:
         ap.error("give --model or --all")

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Runner overhead: the same model, precision and batch through `mpt`'s runner and through a minimal
+r"""Runner overhead: the same model, precision and batch through `mpt`'s runner and through a minimal
 hand-written PyTorch loop, in one process, alternating A/B to cancel drift.
 
 Both sides train the same model from the same initial weights on the same synthetic batches,
@@ -8,8 +8,10 @@ order, so that whatever else the machine is doing falls on both alike. Each wind
 the device synchronized at its edges; warm-up steps are excluded. The figure is the ratio of the
 median step times, runner/hand; the goal is <= 1.03.
 
-    python scripts/bench_overhead.py --model resnet50 --precision fp32 --batch-size 16 --image-size 64 --out results/overhead
-    python scripts/bench_overhead.py --precision amp --batch-size 256 --image-size 224 --out results/overhead   # on a GPU
+    python scripts/bench_overhead.py --model resnet50 --precision fp32 --batch-size 16 --image-size 64 \
+        --out results/overhead
+    python scripts/bench_overhead.py --precision amp --batch-size 256 --image-size 224 \
+        --out results/overhead   # on a GPU
 
 Hand-written loops exist for fp32, tf32, amp, bf16 (torch.autocast, torch.amp.GradScaler for amp)
 and mixed (FP16 model, FP32 batch-norm, an FP32 master copy, a static loss scale).
@@ -177,7 +179,11 @@ def main() -> None:
         for i in range(args.windows):
             for name in ("runner", "hand") if i % 2 == 0 else ("hand", "runner"):
                 times[name].append(time_window(sides[name], args.window, device))
-            print(f"window {i + 1}/{args.windows}: runner {times['runner'][-1] * 1e3:.1f} ms/step, hand {times['hand'][-1] * 1e3:.1f} ms/step", flush=True)
+            print(
+                f"window {i + 1}/{args.windows}: runner {times['runner'][-1] * 1e3:.1f} ms/step,"
+                f" hand {times['hand'][-1] * 1e3:.1f} ms/step",
+                flush=True,
+            )
     runner, hand = times["runner"], times["hand"]
     pair_ratios = [r / h for r, h in zip(runner, hand)]
     ratio = statistics.median(runner) / statistics.median(hand)
@@ -199,7 +205,10 @@ def main() -> None:
         "pair_ratios": pair_ratios,
         "goal": 1.03,
         "median_pair_ratio": statistics.median(pair_ratios),
-        "method": "median step time over windows of window_steps steps, warm-up excluded, device synchronized at window edges; runner and hand loop alive in one process, windows interleaved ABBA",
+        "method": (
+            "median step time over windows of window_steps steps, warm-up excluded, device synchronized at window"
+            " edges; runner and hand loop alive in one process, windows interleaved ABBA"
+        ),
         "environment": environment(device),
         "git": code_identity(),
         "finished_at": now_iso(),
@@ -207,7 +216,8 @@ def main() -> None:
     print(f"runner/hand step time ratio: {ratio:.3f} (goal <= 1.03) on {record['environment']['device_name']}")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        name = f"{record['environment']['device_type']}_{args.model}_{args.precision}_b{args.batch_size}_s{args.image_size}.json"
+        device_type = record["environment"]["device_type"]
+        name = f"{device_type}_{args.model}_{args.precision}_b{args.batch_size}_s{args.image_size}.json"
         write_json_atomic(args.out / name, record)
         print(f"record: {args.out / name}")
 

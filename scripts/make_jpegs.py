@@ -20,7 +20,9 @@ from PIL import Image
 def make(args: tuple[Path, int, int, int, int]) -> int:
     path, seed, width, height, quality = args
     rng = np.random.default_rng(seed)
-    fields = Image.fromarray(rng.integers(0, 256, (height // 24, width // 24, 3), dtype=np.uint8)).resize((width, height), Image.BICUBIC)
+    fields = Image.fromarray(rng.integers(0, 256, (height // 24, width // 24, 3), dtype=np.uint8)).resize(
+        (width, height), Image.BICUBIC
+    )
     pixels = np.asarray(fields, dtype=np.int16) + rng.integers(-36, 37, (height, width, 3), dtype=np.int16)
     Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8)).save(path, quality=quality)
     return path.stat().st_size
@@ -44,7 +46,8 @@ def main(argv: list[str] | None = None) -> None:
     with ProcessPoolExecutor() as pool:
         sizes = list(pool.map(make, jobs, chunksize=64))
     (a.out / "COMPLETE").write_text(f"{len(jobs)}\n")  # the tree is whole: a reader may trust it
-    print(f"make_jpegs: {len(jobs)} JPEGs of {width}x{height} under {a.out}, {sum(sizes) / len(sizes) / 1024:.0f} KiB on average")
+    mean_kib = sum(sizes) / len(sizes) / 1024
+    print(f"make_jpegs: {len(jobs)} JPEGs of {width}x{height} under {a.out}, {mean_kib:.0f} KiB on average")
 
 
 if __name__ == "__main__":

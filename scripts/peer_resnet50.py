@@ -44,7 +44,10 @@ RECIPES = {  # DLE's configs.yml, resnet50 on DGXA100
     "amp": ["--amp", "--static-loss-scale", "128", "--memory-format", "nhwc"],
     "tf32": ["--memory-format", "nchw"],
 }
-LAUNCH_PEER = "import builtins, runpy, sys; builtins.Pipeline = object; sys.argv = ['main.py', *sys.argv[1:]]; runpy.run_path('main.py', run_name='__main__')"
+LAUNCH_PEER = (
+    "import builtins, runpy, sys; builtins.Pipeline = object; sys.argv = ['main.py', *sys.argv[1:]];"
+    " runpy.run_path('main.py', run_name='__main__')"
+)
 
 
 def run(name: str, cmd: list[str], cwd: Path, env: dict, log: Path) -> None:
@@ -70,7 +73,9 @@ def dle_ips(raport: Path, warmup: int) -> dict:
             epoch = float(value)
     steady = per_step[warmup:]
     if not steady:
-        raise SystemExit(f"peer_resnet50: {raport} has {len(per_step)} per-iteration figures, none after {warmup} warm-up steps")
+        raise SystemExit(
+            f"peer_resnet50: {raport} has {len(per_step)} per-iteration figures, none after {warmup} warm-up steps"
+        )
     return {"images_per_s": statistics.median(steady), "steps_timed": len(steady), "dle_epoch_mean_ips": epoch}
 
 
@@ -83,15 +88,26 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--warmup", type=int, default=20)
-    ap.add_argument("--modes", default=",".join(RECIPES), help=f"which of {', '.join(RECIPES)} to run, comma-separated (a short GPU loan may fit one)")
+    ap.add_argument(
+        "--modes",
+        default=",".join(RECIPES),
+        help=f"which of {', '.join(RECIPES)} to run, comma-separated (a short GPU loan may fit one)",
+    )
     args = ap.parse_args()
     modes = args.modes.split(",")
     if not modes or set(modes) - set(RECIPES):
-        raise SystemExit(f"peer_resnet50: --modes {args.modes}: expected a comma-separated subset of {', '.join(RECIPES)}")
+        raise SystemExit(
+            f"peer_resnet50: --modes {args.modes}: expected a comma-separated subset of {', '.join(RECIPES)}"
+        )
     if not (args.peer / "main.py").is_file():
-        raise SystemExit(f"peer_resnet50: --peer {args.peer}: no main.py there (expected DLE's PyTorch/Classification/ConvNets)")
+        raise SystemExit(
+            f"peer_resnet50: --peer {args.peer}: no main.py there (expected DLE's PyTorch/Classification/ConvNets)"
+        )
     if importlib.util.find_spec("pynvml") is None:
-        raise SystemExit("peer_resnet50: DLE's main.py imports pynvml, which is not installed (pip install nvidia-ml-py, or carry its wheel)")
+        raise SystemExit(
+            "peer_resnet50: DLE's main.py imports pynvml, which is not installed"
+            " (pip install nvidia-ml-py, or carry its wheel)"
+        )
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     extra = [str(Path(p).resolve()) for p in args.pythonpath.split(os.pathsep) if p]  # the peer runs in its own folder
@@ -107,7 +123,11 @@ def main() -> None:
         "device_name": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device",
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "peer": {"repo": "NVIDIA/DeepLearningExamples", "path": "PyTorch/Classification/ConvNets", "commit": args.peer_commit},
+        "peer": {
+            "repo": "NVIDIA/DeepLearningExamples",
+            "path": "PyTorch/Classification/ConvNets",
+            "commit": args.peer_commit,
+        },
         "modes": {},
     }
     for mode in modes:

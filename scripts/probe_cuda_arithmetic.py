@@ -31,10 +31,19 @@ OPS = {
     "addmm": (lambda c, a, b: torch.addmm(c, a, b), [(64, 48), (64, 256), (256, 48)]),
     "bmm": (torch.bmm, [(4, 32, 200), (4, 200, 24)]),
     "linear": (F.linear, [(3, 16, 250), (40, 250), (40,)]),
-    "conv2d 3x3 stride 2": (lambda x, w, b: F.conv2d(x, w, b, stride=2, padding=1), [(4, 16, 15, 13), (32, 16, 3, 3), (32,)]),
+    "conv2d 3x3 stride 2": (
+        lambda x, w, b: F.conv2d(x, w, b, stride=2, padding=1),
+        [(4, 16, 15, 13), (32, 16, 3, 3), (32,)],
+    ),
     "conv2d 3x3": (lambda x, w: F.conv2d(x, w, padding=1), [(4, 16, 14, 14), (32, 16, 3, 3)]),
-    "conv2d 1x1 channels-last": (lambda x, w: F.conv2d(x.contiguous(memory_format=torch.channels_last), w), [(4, 64, 8, 8), (48, 64, 1, 1)]),
-    "conv_transpose2d 4x4 stride 2": (lambda x, w, b: F.conv_transpose2d(x, w, b, stride=2, padding=1), [(2, 24, 7, 7), (24, 16, 4, 4), (16,)]),
+    "conv2d 1x1 channels-last": (
+        lambda x, w: F.conv2d(x.contiguous(memory_format=torch.channels_last), w),
+        [(4, 64, 8, 8), (48, 64, 1, 1)],
+    ),
+    "conv_transpose2d 4x4 stride 2": (
+        lambda x, w, b: F.conv_transpose2d(x, w, b, stride=2, padding=1),
+        [(2, 24, 7, 7), (24, 16, 4, 4), (16,)],
+    ),
 }
 SETTINGS = {
     "torch defaults": {},
@@ -46,13 +55,23 @@ SETTINGS = {
 @contextlib.contextmanager
 def settings(reduced: bool = True, deterministic: bool = False):
     m, c = torch.backends.cuda.matmul, torch.backends.cudnn
-    saved = (m.allow_fp16_reduced_precision_reduction, m.allow_bf16_reduced_precision_reduction, c.deterministic, c.benchmark)
+    saved = (
+        m.allow_fp16_reduced_precision_reduction,
+        m.allow_bf16_reduced_precision_reduction,
+        c.deterministic,
+        c.benchmark,
+    )
     m.allow_fp16_reduced_precision_reduction = m.allow_bf16_reduced_precision_reduction = reduced
     c.deterministic, c.benchmark = deterministic, False
     try:
         yield
     finally:
-        m.allow_fp16_reduced_precision_reduction, m.allow_bf16_reduced_precision_reduction, c.deterministic, c.benchmark = saved
+        (
+            m.allow_fp16_reduced_precision_reduction,
+            m.allow_bf16_reduced_precision_reduction,
+            c.deterministic,
+            c.benchmark,
+        ) = saved
 
 
 def main() -> None:
@@ -78,7 +97,8 @@ def main() -> None:
                 for part, c, g, r, m in zip(parts, cpu, gpu, exact, size):
                     rows.append({
                         "op": name, "dtype": str(dtype).removeprefix("torch."), "setting": setting, "part": part,
-                        "cuda_over_bound": bound_fraction(g, r, m, dtype), "cpu_emulation_over_bound": bound_fraction(c, r, m, dtype),
+                        "cuda_over_bound": bound_fraction(g, r, m, dtype),
+                        "cpu_emulation_over_bound": bound_fraction(c, r, m, dtype),
                     })  # fmt: skip
     record = {
         "what": __doc__.strip().splitlines()[0],
@@ -91,7 +111,10 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(args.out, record)
     for r in rows:
-        print(f"{r['op']:32s} {r['dtype']:8s} {r['setting']:55s} {r['part']:20s} cuda {r['cuda_over_bound']:7.3f} cpu {r['cpu_emulation_over_bound']:6.3f}")
+        print(
+            f"{r['op']:32s} {r['dtype']:8s} {r['setting']:55s} {r['part']:20s}"
+            f" cuda {r['cuda_over_bound']:7.3f} cpu {r['cpu_emulation_over_bound']:6.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -104,11 +104,15 @@ def main() -> None:
                     t["elements"] += ours.numel()
                     t["worst_ulps"] = max(t["worst_ulps"], (err / ulp(theirs, dtype)).max().item())
                     # Near zero one ulp is tiny: the error in ulps of the tensor's largest element too.
-                    t["worst_ulps_of_largest"] = max(t["worst_ulps_of_largest"], (err.max() / ulp(theirs.abs().max(), dtype)).item())
+                    t["worst_ulps_of_largest"] = max(
+                        t["worst_ulps_of_largest"], (err.max() / ulp(theirs.abs().max(), dtype)).item()
+                    )
         for name, t in tally.items():
             rows.append(
-                {"input": size, "hidden": hidden, "batch": batch, "algorithm": algorithm, "dtype": str(dtype).removeprefix("torch."), "candidate": name,
-                 "share_equal": t["equal"] / t["elements"], "worst_ulps": t["worst_ulps"], "worst_ulps_of_largest": t["worst_ulps_of_largest"]}
+                {"input": size, "hidden": hidden, "batch": batch, "algorithm": algorithm,
+                 "dtype": str(dtype).removeprefix("torch."), "candidate": name,
+                 "share_equal": t["equal"] / t["elements"], "worst_ulps": t["worst_ulps"],
+                 "worst_ulps_of_largest": t["worst_ulps_of_largest"]}
             )  # fmt: skip
     record = {
         "what": __doc__.strip().splitlines()[0],
@@ -122,8 +126,8 @@ def main() -> None:
     write_json_atomic(args.out, record)
     for r in rows:
         print(
-            f"hidden {r['hidden']:4d} batch {r['batch']:3d} {r['dtype']:9s} equal {r['share_equal']:6.1%}  worst {r['worst_ulps']:7.2f} ulps"
-            f" ({r['worst_ulps_of_largest']:5.2f} of the largest)  {r['candidate']}"
+            f"hidden {r['hidden']:4d} batch {r['batch']:3d} {r['dtype']:9s} equal {r['share_equal']:6.1%}"
+            f"  worst {r['worst_ulps']:7.2f} ulps ({r['worst_ulps_of_largest']:5.2f} of the largest)  {r['candidate']}"
         )
 
 

@@ -29,7 +29,9 @@ SHAPES = [(2, 6, 7, 7), (4, 6, 3, 3), (4,)]  # input, weight, bias; padding 1
 def worst_errors(dtype: torch.dtype, emulate: bool, seed: int) -> dict[str, float]:
     torch.manual_seed(seed)
     fn = lambda x, w, b: F.conv2d(x, w, b, padding=1)  # noqa: E731
-    e = against_float64(fn, [torch.randn(*s) for s in SHAPES], dtype, TensorCoreArithmetic() if emulate else contextlib.nullcontext())
+    e = against_float64(
+        fn, [torch.randn(*s) for s in SHAPES], dtype, TensorCoreArithmetic() if emulate else contextlib.nullcontext()
+    )
     result = {"forward": bound_fraction(e.out, e.ref, e.bound, dtype)}
     for name, a, b, m in zip(["input", "weight", "bias"], e.low, e.exact, e.size):
         result[f"gradient of {name}"] = bound_fraction(a.grad, b.grad, m.grad, dtype)
@@ -45,12 +47,19 @@ def main() -> None:
     for dtype in (torch.float16, torch.bfloat16):
         for kernel in ("native", "emulated"):
             per_seed = [worst_errors(dtype, kernel == "emulated", seed) for seed in range(args.seeds)]
-            row = {"dtype": str(dtype).removeprefix("torch."), "kernel": kernel, **{k: max(r[k] for r in per_seed) for k in per_seed[0]}}
+            row = {
+                "dtype": str(dtype).removeprefix("torch."),
+                "kernel": kernel,
+                **{k: max(r[k] for r in per_seed) for k in per_seed[0]},
+            }
             rows.append(row)
             print(row, flush=True)
     record = {
         "probe": "native_conv_accuracy",
-        "what": "worst error over seeds, in units of one ulp plus the FP32 accumulation term, against float64 on the same rounded inputs",
+        "what": (
+            "worst error over seeds, in units of one ulp plus the FP32 accumulation term,"
+            " against float64 on the same rounded inputs"
+        ),
         "conv2d": {"input": SHAPES[0], "weight": SHAPES[1], "bias": SHAPES[2], "padding": 1},
         "seeds": args.seeds,
         "rows": rows,

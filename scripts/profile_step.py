@@ -64,7 +64,10 @@ def cells(preset: str, extra: list[str]) -> list[tuple[str, list[str]]]:
     keys = list(params)
     choices = [[v.strip() for v in params[k].split(",")] for k in keys]
     return [
-        ("_".join(combo).replace("/", "-"), [f"experiment={preset}", *(f"{k}={v}" for k, v in zip(keys, combo)), *fixed])
+        (
+            "_".join(combo).replace("/", "-"),
+            [f"experiment={preset}", *(f"{k}={v}" for k, v in zip(keys, combo)), *fixed],
+        )
         for combo in itertools.product(*choices)
     ]
 
@@ -116,9 +119,18 @@ def profile_cell(overrides: list[str], out: Path, warmup: int, steps: int) -> di
     on_gpu = run.device.type == "cuda"
     for e in prof.key_averages():
         # the device's time: CUDA kernels' on a GPU; on a CPU, the host's own time is the device's
-        device_us = getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)) if on_gpu else e.self_cpu_time_total
+        device_us = (
+            getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0))
+            if on_gpu
+            else e.self_cpu_time_total
+        )
         rows.append(
-            {"name": e.key, "calls_per_step": e.count / steps, "device_us_per_step": device_us / steps, "cpu_us_per_step": e.self_cpu_time_total / steps}
+            {
+                "name": e.key,
+                "calls_per_step": e.count / steps,
+                "device_us_per_step": device_us / steps,
+                "cpu_us_per_step": e.self_cpu_time_total / steps,
+            }
         )
     total = sum(r["device_us_per_step"] for r in rows)
     for r in rows:
@@ -129,7 +141,10 @@ def profile_cell(overrides: list[str], out: Path, warmup: int, steps: int) -> di
         writer.writeheader()
         writer.writerows(rows)
     record = {
-        "what": "training steps under torch.profiler after a warm-up, the device synchronized at their edges; times per step",
+        "what": (
+            "training steps under torch.profiler after a warm-up, the device synchronized at their edges;"
+            " times per step"
+        ),
         "overrides": overrides,
         "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
         "environment": environment(run.device),
@@ -140,7 +155,11 @@ def profile_cell(overrides: list[str], out: Path, warmup: int, steps: int) -> di
         "device_us_per_step": total,
         "labelled_per_step": {r["name"]: r["calls_per_step"] for r in rows if r["name"].startswith(LABEL)},
         "batch_norm_backends": _tally(backends),
-        "batch_norm_kernels": {r["name"]: r["device_us_per_step"] for r in rows if "bn" in r["name"].lower() or "batch_norm" in r["name"].lower()},
+        "batch_norm_kernels": {
+            r["name"]: r["device_us_per_step"]
+            for r in rows
+            if "bn" in r["name"].lower() or "batch_norm" in r["name"].lower()
+        },
     }
     write_json_atomic(out / "profile.json", record)
     return record
@@ -157,7 +176,11 @@ def _asking_batch_norm_backends(run: Run, found: dict[str, dict]) -> list:
             x, module.weight, module.bias, module.running_mean, module.running_var, module.training, module.eps
         )
         weight = module.weight.dtype if module.weight is not None else None
-        found[name] = {"backend": backend.name, "input": str(x.dtype).removeprefix("torch."), "weight": str(weight).removeprefix("torch.")}
+        found[name] = {
+            "backend": backend.name,
+            "input": str(x.dtype).removeprefix("torch."),
+            "weight": str(weight).removeprefix("torch."),
+        }
 
     return [
         m.register_forward_pre_hook(functools.partial(ask, f"{net}.{name}"))
@@ -189,7 +212,10 @@ def main() -> None:
     for preset in args.preset:
         for label, overrides in cells(preset, args.overrides):
             rec = profile_cell(overrides, args.out / preset / label, args.warmup, args.steps)
-            print(f"profile_step.py: {preset} {label}: {rec['device_us_per_step'] / 1e3:.1f} ms of device time per step", flush=True)
+            print(
+                f"profile_step.py: {preset} {label}: {rec['device_us_per_step'] / 1e3:.1f} ms of device time per step",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

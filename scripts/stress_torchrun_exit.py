@@ -28,20 +28,27 @@ def busy_loop() -> None:
 
 
 def command(run_dir: Path, data: Path) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "mpt.runner.cli",
-            "model=gnmt", "model.hidden_size=16", "model.encoder_layers=2", "model.decoder_layers=2", "model.beam_size=1",
-            "data=parallel_text", f"data.root={data}", "data.val_split=val", "data.vocab_size=500", "data.tokenizer_sentences=2000",
-            "schedule=smoke", "schedule.batch_size=8", "schedule.steps=2", "schedule.eval_batches=1", "checkpoint=false",
-            f"hydra.run.dir={run_dir}"]  # fmt: skip
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+            "mpt.runner.cli", "model=gnmt", "model.hidden_size=16", "model.encoder_layers=2", "model.decoder_layers=2",
+            "model.beam_size=1", "data=parallel_text", f"data.root={data}", "data.val_split=val", "data.vocab_size=500",
+            "data.tokenizer_sentences=2000", "schedule=smoke", "schedule.batch_size=8", "schedule.steps=2",
+            "schedule.eval_batches=1", "checkpoint=false", f"hydra.run.dir={run_dir}"]  # fmt: skip
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=30)
-    ap.add_argument("--busy", type=int, default=os.cpu_count() or 2, help="busy-loop processes beside each run (default: one per core)")
+    ap.add_argument(
+        "--busy",
+        type=int,
+        default=os.cpu_count() or 2,
+        help="busy-loop processes beside each run (default: one per core)",
+    )
     ap.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data" / "multi30k")
     ap.add_argument("--out", type=Path, required=True, help="the JSON summary")
-    ap.add_argument("--nice", type=int, default=0, help="run each job at this niceness, so the busy loops win the cores")
+    ap.add_argument(
+        "--nice", type=int, default=0, help="run each job at this niceness, so the busy loops win the cores"
+    )
     ap.add_argument("--stop-at-first", action="store_true", help="stop at the first failure (to reproduce)")
     args = ap.parse_args()
     if not args.data.is_dir():
@@ -55,8 +62,19 @@ def main() -> None:
         for i in range(args.runs):
             with tempfile.TemporaryDirectory() as tmp:
                 t0 = time.time()
-                cmd = ["nice", "-n", str(args.nice), *command(Path(tmp) / "run", args.data)] if args.nice else command(Path(tmp) / "run", args.data)
-                r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                cmd = (
+                    ["nice", "-n", str(args.nice), *command(Path(tmp) / "run", args.data)]
+                    if args.nice
+                    else command(Path(tmp) / "run", args.data)
+                )
+                r = subprocess.run(
+                    cmd,
+                    cwd=ROOT,
+                    capture_output=True,
+                    text=True,
+                    timeout=900,
+                    env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                )
                 row = {"run": i, "returncode": r.returncode, "seconds": round(time.time() - t0, 1)}
                 if r.returncode != 0:
                     row["stderr_tail"] = r.stderr[-20000:]

@@ -73,16 +73,23 @@ def trace(path: Path, split: str) -> list[dict]:
 def summary(rows: list[dict]) -> list[str]:
     total, tokens = sum(r["nll"] for r in rows), sum(r["tokens"] for r in rows)
     streams = sorted({r["stream"] for r in rows})
-    mean = {s: sum(r["nll"] for r in rows if r["stream"] == s) / sum(r["tokens"] for r in rows if r["stream"] == s) for s in streams}
+    mean = {
+        s: sum(r["nll"] for r in rows if r["stream"] == s) / sum(r["tokens"] for r in rows if r["stream"] == s)
+        for s in streams
+    }
     median = sorted(mean.values())[len(mean) // 2]
-    lines = [f"perplexity {math.exp(total / tokens):.1f} over {tokens} tokens, {len(streams)} streams; median stream NLL {median:.2f} a token"]
+    lines = [
+        f"perplexity {math.exp(total / tokens):.1f} over {tokens} tokens, {len(streams)} streams;"
+        f" median stream NLL {median:.2f} a token"
+    ]
     for s in streams:
         if mean[s] > 2 * median:
             own = [r for r in rows if r["stream"] == s]
             passed = next((r["window"] for r in own if r["cell_max"] > 100), None)
             share = sum(r["nll"] for r in own) / total
+            cell_max = max(r["cell_max"] for r in own)
             lines.append(
-                f"stream {s}: NLL {mean[s]:.2f} a token ({share:.0%} of the split's), cell state up to {max(r['cell_max'] for r in own):.0f}"
+                f"stream {s}: NLL {mean[s]:.2f} a token ({share:.0%} of the split's), cell state up to {cell_max:.0f}"
                 + (f", past 100 from window {passed}" if passed is not None else "")
             )
     return lines

@@ -26,8 +26,8 @@ from mpt.provenance import environment, git_commit, now_iso
 
 ROOT = Path(__file__).resolve().parents[1]
 
-RUN = ["model=mobilenet_v3_small", "schedule=smoke", "schedule.steps=40", "schedule.checkpoint_every=5", "schedule.log_every=1",
-       "schedule.eval_every=20", "deterministic=true", "device=cpu"]  # fmt: skip
+RUN = ["model=mobilenet_v3_small", "schedule=smoke", "schedule.steps=40", "schedule.checkpoint_every=5",
+       "schedule.log_every=1", "schedule.eval_every=20", "deterministic=true", "device=cpu"]  # fmt: skip
 
 
 def command(run_dir: Path, *extra: str) -> list[str]:
@@ -77,8 +77,10 @@ def wait_for_steps(proc: subprocess.Popen, run_dir: Path, n: int) -> None:
 
 def state(run_dir: Path) -> dict:
     rec = record(run_dir)
-    return {"status": rec.get("status"), "message": rec.get("message"), "steps_logged": len(train_rows(run_dir)) if (run_dir / "metrics.jsonl").exists() else 0,
-            "checkpoint_step": checkpoint_step(run_dir), "files": sorted(p.name for p in run_dir.iterdir())}  # fmt: skip
+    steps_logged = len(train_rows(run_dir)) if (run_dir / "metrics.jsonl").exists() else 0
+    return {"status": rec.get("status"), "message": rec.get("message"), "steps_logged": steps_logged,
+            "checkpoint_step": checkpoint_step(run_dir),
+            "files": sorted(p.name for p in run_dir.iterdir())}  # fmt: skip
 
 
 def relaunch(run_dir: Path, reference: Path, *extra: str) -> dict:
@@ -87,8 +89,9 @@ def relaunch(run_dir: Path, reference: Path, *extra: str) -> dict:
     rec = record(run_dir)
     same = [{k: row[k] for k in ("step", "loss", "scale")} for row in train_rows(run_dir)] == \
            [{k: row[k] for k in ("step", "loss", "scale")} for row in train_rows(reference)]  # fmt: skip
+    said = [line for line in r.stdout.splitlines() if line.startswith("mpt-run: resuming")]
     return {"exit_code": r.returncode, "status": rec.get("status"), "resumed_from_step": rec.get("resumed_from_step"),
-            "log_equals_uninterrupted_run": same, "said": [line for line in r.stdout.splitlines() if line.startswith("mpt-run: resuming")]}  # fmt: skip
+            "log_equals_uninterrupted_run": same, "said": said}  # fmt: skip
 
 
 def interrupted(tmp: Path, reference: Path, sig: signal.Signals) -> dict:
@@ -97,29 +100,42 @@ def interrupted(tmp: Path, reference: Path, sig: signal.Signals) -> dict:
     wait_for_steps(proc, run_dir, 12)
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=600)
-    return {"exit_code": proc.returncode, "after": state(run_dir), "stderr_tail": err.strip().splitlines()[-3:], "relaunch": relaunch(run_dir, reference)}
+    return {
+        "exit_code": proc.returncode,
+        "after": state(run_dir),
+        "stderr_tail": err.strip().splitlines()[-3:],
+        "relaunch": relaunch(run_dir, reference),
+    }
 
 
 def second_launch(tmp: Path) -> dict:
     run_dir = tmp / "twice"
     # 400 steps: on a fast CPU the 40 of the others end before a second process has imported torch,
     # and the second launch would find a finished run instead of a running one.
-    first = subprocess.Popen(command(run_dir, "schedule.steps=400"), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = subprocess.Popen(
+        command(run_dir, "schedule.steps=400"), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     wait_for_steps(first, run_dir, 3)
     files_before = sorted(p.name for p in run_dir.iterdir())
     hydra_files = {p.name: p.stat().st_mtime_ns for p in (run_dir / ".hydra").iterdir()}
     second = cli(run_dir, "schedule.steps=400")  # the same command
     hydra_untouched = hydra_files == {p.name: p.stat().st_mtime_ns for p in (run_dir / ".hydra").iterdir()}
     out, err = first.communicate(timeout=600)
-    return {"second_exit_code": second.returncode, "second_said": second.stderr.strip().splitlines(), "first_exit_code": first.returncode,
-            "first_status": record(run_dir).get("status"), "first_pid": first.pid, "files_while_both_ran": files_before, "hydra_files_untouched_by_the_second": hydra_untouched,
-            "first_steps_logged": len(train_rows(run_dir)), "cli_log_lines_from_the_second": sum("already running" in line for line in (run_dir / "cli.log").read_text().splitlines())}  # fmt: skip
+    cli_log_lines = (run_dir / "cli.log").read_text().splitlines()
+    return {"second_exit_code": second.returncode, "second_said": second.stderr.strip().splitlines(),
+            "first_exit_code": first.returncode, "first_status": record(run_dir).get("status"), "first_pid": first.pid,
+            "files_while_both_ran": files_before, "hydra_files_untouched_by_the_second": hydra_untouched,
+            "first_steps_logged": len(train_rows(run_dir)),
+            "cli_log_lines_from_the_second": sum("already running" in line for line in cli_log_lines)}  # fmt: skip
 
 
 def full_disk(tmp: Path) -> dict:
     mount = tmp / "small_disk"
     mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(mount)], capture_output=True).returncode != 0:
+    if (
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(mount)], capture_output=True).returncode
+        != 0
+    ):
         return {"tried": False, "why": "mount -t tmpfs was refused here"}
     try:
         run_dir = mount / "run"
@@ -133,10 +149,15 @@ def full_disk(tmp: Path) -> dict:
             except OSError:
                 pass
         again = cli(run_dir)
+        onto_a_full_disk = {
+            "exit_code": again.returncode,
+            "stderr": again.stderr.strip().splitlines()[-3:],
+            "traceback": "Traceback" in again.stderr,
+            "after": state(run_dir),
+        }
         return {"tried": True, "disk": "tmpfs of 20 MiB", "exit_code": r.returncode, "after": after,
                 "temporaries_left": [f for f in after["files"] if f.endswith(".tmp")],
-                "relaunch_onto_a_full_disk": {"exit_code": again.returncode, "stderr": again.stderr.strip().splitlines()[-3:],
-                                              "traceback": "Traceback" in again.stderr, "after": state(run_dir)}}  # fmt: skip
+                "relaunch_onto_a_full_disk": onto_a_full_disk}  # fmt: skip
     finally:
         subprocess.run(["umount", str(mount)], capture_output=True)
 
@@ -171,7 +192,14 @@ def corrupt_image(tmp: Path) -> dict:
     bad = root / "train" / "dog" / "2.jpg"
     bad.write_bytes(b"\xff\xd8\xff\xe0 not a jpeg")
     run_dir = tmp / "corrupt_image"
-    r = cli(run_dir, "data=imagefolder", f"data.root={root}", "data.num_workers=1", "schedule.batch_size=4", "schedule.steps=8")
+    r = cli(
+        run_dir,
+        "data=imagefolder",
+        f"data.root={root}",
+        "data.num_workers=1",
+        "schedule.batch_size=4",
+        "schedule.steps=8",
+    )
     return {"exit_code": r.returncode, "corrupted": str(bad), "after": state(run_dir)}
 
 
@@ -202,13 +230,18 @@ def across_a_commit(tmp: Path, reference: Path) -> dict:
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=600)
     after = state(run_dir)
-    r = subprocess.run([sys.executable, "-m", "mpt.runner.cli", *RUN, f"hydra.run.dir={run_dir}"], cwd=ahead, capture_output=True, text=True,
-                       timeout=900, env={**os.environ, "PYTHONPATH": str(ahead)})  # fmt: skip
+    r = subprocess.run([sys.executable, "-m", "mpt.runner.cli", *RUN, f"hydra.run.dir={run_dir}"], cwd=ahead,
+                       capture_output=True, text=True, timeout=900,
+                       env={**os.environ, "PYTHONPATH": str(ahead)})  # fmt: skip
     rec = record(run_dir)
     same = [row["loss"] for row in train_rows(run_dir)] == [row["loss"] for row in train_rows(reference)]
-    return {"preempted": after, "relaunch_exit_code": r.returncode, "status": rec.get("status"), "log_equals_uninterrupted_run": same,
+    segments = [
+        (s["from_step"], s["to_step"], s["git"]["commit"][:12], s["git"]["dirty"]) for s in rec.get("segments") or []
+    ]
+    return {"preempted": after, "relaunch_exit_code": r.returncode, "status": rec.get("status"),
+            "log_equals_uninterrupted_run": same,
             "warning": [line for line in r.stdout.splitlines() if "warning" in line],
-            "segments": [(s["from_step"], s["to_step"], s["git"]["commit"][:12], s["git"]["dirty"]) for s in rec.get("segments") or []]}  # fmt: skip
+            "segments": segments}  # fmt: skip
 
 
 class _RunsCode:
@@ -225,9 +258,17 @@ def planted_checkpoint(tmp: Path) -> dict:
 
     run_dir, marker = tmp / "planted", tmp / "planted_command_ran"
     run_dir.mkdir()
-    torch.save({"config": {}, "step": 1, "engines": {}, "rng": {}, "data": {}, "payload": _RunsCode(marker)}, run_dir / "checkpoint.pt")
+    torch.save(
+        {"config": {}, "step": 1, "engines": {}, "rng": {}, "data": {}, "payload": _RunsCode(marker)},
+        run_dir / "checkpoint.pt",
+    )
     r = cli(run_dir)
-    return {"exit_code": r.returncode, "stderr_tail": r.stderr.strip().splitlines()[-1:], "command_ran": marker.exists(), "after": state(run_dir)}
+    return {
+        "exit_code": r.returncode,
+        "stderr_tail": r.stderr.strip().splitlines()[-1:],
+        "command_ran": marker.exists(),
+        "after": state(run_dir),
+    }
 
 
 def static_scale_never_fits(tmp: Path) -> dict:
@@ -236,9 +277,11 @@ def static_scale_never_fits(tmp: Path) -> dict:
         run_dir = tmp / f"static_{len(out)}"
         r = cli(run_dir, "precision=mixed", "scale=static", "scale.value=1e9", *extra)
         rec = record(run_dir)
-        out[name] = {"overrides": ["precision=mixed", "scale=static", "scale.value=1e9", *extra], "exit_code": r.returncode, "status": rec.get("status"),
-                     "message": rec.get("message"), "diverged_at_step": rec.get("diverged_at_step"), "loss_scale": rec.get("loss_scale"),
-                     "summary": [line.strip() for line in r.stdout.splitlines() if line.strip().startswith("loss scale:")]}  # fmt: skip
+        summary = [line.strip() for line in r.stdout.splitlines() if line.strip().startswith("loss scale:")]
+        out[name] = {"overrides": ["precision=mixed", "scale=static", "scale.value=1e9", *extra],
+                     "exit_code": r.returncode, "status": rec.get("status"), "message": rec.get("message"),
+                     "diverged_at_step": rec.get("diverged_at_step"), "loss_scale": rec.get("loss_scale"),
+                     "summary": summary}  # fmt: skip
     return out
 
 
@@ -251,11 +294,19 @@ def longer_schedule(tmp: Path, reference: Path) -> dict:
     r = cli(run_dir, "schedule.steps=60")
     cli(whole, "schedule.steps=60")
     rec = record(run_dir)
-    same = [(row["step"], row["loss"]) for row in train_rows(run_dir)] == [(row["step"], row["loss"]) for row in train_rows(whole)]
+    same = [(row["step"], row["loss"]) for row in train_rows(run_dir)] == [
+        (row["step"], row["loss"]) for row in train_rows(whole)
+    ]
     other = cli(run_dir, "schedule.steps=60", "optim.lr=0.05")
-    return {"exit_code": r.returncode, "status": rec.get("status"), "steps": rec.get("steps"), "said": [line for line in r.stdout.splitlines() if line.startswith("mpt-run: resuming")],
-            "segments": [(s["from_step"], s["to_step"], s["total_steps"]) for s in rec.get("segments") or []], "log_equals_uninterrupted_60_step_run": same,
-            "another_lr": {"exit_code": other.returncode, "said": [line for line in other.stdout.splitlines() if "aside" in line], "after": state(run_dir)}}  # fmt: skip
+    said = [line for line in r.stdout.splitlines() if line.startswith("mpt-run: resuming")]
+    segments = [(s["from_step"], s["to_step"], s["total_steps"]) for s in rec.get("segments") or []]
+    another_lr = {
+        "exit_code": other.returncode,
+        "said": [line for line in other.stdout.splitlines() if "aside" in line],
+        "after": state(run_dir),
+    }
+    return {"exit_code": r.returncode, "status": rec.get("status"), "steps": rec.get("steps"), "said": said,
+            "segments": segments, "log_equals_uninterrupted_60_step_run": same, "another_lr": another_lr}  # fmt: skip
 
 
 def ctrl_c_twice(tmp: Path) -> dict:
@@ -270,7 +321,12 @@ def ctrl_c_twice(tmp: Path) -> dict:
     proc.send_signal(signal.SIGINT)
     _, rest = proc.communicate(timeout=600)
     err = "".join(first) + rest
-    return {"exit_code": proc.returncode, "after": state(run_dir), "stderr_tail": err.strip().splitlines()[-2:], "traceback": "Traceback" in err}
+    return {
+        "exit_code": proc.returncode,
+        "after": state(run_dir),
+        "stderr_tail": err.strip().splitlines()[-2:],
+        "traceback": "Traceback" in err,
+    }
 
 
 def dead_run(tmp: Path) -> dict:
@@ -284,7 +340,8 @@ def dead_run(tmp: Path) -> dict:
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     rows = load_runs([dead]).to_dict("records")
-    return {"record_status": record(dead).get("status"), "report_while_alive": live_view, "report_after_sigkill": [(r["status"], r.get("message")) for r in rows],
+    return {"record_status": record(dead).get("status"), "report_while_alive": live_view,
+            "report_after_sigkill": [(r["status"], r.get("message")) for r in rows],
             "checkpoint_step": checkpoint_step(dead), "record_steps": record(dead).get("steps")}  # fmt: skip
 
 
@@ -298,18 +355,24 @@ def bad_voc_box(tmp: Path) -> dict:
     text = xml.read_text()
     width = int(re.search(r"<width>(\d+)</width>", text).group(1))
     xml.write_text(re.sub(r"<xmax>\d+</xmax>", f"<xmax>{width + 38}</xmax>", text, count=1))
-    voc = ["model=ssd", "data=voc", f"data.root={root}", "data.train_sets=[train_labels.csv]", "data.val_sets=[test_labels.csv]",
-           "data.class_names=[raccoon]", "data.num_workers=0", "schedule=smoke", "schedule.steps=1", "schedule.batch_size=2", "device=cpu"]  # fmt: skip
+    voc = ["model=ssd", "data=voc", f"data.root={root}", "data.train_sets=[train_labels.csv]",
+           "data.val_sets=[test_labels.csv]", "data.class_names=[raccoon]", "data.num_workers=0", "schedule=smoke",
+           "schedule.steps=1", "schedule.batch_size=2", "device=cpu"]  # fmt: skip
     out = {}
     for name, extra in [("refused", []), ("clipped", ["data.clip_boxes=true"])]:
         run_dir = tmp / f"voc_{name}"
         r = subprocess.run(
-            [sys.executable, "-m", "mpt.runner.cli", *voc, *extra, f"hydra.run.dir={run_dir}"], cwd=ROOT, capture_output=True, text=True, timeout=900
+            [sys.executable, "-m", "mpt.runner.cli", *voc, *extra, f"hydra.run.dir={run_dir}"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=900,
         )
         rec = record(run_dir)
         data = rec.get("data") or {}
         out[name] = {"exit_code": r.returncode, "status": rec.get("status"), "message": rec.get("message"),
-                     "clipped_boxes": data.get("clipped_boxes"), "dropped_boxes": data.get("dropped_boxes")}  # fmt: skip
+                     "clipped_boxes": data.get("clipped_boxes"),
+                     "dropped_boxes": data.get("dropped_boxes")}  # fmt: skip
     return out
 
 
@@ -344,8 +407,9 @@ def main() -> None:
         shutil.rmtree(tmp / "images", ignore_errors=True)
     import torch
 
-    rec = {"kind": "faults", "command": " ".join(["mpt-run", *RUN]), "faults": faults, "environment": environment(torch.device("cpu")),
-           "git": git_commit(ROOT), "created_at": now_iso()}  # fmt: skip
+    rec = {"kind": "faults", "command": " ".join(["mpt-run", *RUN]), "faults": faults,
+           "environment": environment(torch.device("cpu")), "git": git_commit(ROOT),
+           "created_at": now_iso()}  # fmt: skip
     write_json_atomic(args.out / "faults.json", rec)
     print(json.dumps(faults, indent=2))
 

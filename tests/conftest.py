@@ -53,7 +53,11 @@ def _composed(overrides: tuple[str, ...]):
 
 # The FP32 math flags a run sets (engine.set_fp32_math): precision=tf32 would leave TF32 on for later tests.
 FP32_MATH = (
-    [(torch.backends.cuda.matmul, "fp32_precision"), (torch.backends.cudnn.conv, "fp32_precision"), (torch.backends.cudnn.rnn, "fp32_precision")]
+    [
+        (torch.backends.cuda.matmul, "fp32_precision"),
+        (torch.backends.cudnn.conv, "fp32_precision"),
+        (torch.backends.cudnn.rnn, "fp32_precision"),
+    ]
     if hasattr(torch.backends.cuda.matmul, "fp32_precision")
     else [(torch.backends.cuda.matmul, "allow_tf32"), (torch.backends.cudnn, "allow_tf32")]
 )
@@ -95,7 +99,14 @@ def build_run(run_dir: Path, *overrides: str):
 def mpt_run(*args: str, cwd: Path, timeout: int = 900, env: dict | None = None) -> subprocess.CompletedProcess:
     """The real command line, in a subprocess (what a user types, minus the console-script shim)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "mpt.runner.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "mpt.runner.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
 
 
 def read_record(run_dir: Path) -> dict:
@@ -113,7 +124,15 @@ def shared_data(name: str) -> Path:
 
 def cifar_mini_run(*overrides: str) -> list[str]:
     """A tiny classifier's smoke run on ../shared/data/cifar10-mini (its test/ split for validation)."""
-    return [TINY, "data=imagefolder", f"data.root={shared_data('cifar10-mini')}", "data.val_split=test", "data.num_workers=0", "schedule=smoke", *overrides]
+    return [
+        TINY,
+        "data=imagefolder",
+        f"data.root={shared_data('cifar10-mini')}",
+        "data.val_split=test",
+        "data.num_workers=0",
+        "schedule=smoke",
+        *overrides,
+    ]
 
 
 class Vector(nn.Module):

@@ -83,7 +83,10 @@ def test_test_time_augmentation_weighs_the_six_views_as_the_paper():
     views = {"plain": xn, "up_left": padded[..., :8, :8], "down_right": padded[..., 2:, 2:]}
     weights = {"plain": 0.25, "up_left": 0.125, "down_right": 0.125}  # each, and as much again mirrored
     with torch.no_grad():
-        expected = sum(w * (task.net(torch.from_numpy(views[k].copy())) + task.net(torch.from_numpy(views[k][..., ::-1].copy()))) for k, w in weights.items())
+        expected = sum(
+            w * (task.net(torch.from_numpy(views[k].copy())) + task.net(torch.from_numpy(views[k][..., ::-1].copy())))
+            for k, w in weights.items()
+        )
         torch.testing.assert_close(task._tta_logits(x), expected)
 
 
@@ -101,7 +104,9 @@ def test_the_loss_is_label_smoothed_and_summed_over_the_batch():
 def test_the_triangle_runs_through_its_three_points():
     for total in (476, 10, 7):
         ours = [triangle_factor(i, total, (0.2, 0.23, 0.07)) for i in range(total + 1)]
-        np.testing.assert_allclose(ours, np.interp(np.arange(total + 1), [0, int(0.23 * total), total], [0.2, 1.0, 0.07]), atol=1e-12)
+        np.testing.assert_allclose(
+            ours, np.interp(np.arange(total + 1), [0, int(0.23 * total), total], [0.2, 1.0, 0.07]), atol=1e-12
+        )
 
 
 class _Bn(nn.Module):
@@ -192,7 +197,10 @@ def test_alternating_flips_mirror_each_image_the_other_way_each_epoch(tmp_path):
     )
     data = ImageFolderData(cfg.data, cfg.schedule, seed=0, device=CPU)
     samples = data.train_loader.dataset
-    flipped = [[bool(samples[(e, i)][0][:, :, :14].mean() < samples[(e, i)][0][:, :, 18:].mean()) for i in range(16)] for e in range(4)]
+    flipped = [
+        [bool(samples[(e, i)][0][:, :, :14].mean() < samples[(e, i)][0][:, :, 18:].mean()) for i in range(16)]
+        for e in range(4)
+    ]
     assert 0 < sum(flipped[0]) < 16  # the first epoch's coins differ
     for e in range(1, 4):
         assert flipped[e] == [f != bool(e % 2) for f in flipped[0]]
@@ -222,7 +230,11 @@ def test_a_mixed_run_of_airbench_trains_averages_and_scores_with_tta(tmp_path, i
     # trained in epoch 0 only; the last step (7) is no averaging step, so only the run's end settles it
     calls: list[tuple[int, int]] = []
     after_step = Lookahead.after_step
-    monkeypatch.setattr(Lookahead, "after_step", lambda self, step, epoch, tensors: calls.append((step, epoch)) or after_step(self, step, epoch, tensors))
+    monkeypatch.setattr(
+        Lookahead,
+        "after_step",
+        lambda self, step, epoch, tensors: calls.append((step, epoch)) or after_step(self, step, epoch, tensors),
+    )
     run = build_run(
         tmp_path,
         *AIRBENCH,
@@ -255,7 +267,9 @@ def test_a_mixed_run_of_airbench_trains_averages_and_scores_with_tta(tmp_path, i
     engine = run.engines["model"]
     assert engine.lookahead is not None and engine.lookahead.ema is not None
     buffers = [b for b in engine.model.buffers() if b.is_floating_point()]
-    assert len(engine.lookahead.ema) == len(engine.update.written()) + len(buffers) and buffers  # batch-norm's statistics too
+    assert (
+        len(engine.lookahead.ema) == len(engine.update.written()) + len(buffers) and buffers
+    )  # batch-norm's statistics too
     # the run's end settled the weights onto the average: masters, their FP16 copies and the statistics
     for t, e in zip([*engine.update.written(), *buffers], engine.lookahead.ema):
         assert torch.equal(t, e)
@@ -263,7 +277,9 @@ def test_a_mixed_run_of_airbench_trains_averages_and_scores_with_tta(tmp_path, i
         assert torch.equal(p, m.to(p.dtype))
     # the lr of each step is the triangle's (read from the per-step log)
     run.save_record()
-    lrs = [r["lr"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
+    lrs = [
+        r["lr"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"
+    ]
     expected = cfg_lr(run) * np.interp(np.arange(7), [0, int(0.23 * 7), 7], [0.2, 1.0, 0.07])
     np.testing.assert_allclose(lrs, expected, rtol=1e-6)
 
@@ -272,8 +288,18 @@ def cfg_lr(run) -> float:
     return float(run.cfg.optim.lr)
 
 
-def test_a_run_of_airbench_ends_with_a_record_scored_with_tta_and_only_its_last_evaluation_uses_it(tmp_path, in_process):
-    run = build_run(tmp_path, *AIRBENCH, "data.train_samples=32", "data.val_samples=16", "schedule.batch_size=8", "schedule.steps=3", "schedule.eval_every=1")
+def test_a_run_of_airbench_ends_with_a_record_scored_with_tta_and_only_its_last_evaluation_uses_it(
+    tmp_path, in_process
+):
+    run = build_run(
+        tmp_path,
+        *AIRBENCH,
+        "data.train_samples=32",
+        "data.val_samples=16",
+        "schedule.batch_size=8",
+        "schedule.steps=3",
+        "schedule.eval_every=1",
+    )
     scored: list[tuple[int, int]] = []  # (step, images scored with the augmentation)
     tta = run.task._tta_logits
     run.task._tta_logits = lambda images: scored.append((run.step, images.shape[0])) or tta(images)

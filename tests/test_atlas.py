@@ -95,7 +95,9 @@ def test_values_too_large_get_a_scale_below_one_and_too_spread_get_none():
     fmt = get_format("e4m3")
     big = FormatAtlas([fmt])
     big.add(torch.tensor([3000.0, 100.0, 20.0]))
-    assert big.summary()["formats"]["e4m3"]["recommended_scale"] == 0.125 == max_safe_scale(3000.0, fmt)  # 375 fits, 750 does not
+    assert (
+        big.summary()["formats"]["e4m3"]["recommended_scale"] == 0.125 == max_safe_scale(3000.0, fmt)
+    )  # 375 fits, 750 does not
     spread = FormatAtlas([fmt])
     spread.add(torch.tensor([2.0**8, *([2.0**-20] * 10)]))  # E4M3 spans 2^-10 to 448: no scale keeps both ends
     assert spread.summary()["formats"]["e4m3"]["recommended_scale"] is None
@@ -109,8 +111,14 @@ def test_block_formats_are_scored_under_their_own_scales():
     got = atlas.summary()["formats"]
     v = x.double()
     theirs = torchao_round_trip(x, "mxfp4").double()
-    assert got["mxfp4"]["sqnr_db"] == got["mxfp4"]["sqnr_db_scaled"] == pytest.approx(10 * math.log10((v**2).sum() / ((theirs - v) ** 2).sum()), rel=1e-9)
-    assert got["e2m1"]["share_underflow"] == 1.0 and got["mxfp4"]["share_underflow"] < 0.2  # FP4 alone cannot hold 2^-30
+    assert (
+        got["mxfp4"]["sqnr_db"]
+        == got["mxfp4"]["sqnr_db_scaled"]
+        == pytest.approx(10 * math.log10((v**2).sum() / ((theirs - v) ** 2).sum()), rel=1e-9)
+    )
+    assert (
+        got["e2m1"]["share_underflow"] == 1.0 and got["mxfp4"]["share_underflow"] < 0.2
+    )  # FP4 alone cannot hold 2^-30
 
 
 def test_the_state_round_trips():
@@ -127,7 +135,11 @@ def test_scaled_sqnr_reaches_tensors_far_below_fp32s_normals():
     atlas = FormatAtlas([get_format("bf16")])
     atlas.add(x)
     got = atlas.summary()["formats"]["bf16"]
-    assert got["max_safe_scale"] > 2.0**260 and got["sqnr_db_scaled"] is not None and got["sqnr_db_scaled"] > 50 > got["sqnr_db"]
+    assert (
+        got["max_safe_scale"] > 2.0**260
+        and got["sqnr_db_scaled"] is not None
+        and got["sqnr_db_scaled"] > 50 > got["sqnr_db"]
+    )
 
 
 def test_a_block_holding_an_infinity_leaves_the_noise_finite():

@@ -78,7 +78,9 @@ def test_the_engine_gives_the_scaler_the_largest_unscaled_gradient(precision):
     assert expected == pytest.approx(7e-3, rel=1e-3)
     assert engine.step()
     assert 2.0 ** engine.scaler.estimates()[0] == pytest.approx(expected, rel=1e-12)
-    assert engine.scaler.scale == 2.0 ** math.floor(math.log2(65504) - 1 - math.log2(expected))  # one step: no spread yet
+    assert engine.scaler.scale == 2.0 ** math.floor(
+        math.log2(65504) - 1 - math.log2(expected)
+    )  # one step: no spread yet
 
 
 def test_an_overflowing_step_is_skipped_by_the_engine_and_its_weights_kept():
@@ -111,7 +113,10 @@ def test_auto_and_dynamic_on_the_same_run_and_in_the_report(tmp_path):
     for scale in (["scale=dynamic"], ["scale=auto"]):
         r = mpt_run("-m", *common, *scale, cwd=ROOT)
         assert r.returncode == 0, r.stderr[-2000:]
-    recs = {rec["choices"]["scale"]: rec for rec in map(read_record, (p.parent for p in (tmp_path / "runs").rglob("result.json")))}
+    recs = {
+        rec["choices"]["scale"]: rec
+        for rec in map(read_record, (p.parent for p in (tmp_path / "runs").rglob("result.json")))
+    }
     assert recs["dynamic"]["status"] == recs["auto"]["status"] == "ok"
     for net in ("generator", "discriminator"):
         assert 3 <= recs["dynamic"]["loss_scale"][net]["skipped_steps"] < recs["dynamic"]["steps"]
@@ -120,4 +125,6 @@ def test_auto_and_dynamic_on_the_same_run_and_in_the_report(tmp_path):
     build_report([tmp_path / "runs"], tmp_path / "report", None)
     table = pd.read_csv(tmp_path / "report" / "tables" / "loss_scaling.csv")
     assert set(table["scale"]) == {"dynamic", "auto"} and "Mixed + LS (auto)" in set(table["mode"])
-    assert (table[table.scale == "auto"].skipped_steps <= 1).all() and (table[table.scale == "dynamic"].skipped_steps >= 3).all()
+    assert (table[table.scale == "auto"].skipped_steps <= 1).all() and (
+        table[table.scale == "dynamic"].skipped_steps >= 3
+    ).all()

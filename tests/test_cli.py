@@ -23,7 +23,14 @@ def sweep(tmp_path_factory) -> dict[tuple[str, str], Path]:
     with process_settings_kept():
         for precision in PRECISIONS:
             for scale in SCALES:
-                build_run(out / f"{precision}_{scale}", TINY, f"precision={precision}", f"scale={scale}", "schedule=smoke", "checkpoint=false").execute()
+                build_run(
+                    out / f"{precision}_{scale}",
+                    TINY,
+                    f"precision={precision}",
+                    f"scale={scale}",
+                    "schedule=smoke",
+                    "checkpoint=false",
+                ).execute()
     runs = {}
     for record in out.glob("*/result.json"):
         rec = json.loads(record.read_text())
@@ -41,10 +48,20 @@ def test_record_is_complete(sweep, precision, scale):
     run_dir = sweep[(precision, scale)]
     rec = read_record(run_dir)
     assert rec["status"] == "ok", rec["message"]
-    assert rec["choices"] == {"model": "mobilenet_v3_small", "precision": precision, "scale": scale, "data": "synthetic", "schedule": "smoke"}
+    assert rec["choices"] == {
+        "model": "mobilenet_v3_small",
+        "precision": precision,
+        "scale": scale,
+        "data": "synthetic",
+        "schedule": "smoke",
+    }
     assert rec["steps"] == rec["total_steps"] == 3
     assert 0 <= rec["metrics"]["top1"] <= 1 and rec["metrics"]["step"] == 3
-    assert rec["throughput"]["unit"] == "images/s" and rec["throughput"]["pipeline"] > 0 and rec["throughput"]["compute"] > 0
+    assert (
+        rec["throughput"]["unit"] == "images/s"
+        and rec["throughput"]["pipeline"] > 0
+        and rec["throughput"]["compute"] > 0
+    )
     assert rec["memory"]["peak_bytes"] > 0 and rec["memory"]["kind"] == "cpu_peak_rss"
     assert 0 < rec["memory"]["steady_peak_bytes"] <= rec["memory"]["peak_bytes"]
     assert rec["environment"]["torch"] and rec["environment"]["device_type"] == "cpu"
@@ -57,7 +74,9 @@ def test_record_is_complete(sweep, precision, scale):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if r["kind"] == "train"]
     assert [r["step"] for r in train] == [0, 1, 2]
-    assert [r["scale"] for r in train] == pytest.approx({"none": [1.0] * 3, "static": [1000.0] * 3}.get(scale, [r["scale"] for r in train]))
+    assert [r["scale"] for r in train] == pytest.approx(
+        {"none": [1.0] * 3, "static": [1000.0] * 3}.get(scale, [r["scale"] for r in train])
+    )
     if scale == "none":
         assert all(r["overflow"] is None for r in train)  # scale=none does not check
     else:
@@ -100,7 +119,9 @@ def test_a_sweep_runs_through_submitits_local_launcher(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     recs = {read_record(p.parent)["choices"]["precision"]: read_record(p.parent) for p in sweep.rglob("result.json")}
     assert set(recs) == {"fp32", "mixed"} and all(rec["status"] == "ok" for rec in recs.values())
-    finished_jobs = [d for d in (sweep / ".submitit").iterdir() if list(d.glob("*_result.pkl"))]  # submitit's, one per job
+    finished_jobs = [
+        d for d in (sweep / ".submitit").iterdir() if list(d.glob("*_result.pkl"))
+    ]  # submitit's, one per job
     assert len(finished_jobs) == 2
 
 
@@ -109,11 +130,18 @@ def test_the_slurm_launcher_config_composes_with_its_defaults():
 
     with initialize_config_module(config_module="mpt.configs", version_base="1.3"):
         cfg = compose(
-            config_name="config", overrides=["hydra/launcher=slurm", "hydra.launcher.partition=gpu", "hydra.launcher.gpus_per_node=8"], return_hydra_config=True
+            config_name="config",
+            overrides=["hydra/launcher=slurm", "hydra.launcher.partition=gpu", "hydra.launcher.gpus_per_node=8"],
+            return_hydra_config=True,
         )
     launcher = cfg.hydra.launcher
     assert launcher._target_.endswith("SlurmLauncher")
-    assert (launcher.partition, launcher.gpus_per_node, launcher.tasks_per_node, launcher.timeout_min) == ("gpu", 8, 1, 4320)
+    assert (launcher.partition, launcher.gpus_per_node, launcher.tasks_per_node, launcher.timeout_min) == (
+        "gpu",
+        8,
+        1,
+        4320,
+    )
 
 
 def test_help_shows_the_commands_and_every_user_facing_option_not_hydras_stock_page():
@@ -123,7 +151,9 @@ def test_help_shows_the_commands_and_every_user_facing_option_not_hydras_stock_p
     assert "powered by Hydra" not in r.stdout and "schema" not in r.stdout
     for group in ("model", "precision", "scale", "data", "schedule", "experiment"):
         line = next(line for line in r.stdout.splitlines() if line.startswith(group + " "))
-        assert line.split(": ", 1)[1].split(", ") == sorted(p.stem for p in (ROOT / "configs" / group).glob("*.yaml")), group
+        assert line.split(": ", 1)[1].split(", ") == sorted(
+            p.stem for p in (ROOT / "configs" / group).glob("*.yaml")
+        ), group
 
 
 def test_the_summary_tells_the_scale_search_from_later_overflows():
@@ -135,16 +165,23 @@ def test_the_summary_tells_the_scale_search_from_later_overflows():
         dynamic.update(overflow)
     s = dynamic.summary()
     assert (s["initial"], s["final"], s["skipped_steps"], s["initial_skips"], s["steps"]) == (65536, 4096, 4, 3, 7)
-    assert explain_skips(s) == ": the first 3, the scale falling from 65536 until the gradients fit FP16; 1 later, each an overflow at the scale of its step"
+    assert explain_skips(s) == (
+        ": the first 3, the scale falling from 65536 until the gradients fit FP16;"
+        " 1 later, each an overflow at the scale of its step"
+    )
 
     static = StaticScaler(1000.0)
     for overflow in [True, False, True, True]:
         static.update(overflow)
-    assert explain_skips(static.summary()) == ": the first 1, until the gradients fit FP16 at this scale; 2 later, each an overflow at the scale of its step"
+    assert explain_skips(static.summary()) == (
+        ": the first 1, until the gradients fit FP16 at this scale; 2 later, each an overflow at the scale of its step"
+    )
     clean = StaticScaler(1000.0)
     clean.update(False)
     assert clean.summary()["initial_skips"] == 0 and explain_skips(clean.summary()) == ""
-    older = {k: v for k, v in s.items() if k not in ("initial", "initial_skips")}  # a record from before they were counted
+    older = {
+        k: v for k, v in s.items() if k not in ("initial", "initial_skips")
+    }  # a record from before they were counted
     assert explain_skips(older) == ""
     never = StaticScaler(1e9)  # every step skipped: nothing fitted, so nothing says it did
     for _ in range(8):
@@ -153,4 +190,7 @@ def test_the_summary_tells_the_scale_search_from_later_overflows():
     falling = DynamicScaler(init=2.0**16, interval=2000, growth=2.0, backoff=0.5, min=1.0, max=2.0**24)
     for _ in range(3):
         falling.update(True)
-    assert explain_skips(falling.summary()) == ": every one; the gradients never fit FP16, the scale falling from 65536 to 8192"
+    assert (
+        explain_skips(falling.summary())
+        == ": every one; the gradients never fit FP16, the scale falling from 65536 to 8192"
+    )

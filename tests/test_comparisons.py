@@ -20,13 +20,30 @@ DECLARED = {
     "relative": False,
     "converged": True,
     "comparisons": [
-        {"cell": {"precision": "mixed"}, "against": {"precision": "fp32", "scale": "none"}, "expect": "equivalent", "claim": "Table 1"},
-        {"cell": {"precision": "fp16"}, "against": {"precision": "fp32", "scale": "none", "precision.norm_fp32": False}, "expect": "worse"},
+        {
+            "cell": {"precision": "mixed"},
+            "against": {"precision": "fp32", "scale": "none"},
+            "expect": "equivalent",
+            "claim": "Table 1",
+        },
+        {
+            "cell": {"precision": "fp16"},
+            "against": {"precision": "fp32", "scale": "none", "precision.norm_fp32": False},
+            "expect": "worse",
+        },
     ],
 }
 
 
-def run(precision: str, seed: int, value: float | None, scale: str = "none", status: str = "ok", declared: dict | None = DECLARED, **config) -> dict:
+def run(
+    precision: str,
+    seed: int,
+    value: float | None,
+    scale: str = "none",
+    status: str = "ok",
+    declared: dict | None = DECLARED,
+    **config,
+) -> dict:
     variant = ",".join(f"{k}={str(v).lower()}" for k, v in config.items())
     row = {
         "run_dir": f"runs/{precision}_{scale}_{variant}_{seed}",
@@ -109,11 +126,19 @@ def test_cells_pair_by_seed_with_their_baseline_and_get_their_verdicts():
     rows += [run("mixed", s, v) for s, v in enumerate(mixed)]
     rows += [run("fp16", s, v, **{"precision.norm_fp32": True}) for s, v in enumerate(fp16)]
     t = table(rows).set_index("cell")
-    assert t.loc["mixed", "n"] == 5 and t.loc["mixed", "verdict"] == "equivalent" and t.loc["mixed", "finding"] == "reproduced"
+    assert (
+        t.loc["mixed", "n"] == 5
+        and t.loc["mixed", "verdict"] == "equivalent"
+        and t.loc["mixed", "finding"] == "reproduced"
+    )
     d = [x - y for x, y in zip(mixed, FP32)]
     assert t.loc["mixed", "delta"] == pytest.approx(sum(d) / 5)
     # FP16 with FP32 batch-norm is compared with FP32 itself: `against` sets norm_fp32 back
-    assert t.loc["fp16", "against"] == "fp32" and t.loc["fp16", "verdict"] == "worse" and t.loc["fp16", "finding"] == "reproduced"
+    assert (
+        t.loc["fp16", "against"] == "fp32"
+        and t.loc["fp16", "verdict"] == "worse"
+        and t.loc["fp16", "finding"] == "reproduced"
+    )
 
 
 def test_seeds_without_a_pair_are_left_out_and_a_diverged_seed_makes_it_worse():
@@ -124,7 +149,11 @@ def test_seeds_without_a_pair_are_left_out_and_a_diverged_seed_makes_it_worse():
     rows.append(run("mixed", 2, None, status="diverged"))
     rows = [r for r in rows if not (r["precision"] == "mixed" and r["seed"] == 2 and r["status"] == "ok")]
     t = table(rows).set_index("cell")
-    assert t.loc["mixed", "verdict"] == "worse" and t.loc["mixed", "diverged"] == 1 and "diverged in 1 of 3" in t.loc["mixed", "note"]
+    assert (
+        t.loc["mixed", "verdict"] == "worse"
+        and t.loc["mixed", "diverged"] == 1
+        and "diverged in 1 of 3" in t.loc["mixed", "note"]
+    )
 
 
 def test_a_cell_with_no_baseline_is_not_tested():
@@ -134,13 +163,17 @@ def test_a_cell_with_no_baseline_is_not_tested():
 
 def test_a_toy_scale_experiment_never_says_reproduced():
     toy = {**DECLARED, "converged": False}
-    rows = [run("fp32", s, v, declared=toy) for s, v in enumerate(FP32)] + [run("mixed", s, v, declared=toy) for s, v in enumerate(FP32)]
+    rows = [run("fp32", s, v, declared=toy) for s, v in enumerate(FP32)] + [
+        run("mixed", s, v, declared=toy) for s, v in enumerate(FP32)
+    ]
     assert table(rows).iloc[0]["finding"] == "consistent at toy scale"
 
 
 def test_a_relative_margin_is_a_share_of_the_baselines_mean():
     lm = {**DECLARED, "metric": "top1", "margin": 0.02, "relative": True}
-    rows = [run("fp32", s, 100.0 + s, declared=lm) for s in range(3)] + [run("mixed", s, 101.0 + s, declared=lm) for s in range(3)]
+    rows = [run("fp32", s, 100.0 + s, declared=lm) for s in range(3)] + [
+        run("mixed", s, 101.0 + s, declared=lm) for s in range(3)
+    ]
     t = table(rows)
     assert t.iloc[0]["margin"] == pytest.approx(0.02 * 101.0)
     assert t.iloc[0]["verdict"] == "equivalent"  # +1 exactly in every pair: an interval of zero width at 1 < 2.02
@@ -157,13 +190,18 @@ def test_a_declaration_given_after_the_runs_covers_only_undeclared_runs_and_says
     preset = tmp_path / "late.yaml"
     preset.write_text("experiment:\n" + "".join(f"  {k}: {json.dumps(v)}\n" for k, v in DECLARED.items()))
     late = comparisons.load_declaration(preset)
-    rows = [run("fp32", s, v, declared=None) for s, v in enumerate(FP32)] + [run("mixed", s, v, declared=None) for s, v in enumerate(FP32)]
+    rows = [run("fp32", s, v, declared=None) for s, v in enumerate(FP32)] + [
+        run("mixed", s, v, declared=None) for s, v in enumerate(FP32)
+    ]
     t = table(rows, [late])
     assert t.iloc[0]["declared"] == "after the runs, in late.yaml" and t.iloc[0]["verdict"] == "equivalent"
     assert table(rows).empty
     with pytest.raises(DeclarationError, match="no such file"):
         comparisons.load_declaration(tmp_path / "missing.yaml")
-    (tmp_path / "bad.yaml").write_text("experiment:\n  name: x\n  metric: top1\n  margin: 0.1\n  comparisons: [{cell: {precision: mixed}, against: {}}]\n")
+    (tmp_path / "bad.yaml").write_text(
+        "experiment:\n  name: x\n  metric: top1\n  margin: 0.1\n"
+        "  comparisons: [{cell: {precision: mixed}, against: {}}]\n"
+    )
     with pytest.raises(DeclarationError, match="names nothing in `against`"):
         comparisons.load_declaration(tmp_path / "bad.yaml")
 
@@ -171,18 +209,30 @@ def test_a_declaration_given_after_the_runs_covers_only_undeclared_runs_and_says
 def test_a_caveat_found_after_the_runs_rides_with_its_rows_and_is_printed_under_the_table(tmp_path):
     preset = tmp_path / "late.yaml"
     caveat = "measured before the latched cell was found"
-    preset.write_text("experiment:\n" + "".join(f"  {k}: {json.dumps(v)}\n" for k, v in {**DECLARED, "caveat": caveat}.items()))
-    rows = [run("fp32", s, v, declared=None) for s, v in enumerate(FP32)] + [run("mixed", s, v, declared=None) for s, v in enumerate(FP32)]
+    preset.write_text(
+        "experiment:\n" + "".join(f"  {k}: {json.dumps(v)}\n" for k, v in {**DECLARED, "caveat": caveat}.items())
+    )
+    rows = [run("fp32", s, v, declared=None) for s, v in enumerate(FP32)] + [
+        run("mixed", s, v, declared=None) for s, v in enumerate(FP32)
+    ]
     t = table(rows, [comparisons.load_declaration(preset)])
     assert list(t["caveat"]) == [caveat] and comparisons.render(t).endswith(f"Caveat, toy: {caveat}")
-    assert t.iloc[0]["verdict"] == "equivalent" and t.iloc[0]["finding"] == "not tested"  # no finding from a doubted metric
+    assert (
+        t.iloc[0]["verdict"] == "equivalent" and t.iloc[0]["finding"] == "not tested"
+    )  # no finding from a doubted metric
     plain = table([run("fp32", s, v) for s, v in enumerate(FP32)] + [run("mixed", s, v) for s, v in enumerate(FP32)])
-    assert list(plain["caveat"]) == [""] and "Caveat" not in comparisons.render(plain) and plain.iloc[0]["finding"] == "reproduced"
+    assert (
+        list(plain["caveat"]) == [""]
+        and "Caveat" not in comparisons.render(plain)
+        and plain.iloc[0]["finding"] == "reproduced"
+    )
 
 
 def test_a_latched_language_model_evaluation_is_named_in_the_note():
     declared = {**DECLARED, "metric": "test_ppl", "margin": 0.02, "relative": True}
-    rows = [run("fp32", s, 212.0 + s, declared=declared) for s in range(3)] + [run("mixed", s, 213.0 + s, declared=declared) for s in range(3)]
+    rows = [run("fp32", s, 212.0 + s, declared=declared) for s in range(3)] + [
+        run("mixed", s, 213.0 + s, declared=declared) for s in range(3)
+    ]
     for r in rows:
         r["metric.test_ppl"], r["metric.test_cell_max"] = r.pop("metric.top1"), 20.0
     rows[4]["metric.test_cell_max"] = 2157.0  # mixed seed 1
@@ -196,16 +246,39 @@ def test_a_latched_language_model_evaluation_is_named_in_the_note():
 def test_a_cell_that_is_its_own_baseline_is_not_compared():
     # {precision: fp32} against {precision: fp32, ...}: the FP32 cell itself would be compared with
     # itself, a difference of exactly zero that could not have come out otherwise.
-    own = {**DECLARED, "comparisons": [{"cell": {"precision": "fp32"}, "against": {"precision": "fp32", "scale": "none"}, "expect": "equivalent"}]}
-    rows = [run("fp32", s, v, declared=own) for s, v in enumerate(FP32)] + [run("fp32", s, v, scale="dynamic", declared=own) for s, v in enumerate(FP32)]
+    own = {
+        **DECLARED,
+        "comparisons": [
+            {"cell": {"precision": "fp32"}, "against": {"precision": "fp32", "scale": "none"}, "expect": "equivalent"}
+        ],
+    }
+    rows = [run("fp32", s, v, declared=own) for s, v in enumerate(FP32)] + [
+        run("fp32", s, v, scale="dynamic", declared=own) for s, v in enumerate(FP32)
+    ]
     t = table(rows)
     assert list(t.cell) == ["fp32 + LS (dynamic)"] and t.iloc[0]["verdict"] == "equivalent"
 
 
 def test_a_lower_is_better_metric_turns_a_rise_into_worse():
     lm = {**DECLARED, "metric": "test_ppl", "margin": 0.02, "relative": True}
-    rows = [{**run("fp32", s, None, declared=lm), "primary_metric": "ppl", "higher_is_better": False, "metric.test_ppl": 200.0 + s} for s in range(3)]
-    rows += [{**run("mixed", s, None, declared=lm), "primary_metric": "ppl", "higher_is_better": False, "metric.test_ppl": 215.0 + s * 1.1} for s in range(3)]
+    rows = [
+        {
+            **run("fp32", s, None, declared=lm),
+            "primary_metric": "ppl",
+            "higher_is_better": False,
+            "metric.test_ppl": 200.0 + s,
+        }
+        for s in range(3)
+    ]
+    rows += [
+        {
+            **run("mixed", s, None, declared=lm),
+            "primary_metric": "ppl",
+            "higher_is_better": False,
+            "metric.test_ppl": 215.0 + s * 1.1,
+        }
+        for s in range(3)
+    ]
     t = table(rows).iloc[0]
     assert t["delta"] > 0 and t["ci_low"] > t["margin"] and t["verdict"] == "worse"
 
@@ -218,7 +291,11 @@ def test_a_metric_not_the_tasks_own_takes_its_direction_from_its_name_or_the_dec
     odd = {**DECLARED, "metric": "top5"}
     with pytest.raises(DeclarationError, match="metric=top5 is not the task's own"):
         table([{**run(p, 0, 0.9, declared=odd), "metric.top5": 0.9} for p in ("fp32", "mixed")])
-    rows = [{**run(p, s, 0.9, declared={**odd, "higher_is_better": True}), "metric.top5": 0.9 + s / 100} for p in ("fp32", "mixed") for s in range(3)]
+    rows = [
+        {**run(p, s, 0.9, declared={**odd, "higher_is_better": True}), "metric.top5": 0.9 + s / 100}
+        for p in ("fp32", "mixed")
+        for s in range(3)
+    ]
     assert table(rows).iloc[0]["verdict"] == "equivalent"
 
 
@@ -240,12 +317,17 @@ def test_a_planned_pair_not_yet_finished_draws_no_finding_and_the_note_names_it(
     t = table(rows).set_index("cell")
     # the two finished pairs alone are equivalent, as the unplanned declaration reads them
     assert t.loc["mixed", "verdict"] == "equivalent" and t.loc["mixed", "n"] == 2
-    assert t.loc["mixed", "finding"] == "incomplete" and "2 of 3 planned pairs finished; seed 2 (preempted) not yet" in t.loc["mixed", "note"]
+    assert (
+        t.loc["mixed", "finding"] == "incomplete"
+        and "2 of 3 planned pairs finished; seed 2 (preempted) not yet" in t.loc["mixed", "note"]
+    )
     unplanned = table([{**r, "config.experiment.seeds": None} for r in rows]).set_index("cell")
     assert unplanned.loc["mixed", "finding"] == "reproduced"
     rows[-1] = run("mixed", 2, mixed[2], declared=PLANNED)
     done = table(rows).set_index("cell")
-    assert done.loc["mixed", "finding"] == "reproduced" and done.loc["mixed", "n"] == 3 and done.loc["mixed", "note"] == ""
+    assert (
+        done.loc["mixed", "finding"] == "reproduced" and done.loc["mixed", "n"] == 3 and done.loc["mixed", "note"] == ""
+    )
 
 
 def test_a_diverged_seed_finishes_its_pair_and_an_unplanned_seed_is_left_out():
@@ -280,7 +362,9 @@ def test_a_records_plan_is_read_from_its_json_and_a_seed_cut_off_then_finished_e
     cut = {**run("mixed", 2, None, status="preempted", declared=as_recorded), "run_dir": "first-call/mixed_2"}
     t = table([*rows, cut]).set_index("cell")
     assert t.loc["mixed", "n"] == 3 and t.loc["mixed", "finding"] == "reproduced"
-    t = table([r for r in rows if not (r["precision"] == "mixed" and r["seed"] == 2)] + [cut, {**cut, "run_dir": "x"}]).set_index("cell")
+    t = table(
+        [r for r in rows if not (r["precision"] == "mixed" and r["seed"] == 2)] + [cut, {**cut, "run_dir": "x"}]
+    ).set_index("cell")
     assert t.loc["mixed", "finding"] == "incomplete" and "seed 2 (preempted) not yet" in t.loc["mixed", "note"]
 
 
@@ -296,7 +380,9 @@ def test_unplanned_seeds_are_named_and_a_planned_baseline_not_yet_run_is_incompl
 
 def test_a_difference_of_1e188_is_written_in_four_figures():
     declared = {**DECLARED, "metric": "test_ppl", "margin": 0.02, "relative": True}
-    rows = [run("fp32", s, 136.0 + s, declared=declared) for s in range(3)] + [run("mixed", s, 1e188 * (1 + s), declared=declared) for s in range(3)]
+    rows = [run("fp32", s, 136.0 + s, declared=declared) for s in range(3)] + [
+        run("mixed", s, 1e188 * (1 + s), declared=declared) for s in range(3)
+    ]
     for r in rows:
         r["metric.test_ppl"] = r.pop("metric.top1")
     rendered = comparisons.render(table(rows))

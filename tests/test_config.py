@@ -32,7 +32,20 @@ GROUPS = {
         "dcgan64",
         "airbench94",
     ],
-    "precision": ["fp32", "fp16", "mixed", "fp16_modmom", "amp", "bf16", "tf32", "fp8", "fp8_delayed", "mxfp8", "mxfp6", "mxfp4"],
+    "precision": [
+        "fp32",
+        "fp16",
+        "mixed",
+        "fp16_modmom",
+        "amp",
+        "bf16",
+        "tf32",
+        "fp8",
+        "fp8_delayed",
+        "mxfp8",
+        "mxfp6",
+        "mxfp4",
+    ],
     "scale": ["none", "static", "dynamic", "auto"],
     "data": ["synthetic", "imagefolder", "voc", "parallel_text", "text_corpus", "image_dir"],
     "schedule": ["smoke", "short", "paper", "bench"],
@@ -126,26 +139,39 @@ def test_out_of_range_values_are_rejected_naming_the_key(overrides, named):
     [
         (
             ["model=lenet"],
-            "model=lenet: no such option; choose one of airbench94, alexnet, biglstm, biglstm_small, biglstm_tiny, dcgan, dcgan64, gnmt, gnmt8, gnmt_nmt_one, gnmt_small, googlenet, inception_v3, mobilenet_v3_small, resnet20, resnet50, resnet56, ssd, vgg16",
+            "model=lenet: no such option; choose one of airbench94, alexnet, biglstm, biglstm_small, biglstm_tiny,"
+            " dcgan, dcgan64, gnmt, gnmt8, gnmt_nmt_one, gnmt_small, googlenet, inception_v3, mobilenet_v3_small,"
+            " resnet20, resnet50, resnet56, ssd, vgg16",
         ),
         (
             ["precision=fp4"],
-            "precision=fp4: no such option; choose one of amp, bf16, fp16, fp16_modmom, fp32, fp8, fp8_delayed, mixed, mxfp4, mxfp6, mxfp8, tf32",
+            "precision=fp4: no such option; choose one of amp, bf16, fp16, fp16_modmom, fp32, fp8, fp8_delayed, mixed,"
+            " mxfp4, mxfp6, mxfp8, tf32",
         ),
         (["scale=logmax"], "scale=logmax: no such option; choose one of auto, dynamic, none, static"),
-        (["schedule.batch_size=abc"], "schedule.batch_size=abc: Value 'abc' of type 'str' could not be converted to Integer"),
-        (["precision.param_dtype=float8"], "precision.param_dtype=float8: Invalid value 'float8', expected one of [float32, float16, bfloat16]"),
+        (
+            ["schedule.batch_size=abc"],
+            "schedule.batch_size=abc: Value 'abc' of type 'str' could not be converted to Integer",
+        ),
+        (
+            ["precision.param_dtype=float8"],
+            "precision.param_dtype=float8: Invalid value 'float8', expected one of [float32, float16, bfloat16]",
+        ),
         (["bogus=1"], "bogus: no such config key (Key 'bogus' not in 'Config')"),
         (["+bogus=1"], "+bogus=1: no such config key (mpt-run --cfg job lists them)"),
         # each data source has its own schema: another source's setting is no key of this one
-        (["model=ssd", "data=voc", "data.root=/x", "data.vocab_size=8"], "data.vocab_size: no such config key (Key 'vocab_size' not in 'VOCDataConfig')"),
+        (
+            ["model=ssd", "data=voc", "data.root=/x", "data.vocab_size=8"],
+            "data.vocab_size: no such config key (Key 'vocab_size' not in 'VOCDataConfig')",
+        ),
         (["data.crop=3"], "data.crop: no such config key (Key 'crop' not in 'SyntheticDataConfig')"),
         (["optim.lr=-1"], "optim.lr=-1.0: must be a positive number"),
         (["schedule.batch_size=0"], "schedule.batch_size=0: must be a positive number"),
         (["scale=static", "scale.value=0.5"], "scale.value=0.5: a static loss scale must be a finite number >= 1"),
         (
             ["-m", "precision=fp32,fp4"],
-            "precision=fp4: no such option; choose one of amp, bf16, fp16, fp16_modmom, fp32, fp8, fp8_delayed, mixed, mxfp4, mxfp6, mxfp8, tf32",
+            "precision=fp4: no such option; choose one of amp, bf16, fp16, fp16_modmom, fp32, fp8, fp8_delayed, mixed,"
+            " mxfp4, mxfp6, mxfp8, tf32",
         ),
         (["-m", "optim.lr=0.1,-1"], "optim.lr=-1.0: must be a positive number"),
         (["seed=-1"], "seed=-1: must be an integer from 0 to 2**32 - 1 = 4294967295 (numpy's seed range)"),
@@ -181,10 +207,15 @@ def test_the_ends_of_the_seed_range_pass():
 
 def test_missing_data_root_names_the_path(tmp_path, in_process):
     """Checked where the data source is built, before any record: the command line prints it as above."""
-    with pytest.raises(ConfigError, match="^data.root is not set: give the ImageFolder root, e.g. data.root=/data/imagenet$"):
+    with pytest.raises(
+        ConfigError, match="^data.root is not set: give the ImageFolder root, e.g. data.root=/data/imagenet$"
+    ):
         build_run(tmp_path / "run", "data=imagefolder")
     missing = tmp_path / "no-such-imagenet"
-    with pytest.raises(ConfigError, match=rf"^data.root={missing}: no such folder \(expected train/<class>/<image> and val/<class>/<image>\)$"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"^data.root={missing}: no such folder \(expected train/<class>/<image> and val/<class>/<image>\)$",
+    ):
         build_run(tmp_path / "run", "data=imagefolder", f"data.root={missing}")
     assert not (tmp_path / "run" / "result.json").exists()
 
@@ -198,15 +229,23 @@ def first_cell(preset: str) -> list[str]:
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     with initialize_config_module(config_module="mpt.configs", version_base="1.3"):
-        params = compose(config_name="config", overrides=[f"experiment={preset}"], return_hydra_config=True).hydra.sweeper.params
+        params = compose(
+            config_name="config", overrides=[f"experiment={preset}"], return_hydra_config=True
+        ).hydra.sweeper.params
     parsed = OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in params.items()])
-    return [f"{o.key_or_group}={next(iter(o.sweep_string_iterator())) if o.is_sweep_override() else o.get_value_element_as_str()}" for o in parsed]
+
+    def first_value(o) -> str:
+        return next(iter(o.sweep_string_iterator())) if o.is_sweep_override() else o.get_value_element_as_str()
+
+    return [f"{o.key_or_group}={first_value(o)}" for o in parsed]
 
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_every_experiment_preset_composes_and_its_declaration_names_real_settings(preset):
     cfg = compose_cfg(f"experiment={preset}", *first_cell(preset))
-    if cfg.data.name != "synthetic" and cfg.data.root is None:  # the paper's presets take the data's folder from the command line
+    if (
+        cfg.data.name != "synthetic" and cfg.data.root is None
+    ):  # the paper's presets take the data's folder from the command line
         cfg = compose_cfg(f"experiment={preset}", *first_cell(preset), "data.root=/somewhere")
     validate(cfg)
     if cfg.experiment is not None:
@@ -222,7 +261,9 @@ def swept_seeds(preset: str) -> list[int]:
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     with initialize_config_module(config_module="mpt.configs", version_base="1.3"):
-        params = compose(config_name="config", overrides=[f"experiment={preset}"], return_hydra_config=True).hydra.sweeper.params
+        params = compose(
+            config_name="config", overrides=[f"experiment={preset}"], return_hydra_config=True
+        ).hydra.sweeper.params
     (seed,) = OverridesParser.create().parse_overrides([f"seed={params['seed']}"])
     return sorted(int(s) for s in seed.sweep_string_iterator())
 
@@ -233,7 +274,10 @@ def test_every_declared_experiment_plans_the_seeds_its_sweep_runs(preset):
 
 
 def test_a_seed_outside_the_planned_pairs_and_a_plan_of_one_seed_are_refused_in_one_line():
-    with pytest.raises(ConfigError, match=r"^seed=3 is not among experiment.seeds=\[0, 1, 2\], the pairs planned before the runs: run one of them$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^seed=3 is not among experiment.seeds=\[0, 1, 2\], the pairs planned before the runs: run one of them$",
+    ):
         validate_experiment(compose_cfg("experiment=ptb_biglstm", "seed=3"))
     validate_experiment(compose_cfg("experiment=ptb_biglstm", "seed=3", "experiment.seeds=[0,1,2,3]"))
     with pytest.raises(ConfigError, match=r"^experiment.seeds=\[0\]: must be two or more distinct seeds"):
@@ -244,7 +288,9 @@ def test_a_comparison_naming_no_setting_is_refused_in_one_line():
     cfg = compose_cfg("experiment=cifar10_resnet20")
     with open_dict(cfg):
         cfg.experiment.comparisons[0].cell["precision.norm_fp23"] = True  # a typo's key, as a preset would hold it
-    with pytest.raises(ConfigError, match=r"^experiment.comparisons\[0\].cell: precision.norm_fp23 is neither a config group"):
+    with pytest.raises(
+        ConfigError, match=r"^experiment.comparisons\[0\].cell: precision.norm_fp23 is neither a config group"
+    ):
         validate(cfg)
 
 
@@ -257,6 +303,11 @@ def test_an_experiments_declaration_is_recorded_but_names_no_folder_and_changes_
 
 
 def test_the_shift_presets_dynamic_scaler_moves_its_range_with_k():
-    cfg = compose_cfg("experiment=cifar10_resnet20_shift", *first_cell("cifar10_resnet20_shift"), "scale=dynamic", "scale.shift_down=20")
+    cfg = compose_cfg(
+        "experiment=cifar10_resnet20_shift",
+        *first_cell("cifar10_resnet20_shift"),
+        "scale=dynamic",
+        "scale.shift_down=20",
+    )
     validate(cfg)
     assert (cfg.scale.init, cfg.scale.max) == (2.0**36, 2.0**44)

@@ -26,12 +26,27 @@ def lstm_call(lstm: nn.LSTM, x: torch.Tensor, lengths: list[int] | None, h0, c0)
     if lengths is None:
         return (x, None, (h0, c0), lstm._flat_weights, lstm.bias, lstm.num_layers, 0.0, False, lstm.bidirectional)
     p = nn.utils.rnn.pack_padded_sequence(x, lengths)
-    return (p.data, p.batch_sizes, (h0, c0), lstm._flat_weights, lstm.bias, lstm.num_layers, 0.0, False, lstm.bidirectional)
+    return (
+        p.data,
+        p.batch_sizes,
+        (h0, c0),
+        lstm._flat_weights,
+        lstm.bias,
+        lstm.num_layers,
+        0.0,
+        False,
+        lstm.bidirectional,
+    )
 
 
 @pytest.mark.parametrize(
     "packed,bidirectional,proj_size,layers,bias",
-    [case for case in itertools.product([False, True], [False, True], [0, 3], [1, 2], [True]) if case[2] == 0 or case[3] == 2] + [(True, True, 0, 2, False)],
+    [
+        case
+        for case in itertools.product([False, True], [False, True], [0, 3], [1, 2], [True])
+        if case[2] == 0 or case[3] == 2
+    ]
+    + [(True, True, 0, 2, False)],
 )
 def test_the_computation_is_torchs_lstm(packed, bidirectional, proj_size, layers, bias):
     """In float64 throughout, the emulation is torch's own LSTM, outputs and every gradient."""
@@ -85,7 +100,11 @@ def test_one_step_is_within_one_ulp_of_float64(dtype):
     torch.autograd.backward([r_out, r_c], [g_out.transpose(0, 1), g_c[0]])
     within_one_ulp(out.detach(), r_out.detach().transpose(0, 1).double(), dtype, "h")
     within_one_ulp(c.detach()[0], r_c.detach().double(), dtype, "c")
-    for name, a, b in [("x", x, leaves[0].grad.transpose(0, 1)), ("h0", h0, leaves[1].grad[None]), ("c0", c0, leaves[2].grad[None])]:
+    for name, a, b in [
+        ("x", x, leaves[0].grad.transpose(0, 1)),
+        ("h0", h0, leaves[1].grad[None]),
+        ("c0", c0, leaves[2].grad[None]),
+    ]:
         within_one_ulp(a.grad, b.double(), dtype, f"gradient of {name}")
     for (name, p), q in zip(lstm.named_parameters(), leaves[3:]):
         within_one_ulp(p.grad, q.grad.double(), dtype, f"gradient of {name}")
@@ -166,16 +185,35 @@ def test_the_written_out_backward_is_autograds_through_the_stored_values(dtype, 
     lstm = nn.LSTM(8, 12, proj_size=proj_size).to(dtype)
     x = torch.randn(9, 3, 8).to(dtype)
     h0, c0 = torch.randn(1, 3, proj_size or 12).to(dtype), torch.randn(1, 3, 12).to(dtype)
-    cotangents = [torch.randn(9, 3, proj_size or 12).to(dtype), torch.randn(3, proj_size or 12).to(dtype), torch.randn(3, 12).to(dtype)]
+    cotangents = [
+        torch.randn(9, 3, proj_size or 12).to(dtype),
+        torch.randn(3, proj_size or 12).to(dtype),
+        torch.randn(3, 12).to(dtype),
+    ]
     results = []
     for ours in (True, False):
         leaves = [t.detach().requires_grad_() for t in (x, h0, c0, *lstm._flat_weights)]
         xx, hh, cc, *w = leaves
         if ours:
-            out, hn, cn = emulated_lstm(xx, None, (hh, cc), w, True, 1, 0.0, False, False, dtype=dtype, math=torch.float64, round_gates=round_gates)
+            out, hn, cn = emulated_lstm(
+                xx,
+                None,
+                (hh, cc),
+                w,
+                True,
+                1,
+                0.0,
+                False,
+                False,
+                dtype=dtype,
+                math=torch.float64,
+                round_gates=round_gates,
+            )
             hn, cn = hn[0], cn[0]
         else:
-            out, hn, cn = stored_roundings_by_autograd(xx, hh[0], cc[0], *w[:4], w[4] if proj_size else None, dtype, torch.float64, round_gates)
+            out, hn, cn = stored_roundings_by_autograd(
+                xx, hh[0], cc[0], *w[:4], w[4] if proj_size else None, dtype, torch.float64, round_gates
+            )
         torch.autograd.backward([out, hn, cn], cotangents)
         results.append([out, hn, cn, *(t.grad for t in leaves)])
     for name, a, b in zip(["out", "h_n", "c_n", "x", "h0", "c0", *(n for n, _ in lstm.named_parameters())], *results):
@@ -192,7 +230,8 @@ def test_emulate_lstm_gate_rounding_picks_the_runs_lstm_arithmetic(round_gates):
         with arithmetic(cfg, torch.device("cpu")):
             out = lstm(x, hx)[0]
         chosen, other = (
-            emulated_lstm(x, None, hx, lstm._flat_weights, True, 1, 0.0, False, False, torch.float16, round_gates=r)[0] for r in (round_gates, not round_gates)
+            emulated_lstm(x, None, hx, lstm._flat_weights, True, 1, 0.0, False, False, torch.float16, round_gates=r)[0]
+            for r in (round_gates, not round_gates)
         )
     assert torch.equal(out, chosen) and not torch.equal(out, other)
 
@@ -234,10 +273,10 @@ def test_bf16_lstms_train_on_a_cpu_whose_onednn_has_no_bf16_lstm(tmp_path):
     """The failure of issue 18: oneDNN capped at AVX2 has no BF16 LSTM primitive, which torch's CPU
     autocast asks it for. CUDA's lists cast the LSTM before oneDNN is asked, with or without emulation."""
     for emulate in ("true", "false"):
-        r = mpt_run("model=gnmt", "model.hidden_size=16", "model.encoder_layers=2", "model.decoder_layers=2", "schedule=smoke",
-                    "schedule.batch_size=8", "schedule.steps=2", "schedule.eval_batches=1", "checkpoint=false", "device=cpu",
-                    "precision=bf16", f"emulate_tensor_cores={emulate}", f"hydra.run.dir={tmp_path / emulate}", cwd=ROOT,
-                    env={"ONEDNN_MAX_CPU_ISA": "AVX2"})  # fmt: skip
+        r = mpt_run("model=gnmt", "model.hidden_size=16", "model.encoder_layers=2", "model.decoder_layers=2",
+                    "schedule=smoke", "schedule.batch_size=8", "schedule.steps=2", "schedule.eval_batches=1",
+                    "checkpoint=false", "device=cpu", "precision=bf16", f"emulate_tensor_cores={emulate}",
+                    f"hydra.run.dir={tmp_path / emulate}", cwd=ROOT, env={"ONEDNN_MAX_CPU_ISA": "AVX2"})  # fmt: skip
         assert r.returncode == 0, r.stderr[-2000:]
         rec = read_record(tmp_path / emulate)
         assert rec["status"] == "ok", rec.get("message")

@@ -17,7 +17,9 @@ from mpt.precision.oracle import against_float64, bound_fraction, randn
 LOW = [torch.float16, torch.bfloat16]
 
 
-def assert_within_one_ulp(ours: torch.Tensor, reference: torch.Tensor, magnitude: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+def assert_within_one_ulp(
+    ours: torch.Tensor, reference: torch.Tensor, magnitude: torch.Tensor, dtype: torch.dtype, what: str
+) -> None:
     """The oracle's bound (mpt.precision.oracle.bound_fraction) as a test's assertion."""
     assert ours.dtype == dtype, what
     worst = bound_fraction(ours, reference, magnitude, dtype)
@@ -43,9 +45,17 @@ def test_matrix_products_and_what_composite_modules_call(dtype):
     for name, fn, inputs in [
         ("mm", torch.mm, [randn(13, 37), randn(37, 9)]),
         ("mm of transposed inputs", lambda a, b: a.t() @ b.t(), [randn(37, 13), randn(9, 37)]),
-        ("addmm", lambda c, a, b: torch.addmm(c, a, b, beta=0.5, alpha=2.0), [randn(13, 9), randn(13, 37), randn(37, 9)]),
+        (
+            "addmm",
+            lambda c, a, b: torch.addmm(c, a, b, beta=0.5, alpha=2.0),
+            [randn(13, 9), randn(13, 37), randn(37, 9)],
+        ),
         ("bmm", torch.bmm, [randn(3, 7, 21), randn(3, 21, 5)]),
-        ("baddbmm", lambda c, a, b: torch.baddbmm(c, a, b, alpha=0.5), [randn(3, 7, 5), randn(3, 7, 21), randn(3, 21, 5)]),
+        (
+            "baddbmm",
+            lambda c, a, b: torch.baddbmm(c, a, b, alpha=0.5),
+            [randn(3, 7, 5), randn(3, 7, 21), randn(3, 21, 5)],
+        ),
         ("matmul 3d x 2d", torch.matmul, [randn(2, 5, 33), randn(33, 6)]),
         ("linear", F.linear, [randn(4, 6, 31), randn(11, 31), randn(11)]),
         ("linear without bias", F.linear, [randn(17, 31), randn(11, 31)]),
@@ -60,10 +70,22 @@ def test_matrix_products_and_what_composite_modules_call(dtype):
     "name,fn,shapes",
     [
         ("conv2d", lambda x, w, b: F.conv2d(x, w, b, stride=2, padding=1), [(2, 6, 11, 9), (8, 6, 3, 3), (8,)]),
-        ("conv2d groups dilation no bias", lambda x, w: F.conv2d(x, w, None, padding=2, dilation=2, groups=3), [(2, 6, 10, 10), (9, 2, 3, 3)]),
-        ("conv2d channels-last", lambda x, w, b: F.conv2d(x.contiguous(memory_format=torch.channels_last), w, b), [(2, 5, 8, 8), (4, 5, 3, 3), (4,)]),
+        (
+            "conv2d groups dilation no bias",
+            lambda x, w: F.conv2d(x, w, None, padding=2, dilation=2, groups=3),
+            [(2, 6, 10, 10), (9, 2, 3, 3)],
+        ),
+        (
+            "conv2d channels-last",
+            lambda x, w, b: F.conv2d(x.contiguous(memory_format=torch.channels_last), w, b),
+            [(2, 5, 8, 8), (4, 5, 3, 3), (4,)],
+        ),
         ("conv1d strided input", lambda x, w: F.conv1d(x[:, :, ::2], w), [(3, 4, 30), (6, 4, 5)]),
-        ("conv_transpose2d", lambda x, w, b: F.conv_transpose2d(x, w, b, stride=2, padding=1, output_padding=1), [(2, 6, 5, 5), (6, 4, 4, 4), (4,)]),
+        (
+            "conv_transpose2d",
+            lambda x, w, b: F.conv_transpose2d(x, w, b, stride=2, padding=1, output_padding=1),
+            [(2, 6, 5, 5), (6, 4, 4, 4), (4,)],
+        ),
     ],
 )
 def test_convolutions_forward_and_backward(dtype, name, fn, shapes):
@@ -133,7 +155,9 @@ def test_large_inputs_widen_into_reused_buffers_to_the_same_result():
         assert torch.equal(ours, theirs.half())
     magnitude = a.double().abs() @ b.double().abs()
     assert_within_one_ulp(products[1], products[0].double(), magnitude, torch.float16, "column-major A vs row-major")
-    assert torch.equal(conv, F.conv2d(x.float(), w.float()).half()) and conv.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(conv, F.conv2d(x.float(), w.float()).half()) and conv.is_contiguous(
+        memory_format=torch.channels_last
+    )
     assert mode.counts == {"mm": 4, "convolution": 1}
     scratch = _Scratch()
     taken: list = []
@@ -169,7 +193,12 @@ def test_a_large_weight_widened_for_the_forward_is_taken_again_only_while_unchan
         # torch's own FP16/BF16 convolution backward on a CPU is not one rounding of an FP32 sum:
         # its gradients were many times this bound off float64 (results/cpu-fp16-conv/
         # native_conv_accuracy.json). The emulation's are within it (test above); only forwards compare.
-        ("conv2d", lambda x, w: F.conv2d(x, w, padding=1), [(2, 6, 7, 7), (4, 6, 3, 3)], False),  # the CPU's kernel adds a bias before rounding
+        (
+            "conv2d",
+            lambda x, w: F.conv2d(x, w, padding=1),
+            [(2, 6, 7, 7), (4, 6, 3, 3)],
+            False,
+        ),  # the CPU's kernel adds a bias before rounding
     ],
 )
 def test_within_one_ulp_of_torchs_native_kernel(dtype, name, fn, shapes, gradients):

@@ -38,14 +38,20 @@ def test_each_policy_casts_as_cudas(dtype):
     with cuda_autocast_ctx(dtype):
         y = F.linear(x, w)  # lower precision
         assert y.dtype == dtype
-        assert torch.softmax(y, 1).dtype == torch.float32  # fp32, through softmax's dtype (CPU's list: the input's dtype)
+        assert (
+            torch.softmax(y, 1).dtype == torch.float32
+        )  # fp32, through softmax's dtype (CPU's list: the input's dtype)
         assert torch.softmax(y, 1, dtype=torch.float64).dtype == torch.float64  # a dtype the caller set stays
         assert y.sum().dtype == torch.float32 and y.exp().dtype == torch.float32 and y.pow(2).dtype == torch.float32
         assert F.layer_norm(y, (5,)).dtype == torch.float32
         assert y.norm().dtype == torch.float32  # linalg_vector_norm: through its dtype
         aten = torch.ops.aten
-        assert aten.norm.Scalar(y).dtype == aten.norm.ScalarOpt_dim(y, 2, [1]).dtype == torch.float32  # the overload that takes a dtype
-        assert torch.addcmul(y, y, y).dtype == dtype and torch.addcmul(y, y, y.float()).dtype == torch.float32  # promote
+        assert (
+            aten.norm.Scalar(y).dtype == aten.norm.ScalarOpt_dim(y, 2, [1]).dtype == torch.float32
+        )  # the overload that takes a dtype
+        assert (
+            torch.addcmul(y, y, y).dtype == dtype and torch.addcmul(y, y, y.float()).dtype == torch.float32
+        )  # promote
         assert y.long().sum().dtype == torch.int64  # not eligible: untouched
         lstm = nn.LSTM(6, 3)
         out, (h, c) = lstm(x.unsqueeze(1))
@@ -73,7 +79,8 @@ def test_ops_only_the_cpu_lists_run_uncast():
 # CUDA list and asks log_softmax for the logits' own dtype (test below).
 FP32_AT_KERNELS = {
     "_softmax", "nll_loss_forward", "nll_loss2d_forward", "exp", "expm1", "log", "log1p", "log2", "log10",
-    "pow", "rsqrt", "reciprocal", "sum", "prod", "cumsum", "cumprod", "native_layer_norm", "native_group_norm", "mse_loss",
+    "pow", "rsqrt", "reciprocal", "sum", "prod", "cumsum", "cumprod", "native_layer_norm", "native_group_norm",
+    "mse_loss",
     "smooth_l1_loss", "l1_loss", "huber_loss", "binary_cross_entropy_with_logits", "logsumexp", "linalg_vector_norm",
     "softplus", "kl_div", "erfinv", "acos", "asin", "cosh", "sinh", "tan", "cdist", "renorm",
 }  # fmt: skip
@@ -92,7 +99,9 @@ class Kernels(TorchDispatchMode):
         if (kwargs or {}).get("dtype") == torch.float32:  # a reduction of low-precision values in FP32
             self.seen.add((name, torch.float32))
         else:
-            for t in [a for a in [*args, *(kwargs or {}).values()] if isinstance(a, torch.Tensor) and a.is_floating_point()]:
+            for t in [
+                a for a in [*args, *(kwargs or {}).values()] if isinstance(a, torch.Tensor) and a.is_floating_point()
+            ]:
                 self.seen.add((name, t.dtype))
         return func(*args, **(kwargs or {}))
 
@@ -124,7 +133,10 @@ def test_cross_entropy_takes_the_log_softmax_in_the_logits_dtype_as_on_cuda(dtyp
     log_softmax in the logits' dtype, which autocast respects; only nll_loss is cast to FP32."""
     logits, target = torch.randn(4, 10), torch.randint(0, 10, (4,))
     w = torch.randn(10, 10)
-    for autocast, log_softmax_dtype in [(torch.autocast("cpu", dtype=dtype), torch.float32), (cuda_autocast_ctx(dtype), dtype)]:
+    for autocast, log_softmax_dtype in [
+        (torch.autocast("cpu", dtype=dtype), torch.float32),
+        (cuda_autocast_ctx(dtype), dtype),
+    ]:
         kernels = Kernels()
         with autocast, kernels:
             loss = F.cross_entropy(F.linear(logits, w), target)
@@ -137,8 +149,21 @@ MODELS = {
     "resnet50": ["model=resnet50"],
     "ssd": ["model=ssd", "schedule.batch_size=2"],
     "gnmt": ["model=gnmt", "model.hidden_size=16", "model.encoder_layers=3", "model.decoder_layers=3"],
-    "biglstm": ["model=biglstm_tiny", "model.hidden_size=32", "model.proj_size=8", "model.num_sampled=64", "model.bptt=5"],
-    "dcgan": ["model=dcgan64", "model.ngf=4", "model.ndf=4", "model.sample_grid=4", "data.train_samples=16", "data.val_samples=8"],
+    "biglstm": [
+        "model=biglstm_tiny",
+        "model.hidden_size=32",
+        "model.proj_size=8",
+        "model.num_sampled=64",
+        "model.bptt=5",
+    ],
+    "dcgan": [
+        "model=dcgan64",
+        "model.ngf=4",
+        "model.ndf=4",
+        "model.sample_grid=4",
+        "data.train_samples=16",
+        "data.val_samples=8",
+    ],
 }
 
 
@@ -148,8 +173,8 @@ MODELS = {
 def test_a_training_step_of_each_model_casts_what_cuda_casts(model, precision, tmp_path, in_process):
     """One step and an evaluation of the model in amp or bf16 on a CPU: the products ran in low
     precision, and no op CUDA's lists run in FP32 saw a low-precision input."""
-    run = build_run(tmp_path, *MODELS[model], f"precision={precision}", "schedule=smoke", "schedule.steps=1", "schedule.eval_batches=1",
-                    "checkpoint=false", "device=cpu")  # fmt: skip
+    run = build_run(tmp_path, *MODELS[model], f"precision={precision}", "schedule=smoke", "schedule.steps=1",
+                    "schedule.eval_batches=1", "checkpoint=false", "device=cpu")  # fmt: skip
     kernels = Kernels()
     forward = run.forward_context
 

@@ -26,7 +26,15 @@ from mpt.runner.validation import validate
 
 from .conftest import ROOT, compose_cfg, mpt_run, read_record, shared_data
 
-TINY = ["model.ngf=4", "model.ndf=4", "model.sample_grid=4", "data.train_samples=16", "data.val_samples=8", "schedule=smoke", "device=cpu"]
+TINY = [
+    "model.ngf=4",
+    "model.ndf=4",
+    "model.sample_grid=4",
+    "data.train_samples=16",
+    "data.val_samples=8",
+    "schedule=smoke",
+    "device=cpu",
+]
 
 
 def layers(net: nn.Module, kind: type) -> list[nn.Module]:
@@ -38,7 +46,11 @@ def test_the_papers_128px_network_has_its_layer_counts():
     G, D = Generator(m), Discriminator(m)
     convs_t = layers(G, nn.ConvTranspose2d)
     assert len(convs_t) == 7 and len(layers(G, nn.Conv2d)) == 0  # 7 fractionally-strided convolutions
-    assert len(layers(G, nn.BatchNorm2d)) == 6 and len(layers(G, nn.LeakyReLU)) == 6 and isinstance(list(G.net)[-1], nn.Tanh)
+    assert (
+        len(layers(G, nn.BatchNorm2d)) == 6
+        and len(layers(G, nn.LeakyReLU)) == 6
+        and isinstance(list(G.net)[-1], nn.Tanh)
+    )
     assert len(layers(D, nn.Conv2d)) == 6 and len(layers(D, nn.Linear)) == 2  # 6 convolutions, 2 fully connected
     assert len(layers(D, nn.LeakyReLU)) == 7 and not layers(D, nn.ReLU)
     with torch.no_grad():
@@ -61,13 +73,29 @@ def test_the_64px_preset_is_radfords_network():
 
 def test_the_recipe_is_adam_2e4_beta1_half_for_both_networks():
     cfg = compose_cfg("model=dcgan")
-    assert (cfg.optim.name, cfg.optim.lr, cfg.optim.lr_batch, list(cfg.optim.betas), cfg.optim.weight_decay) == ("adam", 2e-4, None, [0.5, 0.999], 0.0)
+    assert (cfg.optim.name, cfg.optim.lr, cfg.optim.lr_batch, list(cfg.optim.betas), cfg.optim.weight_decay) == (
+        "adam",
+        2e-4,
+        None,
+        [0.5, 0.999],
+        0.0,
+    )
 
 
 def test_the_paper_preset_sweeps_fp32_and_mixed_without_scaling_on_an_image_folder():
     with initialize_config_module(config_module="mpt.configs", version_base="1.3"):
-        preset = compose(config_name="config", overrides=["experiment=paper_dcgan", "data.root=/celeba", "schedule=paper"], return_hydra_config=True)
-    assert (preset.model.name, preset.data.name, preset.schedule.image_size, preset.schedule.batch_size, preset.schedule.steps) == (
+        preset = compose(
+            config_name="config",
+            overrides=["experiment=paper_dcgan", "data.root=/celeba", "schedule=paper"],
+            return_hydra_config=True,
+        )
+    assert (
+        preset.model.name,
+        preset.data.name,
+        preset.schedule.image_size,
+        preset.schedule.batch_size,
+        preset.schedule.steps,
+    ) == (
         "dcgan",
         "image_dir",
         128,
@@ -120,7 +148,9 @@ def test_one_step_is_dcgans_update_with_torch_adam(tmp_path):
     opt_g.step()
 
     assert [r["group"] for r in rows] == ["discriminator", "generator"]
-    assert rows[0]["loss"].item() == pytest.approx(err_d.item(), rel=1e-6) and rows[1]["loss"].item() == pytest.approx(err_g.item(), rel=1e-6)
+    assert rows[0]["loss"].item() == pytest.approx(err_d.item(), rel=1e-6) and rows[1]["loss"].item() == pytest.approx(
+        err_g.item(), rel=1e-6
+    )
     assert rows[0]["d_x"].item() == pytest.approx(torch.sigmoid(out_real).mean().item(), rel=1e-6)
     assert rows[1]["d_g_z"].item() == pytest.approx(torch.sigmoid(out).mean().item(), rel=1e-6)
     for ours, theirs in [(D, D0), (G, G0)]:
@@ -187,13 +217,21 @@ def check_gan_record(run_dir: Path) -> dict:
     rec = read_record(run_dir)
     assert rec["status"] == "ok", rec["message"]
     assert set(rec["loss_scale"]) == {"discriminator", "generator"}  # skipped steps per network
-    assert rec["throughput"]["unit"] == "images/s" and rec["samples"] == rec["steps"] * rec["config"]["schedule"]["batch_size"]
-    assert rec["evaluation"]["fid"]["computed"] is False and "model.fid_weights is not set" in rec["evaluation"]["fid"]["reason"]
+    assert (
+        rec["throughput"]["unit"] == "images/s"
+        and rec["samples"] == rec["steps"] * rec["config"]["schedule"]["batch_size"]
+    )
+    assert (
+        rec["evaluation"]["fid"]["computed"] is False
+        and "model.fid_weights is not set" in rec["evaluation"]["fid"]["reason"]
+    )
     assert {"val_d_x", "val_d_g_z"} <= rec["metrics"].keys() and "fid" not in rec["metrics"]
     assert [g["step"] for g in rec["sample_grids"]] == [rec["steps"]]
     with Image.open(run_dir / rec["sample_grids"][-1]["path"]) as grid:
         grid.load()
-        assert grid.format == "PNG" and grid.size == (2 * rec["config"]["schedule"]["image_size"] + 3 * 2,) * 2  # 2x2 grid of 4, padding 2
+        assert (
+            grid.format == "PNG" and grid.size == (2 * rec["config"]["schedule"]["image_size"] + 3 * 2,) * 2
+        )  # 2x2 grid of 4, padding 2
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if r["kind"] == "train"]
     assert [r["group"] for r in train] == ["discriminator", "generator"] * rec["steps"]
@@ -207,7 +245,14 @@ def test_every_precision_mode_trains_end_to_end_and_the_report_shows_their_grids
     # dynamic from 8192: the tiny discriminator's gradients overflow FP16 at 16384 and above, and from
     # GradScaler's 65536 all 3 steps would be skipped, a run that trained nothing (diverged)
     sweep = run_tiny(tmp_path / "runs", "precision=fp32,tf32,mixed,amp,bf16", "scale=none,dynamic", "scale.init=8192")
-    run_tiny(tmp_path / "runs", "precision=fp16,fp16_modmom", "scale=static", "optim.name=sgd", "optim.momentum=0.5", "optim.lr=0.01")
+    run_tiny(
+        tmp_path / "runs",
+        "precision=fp16,fp16_modmom",
+        "scale=static",
+        "optim.name=sgd",
+        "optim.momentum=0.5",
+        "optim.lr=0.01",
+    )
     records = {d.name: check_gan_record(d) for d in sweep.iterdir() if (d / "result.json").exists()}
     assert len(records) == 12
     modes = {(r["choices"]["precision"], r["choices"]["scale"]) for r in records.values()}
@@ -246,7 +291,12 @@ def test_a_gans_loss_curves_are_drawn_per_network_never_averaged():
 
 def test_the_sample_figure_shows_every_seed_of_every_mode(tmp_path):
     # Each grid is one flat colour, so the figure's pixels say which grid went where.
-    colours = {("FP32", 0): (255, 0, 0), ("FP32", 1): (0, 255, 0), ("Mixed", 0): (0, 0, 255), ("Mixed", 1): (255, 255, 0)}
+    colours = {
+        ("FP32", 0): (255, 0, 0),
+        ("FP32", 1): (0, 255, 0),
+        ("Mixed", 0): (0, 0, 255),
+        ("Mixed", 1): (255, 255, 0),
+    }
     rows = []
     for (mode, seed), colour in colours.items():
         path = tmp_path / f"{mode}{seed}.png"
@@ -319,15 +369,28 @@ def fid_weights(path: Path) -> Path:
 @pytest.mark.slow
 def test_fid_is_computed_only_from_a_named_local_weights_file(tmp_path):
     weights = fid_weights(tmp_path / "pt_inception.pth")
-    run_tiny(tmp_path / "runs", "precision=fp32", f"model.fid_weights={weights}", "model.fid_samples=4", "data.val_samples=4")
+    run_tiny(
+        tmp_path / "runs", "precision=fp32", f"model.fid_weights={weights}", "model.fid_samples=4", "data.val_samples=4"
+    )
     (run_dir,) = [d for d in (tmp_path / "runs").iterdir() if (d / "result.json").exists()]
     rec = read_record(run_dir)
     assert rec["status"] == "ok", rec["message"]
     fid = rec["evaluation"]["fid"]
-    assert fid["computed"] is True and fid["comparable"] is True and fid["generated_images"] == 4 and len(fid["sha256"]) == 64
+    assert (
+        fid["computed"] is True
+        and fid["comparable"] is True
+        and fid["generated_images"] == 4
+        and len(fid["sha256"]) == 64
+    )
     assert rec["metrics"]["fid"] > 0 and rec["primary_metric"] == "fid" and rec["higher_is_better"] is False
 
-    missing = mpt_run("model=dcgan64", *TINY, f"model.fid_weights={tmp_path / 'nope.pth'}", f"hydra.run.dir={tmp_path / 'x'}", cwd=ROOT)
+    missing = mpt_run(
+        "model=dcgan64",
+        *TINY,
+        f"model.fid_weights={tmp_path / 'nope.pth'}",
+        f"hydra.run.dir={tmp_path / 'x'}",
+        cwd=ROOT,
+    )
     assert missing.returncode != 0 and f"model.fid_weights={tmp_path / 'nope.pth'}" in missing.stderr + missing.stdout
 
 

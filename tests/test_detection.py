@@ -19,7 +19,13 @@ from mpt.runner.validation import validate
 
 from .conftest import CPU, build_run, compose_cfg, mpt_run, read_record, shared_data
 
-RACCOON = ["data=voc", "data.train_sets=[train_labels.csv]", "data.val_sets=[test_labels.csv]", "data.class_names=[raccoon]", "data.num_workers=0"]
+RACCOON = [
+    "data=voc",
+    "data.train_sets=[train_labels.csv]",
+    "data.val_sets=[test_labels.csv]",
+    "data.class_names=[raccoon]",
+    "data.num_workers=0",
+]
 
 
 def voc_cfg(root: Path, *extra: str):
@@ -32,7 +38,9 @@ def csv_objects(file: Path) -> dict[str, list[list[float]]]:
     objects: dict[str, list[list[float]]] = {}
     with open(file, newline="") as f:
         for row in csv.DictReader(f):
-            objects.setdefault(Path(row["filename"]).stem, []).append([float(row[k]) for k in ("width", "height", "xmin", "ymin", "xmax", "ymax")])
+            objects.setdefault(Path(row["filename"]).stem, []).append(
+                [float(row[k]) for k in ("width", "height", "xmin", "ymin", "xmax", "ymax")]
+            )
     return objects
 
 
@@ -46,9 +54,13 @@ def test_raccoon_flat_layout_reads_every_split_image_and_object():
 
     # Validation: resized to 300x300, boxes scaled from VOC's inclusive corners (x1 - 1, ..., x2).
     images, targets = next(iter(data.val()))
-    assert images.shape == (4, 3, 300, 300) and images.dtype == torch.float32 and 0 <= images.min() and images.max() <= 1
+    assert (
+        images.shape == (4, 3, 300, 300) and images.dtype == torch.float32 and 0 <= images.min() and images.max() <= 1
+    )
     first = data.val_loader.dataset.annotations[0].image.stem
-    expected = torch.tensor([[(x1 - 1) * 300 / w, (y1 - 1) * 300 / h, x2 * 300 / w, y2 * 300 / h] for w, h, x1, y1, x2, y2 in test[first]])
+    expected = torch.tensor(
+        [[(x1 - 1) * 300 / w, (y1 - 1) * 300 / h, x2 * 300 / w, y2 * 300 / h] for w, h, x1, y1, x2, y2 in test[first]]
+    )
     assert torch.allclose(targets[0]["boxes"], expected, atol=1e-3)
     assert targets[0]["labels"].tolist() == [1] * len(expected) and not targets[0]["difficult"].any()
 
@@ -58,7 +70,9 @@ def test_raccoon_flat_layout_reads_every_split_image_and_object():
     for t in targets:
         b = t["boxes"]
         assert set(t) == {"boxes", "labels"} and len(b) == len(t["labels"])
-        assert (b[:, 2:] > b[:, :2]).all() and (b >= 0).all() and (b <= 300).all()  # (a crop may keep no box: ~1% of samples)
+        assert (
+            (b[:, 2:] > b[:, :2]).all() and (b >= 0).all() and (b <= 300).all()
+        )  # (a crop may keep no box: ~1% of samples)
 
 
 def test_training_augmentation_is_seeded_per_sample():
@@ -92,7 +106,14 @@ def make_devkit(tmp_path: Path, raccoon: Path) -> Path:
 
 def test_devkit_layout_joins_years_and_difficult_objects_are_flagged(tmp_path):
     root = make_devkit(tmp_path, shared_data("raccoon"))
-    base = ["model=ssd", "data=voc", f"data.root={root}", "data.class_names=[raccoon]", "data.num_workers=0", "schedule=smoke"]
+    base = [
+        "model=ssd",
+        "data=voc",
+        f"data.root={root}",
+        "data.class_names=[raccoon]",
+        "data.num_workers=0",
+        "schedule=smoke",
+    ]
     cfg = compose_cfg(*base, "data.val_sets=[VOC2007/test,VOC2012/trainval]")
     validate(cfg)
     data = build_data(cfg, CPU)
@@ -139,7 +160,9 @@ def test_corrupt_annotation_is_named(tmp_path):
     (root / "images").symlink_to(raccoon / "images")
     shutil.copy(raccoon / "train_labels.csv", root / "train_labels.csv")
     shutil.copy(raccoon / "test_labels.csv", root / "test_labels.csv")
-    victim = root / "annotations" / f"{Path(next(csv.DictReader(open(root / 'train_labels.csv')))['filename']).stem}.xml"
+    victim = (
+        root / "annotations" / f"{Path(next(csv.DictReader(open(root / 'train_labels.csv')))['filename']).stem}.xml"
+    )
     victim.write_text(victim.read_text()[:200])
     with pytest.raises(CorruptAnnotation, match=f"corrupt annotation {victim}"):
         build_data(voc_cfg(root), CPU)
@@ -148,7 +171,10 @@ def test_corrupt_annotation_is_named(tmp_path):
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        (["model=ssd", "data=imagefolder"], "data=imagefolder has no detection data for model=ssd; use data=synthetic or data=voc"),
+        (
+            ["model=ssd", "data=imagefolder"],
+            "data=imagefolder has no detection data for model=ssd; use data=synthetic or data=voc",
+        ),
         (["model=resnet50", "data=voc", "data.root=/x"], "data=voc has no classification data for model=resnet50"),
         (["model=ssd", "schedule.image_size=512"], "schedule.image_size=512: ssd takes 300x300 images only"),
         (["model=ssd", "data=voc", "data.root=/x", "data.class_names=[]"], "data.class_names is empty"),
@@ -166,7 +192,9 @@ def test_ssd_defaults_and_the_table2_preset():
     assert cfg.schedule.epochs is None and list(cfg.schedule.lr_milestones) == [80_000, 100_000]
     assert cfg.optim.lr * 32 / 256 == pytest.approx(1e-3) and cfg.optim.weight_decay == 5e-4
     voc = compose_cfg("model=ssd", "data=voc")
-    assert list(voc.data.train_sets) == ["VOC2007/trainval", "VOC2012/trainval"] and list(voc.data.val_sets) == ["VOC2007/test"]
+    assert list(voc.data.train_sets) == ["VOC2007/trainval", "VOC2012/trainval"] and list(voc.data.val_sets) == [
+        "VOC2007/test"
+    ]
     assert len(voc.data.class_names) == 20 and voc.data.keep_difficult
     with initialize_config_module(config_module="mpt.configs", version_base="1.3"):
         preset = compose(config_name="config", overrides=["experiment=paper_table2"], return_hydra_config=True)
@@ -192,7 +220,9 @@ def test_every_precision_mode_trains_and_evaluates_ssd_on_cpu(tmp_path):
     ]
     result = mpt_run("-m", f"precision={','.join(MODES)}", *tiny, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    records = {r["choices"]["precision"]: r for r in (json.loads(p.read_text()) for p in tmp_path.glob("*/result.json"))}
+    records = {
+        r["choices"]["precision"]: r for r in (json.loads(p.read_text()) for p in tmp_path.glob("*/result.json"))
+    }
     assert sorted(records) == sorted(MODES)
     for mode, r in records.items():
         assert r["status"] == "ok", (mode, r["message"])
@@ -201,8 +231,13 @@ def test_every_precision_mode_trains_and_evaluates_ssd_on_cpu(tmp_path):
         assert 0 <= r["metrics"]["map"] <= 1 and 0 <= r["metrics"]["map_all"] <= 1
         rows = [json.loads(line) for line in (Path(r["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
         train = [row for row in rows if row["kind"] == "train"]
-        assert len(train) == 2 and all(torch.isfinite(torch.tensor([row["loss"], row["loss_box"], row["loss_cls"]])).all() for row in train)
-    assert records["fp16"]["precision"]["cpu_arithmetic"] == "emulated" and records["amp"]["precision"]["cpu_arithmetic"] == "emulated"
+        assert len(train) == 2 and all(
+            torch.isfinite(torch.tensor([row["loss"], row["loss_box"], row["loss_cls"]])).all() for row in train
+        )
+    assert (
+        records["fp16"]["precision"]["cpu_arithmetic"] == "emulated"
+        and records["amp"]["precision"]["cpu_arithmetic"] == "emulated"
+    )
     assert records["fp32"]["precision"]["cpu_arithmetic"] is None
     assert read_record(Path(records["mixed"]["run_dir"]))["precision"]["master_weights"] is True
 
@@ -213,9 +248,10 @@ def test_ssd_trains_in_the_papers_mode_on_voc_files_and_scores_map(tmp_path, in_
     two images, then the evaluation with the updated weights: a step of VGG-16 at 300x300 costs
     about 15 s of one core (the slow test runs two steps of each mode)."""
     root = shared_data("raccoon")
-    job = build_run(tmp_path, "model=ssd", "precision=mixed", "scale=static", "data=voc", f"data.root={root}", "data.train_sets=[train_labels.csv]",
-                    "data.val_sets=[test_labels.csv]", "data.class_names=[raccoon]", "data.num_workers=0", "schedule=smoke",
-                    "schedule.batch_size=2", "schedule.steps=1", "schedule.eval_batches=1", "checkpoint=false", "device=cpu")  # fmt: skip
+    job = build_run(tmp_path, "model=ssd", "precision=mixed", "scale=static", "data=voc", f"data.root={root}",
+                    "data.train_sets=[train_labels.csv]", "data.val_sets=[test_labels.csv]",
+                    "data.class_names=[raccoon]", "data.num_workers=0", "schedule=smoke", "schedule.batch_size=2",
+                    "schedule.steps=1", "schedule.eval_batches=1", "checkpoint=false", "device=cpu")  # fmt: skip
     rec = job.execute()
     assert rec.status == "ok", rec.message
     assert rec.scale_config["value"] == 8 and rec.precision["master_weights"] is True
@@ -233,7 +269,9 @@ def annotation_xml(image: str, size: tuple[int, int] | None, boxes: list[tuple[i
     return f"<annotation><filename>{image}</filename>{dims}{objects}</annotation>"
 
 
-def flat_set(tmp_path: Path, victim_boxes: list[tuple[int, int, int, int]], size: tuple[int, int] | None = (400, 533)) -> tuple[Path, Path]:
+def flat_set(
+    tmp_path: Path, victim_boxes: list[tuple[int, int, int, int]], size: tuple[int, int] | None = (400, 533)
+) -> tuple[Path, Path]:
     """A flat VOC folder of four raccoon images whose split files train.txt and val.txt both list all
     four; raccoon-119 (400x533) gets `victim_boxes`. Returns (root, the victim's annotation)."""
     raccoon = shared_data("raccoon")
@@ -262,7 +300,10 @@ def flat_cfg(root: Path, *extra: str):
 def test_a_box_outside_its_image_is_a_corrupt_annotation_naming_file_and_box(tmp_path, box):
     root, victim = flat_set(tmp_path, [(211, 359, 277, 402), box])
     x1, y1, x2, y2 = box
-    line = f"corrupt annotation {victim}: box 2 (raccoon) xmin={x1}, ymin={y1}, xmax={x2}, ymax={y2} lies outside its 400x533 image; "
+    line = (
+        f"corrupt annotation {victim}: box 2 (raccoon) xmin={x1}, ymin={y1}, xmax={x2}, ymax={y2}"
+        " lies outside its 400x533 image; "
+    )
     with pytest.raises(CorruptAnnotation) as caught:
         build_data(flat_cfg(root), CPU)
     assert str(caught.value) == line + "fix it, or set data.clip_boxes=true to clip such boxes"
@@ -286,7 +327,10 @@ def test_without_a_size_the_box_is_checked_against_the_image_file(tmp_path):
 
 def test_swapped_corners_are_refused_even_with_clipping(tmp_path):
     root, victim = flat_set(tmp_path, [(362, 62, 16, 353)])
-    with pytest.raises(CorruptAnnotation, match=f"corrupt annotation {victim}: box 1 \\(raccoon\\) xmin=362, .* has its corners swapped"):
+    with pytest.raises(
+        CorruptAnnotation,
+        match=f"corrupt annotation {victim}: box 1 \\(raccoon\\) xmin=362, .* has its corners swapped",
+    ):
         build_data(flat_cfg(root, "data.clip_boxes=true"), CPU)
 
 
@@ -296,7 +340,9 @@ def test_clip_boxes_clips_drops_and_counts_and_train_and_eval_see_the_same_boxes
     data = build_data(flat_cfg(root, "data.clip_boxes=true"), CPU)
     # each of train.txt and val.txt lists the victim once: one clipped and one dropped box in each
     assert data.info["clipped_boxes"] == 2 and data.info["dropped_boxes"] == 2
-    expected = torch.tensor([[210, 358, 277, 402], [0, 391, 400, 533]], dtype=torch.float32)  # continuous x1 - 1, y1 - 1, x2, y2
+    expected = torch.tensor(
+        [[210, 358, 277, 402], [0, 391, 400, 533]], dtype=torch.float32
+    )  # continuous x1 - 1, y1 - 1, x2, y2
 
     train, val = data.train_loader.dataset.dataset, data.val_loader.dataset  # SeededSamples wraps the training set
     k = next(i for i, a in enumerate(train.annotations) if a.image.stem == "raccoon-119")
@@ -318,10 +364,21 @@ def test_clip_boxes_counts_are_zero_on_the_real_raccoon_set():
 @pytest.mark.slow
 def test_a_run_meeting_a_box_outside_its_image_leaves_an_error_record_naming_it(tmp_path):
     root, victim = flat_set(tmp_path, [(16, 62, 401, 353)])
-    args = ["model=ssd", *RACCOON, f"data.root={root}", "data.train_sets=[train.txt]", "data.val_sets=[val.txt]", "schedule=smoke", "device=cpu"]
+    args = [
+        "model=ssd",
+        *RACCOON,
+        f"data.root={root}",
+        "data.train_sets=[train.txt]",
+        "data.val_sets=[val.txt]",
+        "schedule=smoke",
+        "device=cpu",
+    ]
     r = mpt_run(*args, "checkpoint=false", f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
     assert r.returncode == 1, r.stderr[-2000:]
     rec = read_record(tmp_path / "run")
     assert rec["status"] == "error"
-    assert rec["message"].startswith(f"CorruptAnnotation: corrupt annotation {victim}: box 1 (raccoon) xmin=16, ymin=62, xmax=401, ymax=353 lies outside")
+    assert rec["message"].startswith(
+        f"CorruptAnnotation: corrupt annotation {victim}: box 1 (raccoon) xmin=16, ymin=62, xmax=401, ymax=353"
+        " lies outside"
+    )
     assert "\n" not in rec["message"]

@@ -35,14 +35,19 @@ def cfg(*overrides: str, root=None):
 @pytest.mark.parametrize("size", [24, 40])  # cropped down and up from CIFAR's 32 pixels
 def test_batches_hold_the_host_paths_crops_flips_and_order(size):
     c = cfg(f"schedule.image_size={size}", "data.decode=device")
-    ours, host = DeviceDecodedImages(c.data, c.schedule, seed=3, device=CPU), ImageFolderData(c.data, c.schedule, seed=3, device=CPU)
+    ours, host = (
+        DeviceDecodedImages(c.data, c.schedule, seed=3, device=CPU),
+        ImageFolderData(c.data, c.schedule, seed=3, device=CPU),
+    )
     for epoch in (0, 1):
         for (x, y), (x_host, y_host) in list(zip(ours.epoch(epoch), host.epoch(epoch), strict=True))[:3]:
             assert torch.equal(y, y_host) and x.shape == x_host.shape == (50, 3, size, size)
             per_image = (x - x_host).abs().mean(dim=(1, 2, 3))
             # the same box and flip, resampled by torchvision's tensor resize instead of PIL's
             assert per_image.max() < 0.5 * ONE_GREY_LEVEL, per_image.max()
-            assert (x - x_host.roll(1, 0)).abs().mean(dim=(1, 2, 3)).min() > 10 * ONE_GREY_LEVEL  # what a wrong box would be
+            assert (x - x_host.roll(1, 0)).abs().mean(
+                dim=(1, 2, 3)
+            ).min() > 10 * ONE_GREY_LEVEL  # what a wrong box would be
     for (x, y), (x_host, y_host) in zip(ours.val(), host.val(), strict=True):
         assert torch.equal(y, y_host)
         assert (x - x_host).abs().mean() < 0.1 * ONE_GREY_LEVEL and (x - x_host).abs().max() <= 3.01 * ONE_GREY_LEVEL
@@ -50,8 +55,14 @@ def test_batches_hold_the_host_paths_crops_flips_and_order(size):
 
 
 def test_workers_give_what_the_main_process_gives():
-    c, c1 = cfg("schedule.image_size=32", "data.decode=device"), cfg("schedule.image_size=32", "data.decode=device", "data.num_workers=2")
-    alone, shared = DeviceDecodedImages(c.data, c.schedule, seed=1, device=CPU), DeviceDecodedImages(c1.data, c1.schedule, seed=1, device=CPU)
+    c, c1 = (
+        cfg("schedule.image_size=32", "data.decode=device"),
+        cfg("schedule.image_size=32", "data.decode=device", "data.num_workers=2"),
+    )
+    alone, shared = (
+        DeviceDecodedImages(c.data, c.schedule, seed=1, device=CPU),
+        DeviceDecodedImages(c1.data, c1.schedule, seed=1, device=CPU),
+    )
     try:
         for (x, y), (x1, y1) in list(zip(alone.epoch(0), shared.epoch(0)))[:4]:
             assert torch.equal(x, x1) and torch.equal(y, y1)
@@ -93,8 +104,14 @@ def test_a_jpeg_whose_data_is_cut_fails_where_it_is_decoded_naming_it(corrupt_tr
     "overrides, message",
     [
         (["data.decode=gpu"], r"^data.decode=gpu: must be host \(PIL in the loader's workers\) or device"),
-        (["data.decode=device", "data.resident=true", "data.augment=cifar"], r"^data.decode=device with data.resident=true: "),
-        (["data.decode=device", "data.augment=cifar"], r"^data.decode=device: data.augment=cifar is not computed there"),
+        (
+            ["data.decode=device", "data.resident=true", "data.augment=cifar"],
+            r"^data.decode=device with data.resident=true: ",
+        ),
+        (
+            ["data.decode=device", "data.augment=cifar"],
+            r"^data.decode=device: data.augment=cifar is not computed there",
+        ),
     ],
 )
 def test_settings_it_cannot_honour_are_refused(overrides, message):
@@ -152,7 +169,10 @@ def test_an_empty_file_and_a_png_are_read_as_the_host_path_reads_them(corrupt_tr
     Image.open(good).convert("RGB").save(png)  # the same pixels, losslessly
     good.unlink()
     c = cfg("schedule.image_size=32", "data.decode=device", root=root)
-    ours, host = DeviceDecodedImages(c.data, c.schedule, seed=0, device=CPU), ImageFolderData(c.data, c.schedule, seed=0, device=CPU)
+    ours, host = (
+        DeviceDecodedImages(c.data, c.schedule, seed=0, device=CPU),
+        ImageFolderData(c.data, c.schedule, seed=0, device=CPU),
+    )
     for (x, _), (x_host, _) in zip(ours.epoch(0), host.epoch(0), strict=True):
         assert (x - x_host).abs().mean(dim=(1, 2, 3)).max() < 0.5 * ONE_GREY_LEVEL
     png.write_bytes(b"")
@@ -170,7 +190,10 @@ def test_a_run_trains_on_it_and_its_record_says_where_it_decoded(tmp_path, in_pr
 @pytest.mark.gpu
 def test_on_cuda_nvjpeg_gives_the_cpus_batches_within_a_grey_level():
     c = cfg("schedule.image_size=24", "data.decode=device")
-    cuda, cpu = DeviceDecodedImages(c.data, c.schedule, seed=2, device=torch.device("cuda")), DeviceDecodedImages(c.data, c.schedule, seed=2, device=CPU)
+    cuda, cpu = (
+        DeviceDecodedImages(c.data, c.schedule, seed=2, device=torch.device("cuda")),
+        DeviceDecodedImages(c.data, c.schedule, seed=2, device=CPU),
+    )
     for (x, y), (x_cpu, y_cpu) in list(zip(cuda.epoch(0), cpu.epoch(0)))[:3]:
         assert x.device.type == "cuda" and torch.equal(y.cpu(), y_cpu)
         assert (x.cpu() - x_cpu).abs().mean(dim=(1, 2, 3)).max() < ONE_GREY_LEVEL  # nvJPEG's IDCT against libjpeg's

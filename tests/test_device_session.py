@@ -15,14 +15,30 @@ from mpt.report.records import load_runs
 
 from .conftest import ROOT
 
-GRID_CELLS = 13  # fp32, bf16; mixed unscaled and dynamic; amp; fp16 and fp16_modmom x unscaled, dynamic x FP16, FP32 batch-norm
+GRID_CELLS = (
+    13  # fp32, bf16; mixed unscaled and dynamic; amp; fp16 and fp16_modmom x unscaled, dynamic x FP16, FP32 batch-norm
+)
 SHIFT_CELLS = 6  # mixed unscaled and dynamic at k = 0, 12, 24
 
 
 def dry_run(part: str, tmp_path, timeout: int) -> subprocess.CompletedProcess:
     """The part on this CPU, two steps a run, seeds 0 and 1 planned; its tarball under tmp_path/out."""
-    env = {**os.environ, "DRY_RUN": "1", "PLAN": "0,1", "WORK": str(tmp_path / "work"), "OUT": str(tmp_path / "out"), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(["bash", "scripts/device/device_session.sh", part], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    env = {
+        **os.environ,
+        "DRY_RUN": "1",
+        "PLAN": "0,1",
+        "WORK": str(tmp_path / "work"),
+        "OUT": str(tmp_path / "out"),
+        "OMP_NUM_THREADS": "1",
+    }
+    done = subprocess.run(
+        ["bash", "scripts/device/device_session.sh", part],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done
 
@@ -39,7 +55,9 @@ def test_the_accuracy_call_runs_every_cell_seed_by_seed_and_its_report_compares_
     with tarfile.open(tmp_path / "out" / "accuracy.tar.gz") as tar:
         names = tar.getnames()
         tar.extractall(tmp_path / "back", filter="data")
-    assert sum(n.endswith("result.json") for n in names) == 2 * (GRID_CELLS + SHIFT_CELLS) and not any(n.endswith(".pt") for n in names)
+    assert sum(n.endswith("result.json") for n in names) == 2 * (GRID_CELLS + SHIFT_CELLS) and not any(
+        n.endswith(".pt") for n in names
+    )
     records = [json.loads(p.read_text()) for p in (tmp_path / "back").rglob("result.json")]
     assert all(r["config"]["data"]["resident"] for r in records)
     # what the speed goal is read from; a run that did not end ok reached no result to time
@@ -53,7 +71,8 @@ def test_the_accuracy_call_runs_every_cell_seed_by_seed_and_its_report_compares_
 
 
 LM_CELLS = 5  # fp32, bf16; mixed unscaled, 128, dynamic
-MT_CELLS = 10  # SGD: fp32, bf16, mixed unscaled and dynamic, fp16 unscaled and static; Adam: fp32 and mixed x unscaled, dynamic
+MT_CELLS = 10  # SGD: fp32, bf16, mixed unscaled and dynamic, fp16 unscaled and static;
+#                Adam: fp32 and mixed x unscaled, dynamic
 
 
 @pytest.mark.slow
@@ -84,7 +103,17 @@ def test_the_speed_call_runs_each_goals_rows_and_their_baselines(tmp_path):
         r = json.loads(path.read_text())
         c = r["config"]
         choices, cell = r["choices"], c["precision"]["products"]["fused_cell"]
-        rows.add((choices["model"], choices["precision"], choices["scale"], c["data"].get("decode"), c["compile"]["backend"], c["scale"]["on_device"], cell))
+        rows.add(
+            (
+                choices["model"],
+                choices["precision"],
+                choices["scale"],
+                c["data"].get("decode"),
+                c["compile"]["backend"],
+                c["scale"]["on_device"],
+                cell,
+            )
+        )
         if r["loss_scale"]:  # a CPU keeps the scale on the host unless told: the GPU default is null's other side
             assert not any(s["on_device"] for s in r["loss_scale"].values())
         assert r["throughput"]["windows"] >= 1  # every row has its figure
@@ -93,7 +122,9 @@ def test_the_speed_call_runs_each_goals_rows_and_their_baselines(tmp_path):
         *((m, p, "none", None, None, None, None) for m in ("gnmt_small", "biglstm_tiny") for p in ("bf16", "fp8")),
         *((m, "fp8", "none", None, None, None, "aot_eager") for m in ("gnmt_small", "biglstm_tiny")),  # the fused cell
         ("resnet50", "amp", "none", None, None, None, None),  # the baseline of BF16's and compile's rows
-        *(("resnet50", "amp", s, None, None, d, None) for s in ("none", "dynamic") for d in (None, False)),  # the scaler's
+        *(
+            ("resnet50", "amp", s, None, None, d, None) for s in ("none", "dynamic") for d in (None, False)
+        ),  # the scaler's
         ("resnet50", "bf16", "none", None, None, None, None),
         ("dcgan", "amp", "none", None, None, None, None),
         ("dcgan", "bf16", "none", None, None, None, None),
@@ -104,7 +135,10 @@ def test_the_speed_call_runs_each_goals_rows_and_their_baselines(tmp_path):
     }
     assert rows == cells
     # the profiles: every cell of speed_norm, speed_fp8_lstm and _fused, its table and trace
-    profiles = {p.parent.relative_to(tmp_path / "back" / "speed" / "speed" / "profile").as_posix() for p in (tmp_path / "back").rglob("profile.json")}
+    profiles = {
+        p.parent.relative_to(tmp_path / "back" / "speed" / "speed" / "profile").as_posix()
+        for p in (tmp_path / "back").rglob("profile.json")
+    }
     assert profiles == {
         *(f"speed_norm/{m}_{p}" for m in ("resnet50", "dcgan") for p in ("amp", "bf16")),
         *(f"speed_fp8_lstm/{m}_{p}" for m in ("gnmt_small", "biglstm_tiny") for p in ("bf16", "fp8")),
@@ -113,4 +147,6 @@ def test_the_speed_call_runs_each_goals_rows_and_their_baselines(tmp_path):
     fp8 = json.loads(next((tmp_path / "back").rglob("speed_fp8_lstm/biglstm_tiny_fp8/profile.json")).read_text())
     assert fp8["labelled_per_step"]["mpt.weight_operand lstm.hh_l0"] == 1  # once per pass, not per time step
     norm = json.loads(next((tmp_path / "back").rglob("speed_norm/resnet50_bf16/profile.json")).read_text())
-    assert sum(norm["batch_norm_backends"]["layers"].values()) == 53  # every batch-norm layer of ResNet-50 says which backend it took
+    assert (
+        sum(norm["batch_norm_backends"]["layers"].values()) == 53
+    )  # every batch-norm layer of ResNet-50 says which backend it took

@@ -18,8 +18,24 @@ INJECT = Path(__file__).parent / "distributed_inject"
 
 
 def torchrun(*args: str, nproc: int = 2, env: dict | None = None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "mpt.runner.cli", *args]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "mpt.runner.cli",
+        *args,
+    ]
+    return subprocess.run(
+        cmd,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+    )
 
 
 def processes_naming(marker: str) -> list[int]:
@@ -93,7 +109,10 @@ def test_two_processes_follow_one_process_with_the_same_global_batch_and_fp16_al
     }
     assert rec1["distributed"]["world_size"] == 1
     assert rec2["samples"] == rec1["samples"] == 48
-    assert rec2["throughput"]["processes"] == 2 and rec2["throughput"]["pipeline"] > rec2["throughput"]["pipeline_per_process"]
+    assert (
+        rec2["throughput"]["processes"] == 2
+        and rec2["throughput"]["pipeline"] > rec2["throughput"]["pipeline_per_process"]
+    )
     assert rec2["metrics"]["val_loss"] == pytest.approx(rec1["metrics"]["val_loss"], rel=1e-5)
 
     # Gradients all-reduced in FP16 (a communication hook): close, and not the same.
@@ -149,7 +168,15 @@ def test_synchronized_batch_norm_on_cpu_processes_is_one_line(tmp_path):
     assert "mpt-run: error: distributed.sync_batchnorm=true: torch's SyncBatchNorm runs on CUDA only" in r.stderr
 
 
-LM = ["model=biglstm_tiny", "model.hidden_size=32", "model.proj_size=8", "model.num_sampled=64", "model.bptt=5", "data.train_samples=40", "schedule=smoke"]
+LM = [
+    "model=biglstm_tiny",
+    "model.hidden_size=32",
+    "model.proj_size=8",
+    "model.num_sampled=64",
+    "model.bptt=5",
+    "data.train_samples=40",
+    "schedule=smoke",
+]
 
 
 @pytest.mark.slow
@@ -178,13 +205,25 @@ def test_a_killed_two_process_run_resumes_from_rank_0s_checkpoint(tmp_path, mode
     reference, killed = tmp_path / "reference", tmp_path / "killed"
     r = torchrun(*args, f"hydra.run.dir={reference}")
     assert r.returncode == 0, r.stderr[-3000:]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "mpt.runner.cli", *args, f"hydra.run.dir={killed}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "mpt.runner.cli",
+        *args,
+        f"hydra.run.dir={killed}",
+    ]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
     while proc.poll() is None and time.time() < deadline:
         log = killed / "metrics.jsonl"
         if (killed / checkpoint.FILENAME).exists() and log.exists() and log.read_text().count('"train"') >= 5:
-            kill_processes_naming(f"hydra.run.dir={killed}")  # the launcher and both ranks (torchrun puts them in their own groups)
+            kill_processes_naming(
+                f"hydra.run.dir={killed}"
+            )  # the launcher and both ranks (torchrun puts them in their own groups)
             break
         time.sleep(0.02)
     proc.wait()
@@ -198,7 +237,10 @@ def test_a_killed_two_process_run_resumes_from_rank_0s_checkpoint(tmp_path, mode
     assert res["resumed_from_step"] in (4, 6) and res["status"] == "ok"
     assert train_losses(killed) == train_losses(reference) and res["loss_scale"] == ref["loss_scale"]
     a, b = checkpoint.load(reference), checkpoint.load(killed)
-    assert all(torch.equal(a["engines"]["model"]["model"][k], b["engines"]["model"]["model"][k]) for k in a["engines"]["model"]["model"])
+    assert all(
+        torch.equal(a["engines"]["model"]["model"][k], b["engines"]["model"]["model"][k])
+        for k in a["engines"]["model"]["model"]
+    )
     assert res["samples"] == ref["samples"]
 
 
@@ -210,12 +252,23 @@ def test_a_preempted_two_process_run_stops_every_rank_at_one_step_and_resumes(tm
     import signal
     import time
 
-    args = [TINY, "schedule=smoke", "schedule.steps=30", "schedule.batch_size=8", "data.train_samples=32", "schedule.checkpoint_every=100",
-            "schedule.log_every=1", "deterministic=true", "scale=dynamic", "precision=mixed"]  # fmt: skip
+    args = [TINY, "schedule=smoke", "schedule.steps=30", "schedule.batch_size=8", "data.train_samples=32",
+            "schedule.checkpoint_every=100", "schedule.log_every=1", "deterministic=true", "scale=dynamic",
+            "precision=mixed"]  # fmt: skip
     reference, preempted = tmp_path / "reference", tmp_path / "preempted"
     r = torchrun(*args, f"hydra.run.dir={reference}")
     assert r.returncode == 0, r.stderr[-3000:]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "mpt.runner.cli", *args, f"hydra.run.dir={preempted}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "mpt.runner.cli",
+        *args,
+        f"hydra.run.dir={preempted}",
+    ]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     log, deadline = preempted / "metrics.jsonl", time.time() + 300
     while time.time() < deadline and not (log.exists() and log.read_text().count('"train"') >= 4):
@@ -262,7 +315,10 @@ def test_dcgan_on_two_processes_keeps_both_networks_identical_across_ranks(tmp_p
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"train"' in line]
     assert [(row["group"], row["overflow"]) for row in rows[:2]] == [("discriminator", False), ("generator", True)]
     rec = read_record(run_dir)
-    assert rec["loss_scale"]["generator"]["skipped_steps"] == 1 and rec["loss_scale"]["discriminator"]["skipped_steps"] == 0
+    assert (
+        rec["loss_scale"]["generator"]["skipped_steps"] == 1
+        and rec["loss_scale"]["discriminator"]["skipped_steps"] == 0
+    )
     assert len(rec["sample_grids"]) == 1 and (run_dir / rec["sample_grids"][0]["path"]).is_file()
     s0, s1 = (torch.load(out / f"rank{i}.pt", weights_only=False) for i in (0, 1))
     for net in ("generator", "discriminator"):

@@ -56,7 +56,10 @@ def test_a_preempted_run_checkpoints_its_step_and_resumes_as_if_uninterrupted(tm
     rec = job.execute()
     assert preemption.requested() == signum
     assert rec.status == "preempted" and rec.preempted_at_step == 6 and rec.steps == 6
-    assert rec.message == f"{signal.Signals(signum).name} at step 6: stopped after it, with a checkpoint at that step; run the same command again to resume"
+    assert rec.message == (
+        f"{signal.Signals(signum).name} at step 6: stopped after it, with a checkpoint at that step;"
+        " run the same command again to resume"
+    )
     assert read_record(preempted)["status"] == "preempted"
     assert checkpoint.load(preempted)["step"] == 6
     assert {r["step"] for r in log_rows(preempted) if r["kind"] == "train"} == set(range(6))
@@ -117,7 +120,9 @@ def test_a_second_signal_does_at_once_what_it_would_have_done(signals):
 def test_submitits_signal_is_handed_over_even_after_a_sigterm(signals):
     """SLURM may send SIGTERM and submitit's USR2 both: the USR2 handler is the one that requeues."""
     seen = []
-    before = {sig: signal.signal(sig, lambda signum, frame: seen.append(signum)) for sig in (signal.SIGTERM, signal.SIGUSR2)}
+    before = {
+        sig: signal.signal(sig, lambda signum, frame: seen.append(signum)) for sig in (signal.SIGTERM, signal.SIGUSR2)
+    }
     try:
         with preemption.catching():
             signal.raise_signal(signal.SIGTERM)
@@ -134,7 +139,16 @@ def test_submitits_signal_is_handed_over_even_after_a_sigterm(signals):
 @pytest.mark.slow  # a real process signalled mid-run; the in-process preemption test stays fast
 def test_the_command_line_exits_with_the_signals_status_after_writing_the_record(tmp_path):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mpt.runner.cli", TINY, "schedule=smoke", "schedule.steps=100000", "schedule.log_every=1", f"hydra.run.dir={tmp_path}"],
+        [
+            sys.executable,
+            "-m",
+            "mpt.runner.cli",
+            TINY,
+            "schedule=smoke",
+            "schedule.steps=100000",
+            "schedule.log_every=1",
+            f"hydra.run.dir={tmp_path}",
+        ],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -160,9 +174,11 @@ def test_a_sigterm_to_the_whole_job_spares_the_data_loader_workers(tmp_path):
 
     root = make_folder(tmp_path / "images", per_class=8, size=32)
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "mpt.runner.cli", TINY, "data=imagefolder", f"data.root={root}", "data.num_workers=2",
-                             "schedule=smoke", "schedule.batch_size=4", "schedule.steps=100000", "schedule.log_every=1", f"hydra.run.dir={run_dir}"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-m", "mpt.runner.cli", TINY, "data=imagefolder", f"data.root={root}",
+                             "data.num_workers=2", "schedule=smoke", "schedule.batch_size=4", "schedule.steps=100000",
+                             "schedule.log_every=1", f"hydra.run.dir={run_dir}"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
     log, deadline = run_dir / "metrics.jsonl", time.time() + 300
     while time.time() < deadline and not (log.exists() and log.read_text().count('"train"') >= 3):
         time.sleep(0.05)
@@ -180,7 +196,10 @@ def test_a_sigterm_to_the_whole_job_spares_the_data_loader_workers(tmp_path):
 def hold_lock(run_dir: Path) -> subprocess.Popen:
     """Another process holding the run folder's lock, as a twin launch that is running."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    code = "import sys, time; from pathlib import Path; from mpt.runner.run_lock import RunLock; RunLock(Path(sys.argv[1])).acquire(); print('held', flush=True); time.sleep(600)"
+    code = (
+        "import sys, time; from pathlib import Path; from mpt.runner.run_lock import RunLock;"
+        " RunLock(Path(sys.argv[1])).acquire(); print('held', flush=True); time.sleep(600)"
+    )
     proc = subprocess.Popen([sys.executable, "-c", code, str(run_dir)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "held"
     return proc
@@ -191,24 +210,48 @@ def test_a_second_launch_of_a_running_run_says_so_and_the_sweep_moves_on(tmp_pat
     sweep = tmp_path / "runs"
 
     def folder(precision: str) -> Path:  # device=cpu: the name is the same anywhere
-        return sweep / folder_name(["mobilenet_v3_small", precision, "none", "synthetic", "smoke"], "cpu", 1, 0, "schedule.steps=1")
+        return sweep / folder_name(
+            ["mobilenet_v3_small", precision, "none", "synthetic", "smoke"], "cpu", 1, 0, "schedule.steps=1"
+        )
 
     busy = folder("fp32")
     twin = hold_lock(busy)
     try:
         r = mpt_run(
-            "-m", TINY, "precision=fp32,bf16", "schedule=smoke", "schedule.steps=1", "checkpoint=false", "device=cpu", f"hydra.sweep.dir={sweep}", cwd=ROOT
+            "-m",
+            TINY,
+            "precision=fp32,bf16",
+            "schedule=smoke",
+            "schedule.steps=1",
+            "checkpoint=false",
+            "device=cpu",
+            f"hydra.sweep.dir={sweep}",
+            cwd=ROOT,
         )
     finally:
         twin.kill()
         twin.wait()
     assert r.returncode == 0, r.stderr[-2000:]
-    assert f"mpt-run: {busy}: already running (pid {twin.pid} on host {os.uname().nodename}); skipped" in r.stderr.splitlines()
+    assert (
+        f"mpt-run: {busy}: already running (pid {twin.pid} on host {os.uname().nodename}); skipped"
+        in r.stderr.splitlines()
+    )
     assert sorted(p.name for p in busy.iterdir()) == [".lock"]  # nothing written beside the twin's files
     assert read_record(folder("bf16"))["status"] == "ok"
 
-    r = mpt_run(TINY, "precision=fp32", "schedule=smoke", "schedule.steps=1", "checkpoint=false", "device=cpu", f"hydra.run.dir='{busy}'", cwd=ROOT)
-    assert r.returncode == 0 and f"taking over its lock from pid {twin.pid} on host" in r.stdout  # the twin died holding it
+    r = mpt_run(
+        TINY,
+        "precision=fp32",
+        "schedule=smoke",
+        "schedule.steps=1",
+        "checkpoint=false",
+        "device=cpu",
+        f"hydra.run.dir='{busy}'",
+        cwd=ROOT,
+    )
+    assert (
+        r.returncode == 0 and f"taking over its lock from pid {twin.pid} on host" in r.stdout
+    )  # the twin died holding it
     assert read_record(busy)["status"] == "ok"
 
 
@@ -269,16 +312,22 @@ def fills_the_disk(monkeypatch, name: str, room: int, after: int = 0) -> None:
     monkeypatch.setattr(os, "fdopen", fdopen)
 
 
-def test_a_checkpoint_that_fills_the_disk_leaves_the_previous_one_and_ends_the_run_as_an_error(tmp_path, in_process, monkeypatch):
+def test_a_checkpoint_that_fills_the_disk_leaves_the_previous_one_and_ends_the_run_as_an_error(
+    tmp_path, in_process, monkeypatch
+):
     job = build_run(tmp_path, TINY, "schedule=smoke", "schedule.steps=6", "schedule.checkpoint_every=2")
-    fills_the_disk(monkeypatch, checkpoint.FILENAME, room=1_000_000, after=1)  # torch.save's own writer meets the full disk
+    fills_the_disk(
+        monkeypatch, checkpoint.FILENAME, room=1_000_000, after=1
+    )  # torch.save's own writer meets the full disk
     rec = job.execute()
     assert rec.status == "error"
     assert rec.message == f"WriteError: could not write {tmp_path / checkpoint.FILENAME}: No space left on device"
     assert read_record(tmp_path)["status"] == "error"
     monkeypatch.undo()
     assert checkpoint.load(tmp_path)["step"] == 2  # the previous checkpoint, whole
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".") and p.name != ".lock") == []  # no temporary left
+    assert (
+        sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".") and p.name != ".lock") == []
+    )  # no temporary left
     assert {r["step"] for r in log_rows(tmp_path) if r["kind"] == "train"} == set(range(4))
 
 
@@ -288,16 +337,24 @@ def test_a_record_that_cannot_be_written_leaves_the_previous_one_whole(tmp_path,
     fills_the_disk(monkeypatch, "result.json", room=100)  # every later record: 100 bytes fit
     rec = job.execute()
     monkeypatch.undo()
-    assert rec.status == "error" and rec.message == f"WriteError: could not write {tmp_path / 'result.json'}: No space left on device"
+    assert (
+        rec.status == "error"
+        and rec.message == f"WriteError: could not write {tmp_path / 'result.json'}: No space left on device"
+    )
     assert read_record(tmp_path)["status"] == "running"  # the last record written, whole: a relaunch redoes the run
-    assert f"mpt-run: error: could not write {tmp_path / 'result.json'}: No space left on device" in capsys.readouterr().err
+    assert (
+        f"mpt-run: error: could not write {tmp_path / 'result.json'}: No space left on device"
+        in capsys.readouterr().err
+    )
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
 
 
 def test_a_log_that_fills_the_disk_ends_the_run_as_an_error_naming_it(tmp_path, in_process):
     job = build_run(tmp_path, TINY, "schedule=smoke", "schedule.steps=3", "schedule.log_every=1", "checkpoint=false")
     job.logbook.metrics._file.close()
-    job.logbook.metrics._file = open("/dev/full", "a")  # every flush: No space left on device, and the close after it too
+    job.logbook.metrics._file = open(
+        "/dev/full", "a"
+    )  # every flush: No space left on device, and the close after it too
     rec = job.execute()
     assert rec.status == "error"
     assert rec.message == f"WriteError: could not write {tmp_path / 'metrics.jsonl'}: No space left on device"
@@ -343,13 +400,20 @@ def test_a_second_ctrl_c_stops_at_once_and_the_record_says_what_resumes(tmp_path
 
 def test_a_static_scale_that_overflows_every_step_ends_the_run_as_diverged(tmp_path, in_process):
     args = [TINY, "precision=mixed", "scale=static", "schedule=smoke", "stats.trace_overflow=false"]
-    rec = build_run(tmp_path / "k", *args, "scale.value=1e9", "schedule.steps=20", "scale.max_consecutive_skips=3").execute()
+    rec = build_run(
+        tmp_path / "k", *args, "scale.value=1e9", "schedule.steps=20", "scale.max_consecutive_skips=3"
+    ).execute()
     assert rec.status == "diverged" and rec.diverged_at_step == 2 and rec.loss_scale["model"]["skipped_steps"] == 3
-    assert rec.message == "static scale 1e+09 overflowed every step for 3 steps; lower scale.value (scale.max_consecutive_skips=3)"
+    assert (
+        rec.message
+        == "static scale 1e+09 overflowed every step for 3 steps; lower scale.value (scale.max_consecutive_skips=3)"
+    )
     # Fewer steps than the limit, every one skipped: trained nothing, so not `ok` either.
     rec = build_run(tmp_path / "all", *args, "scale.value=1e9", "schedule.steps=2").execute()
     assert rec.status == "diverged" and rec.loss_scale["model"]["skipped_steps"] == rec.steps == 2
-    assert rec.message == "skipped every one of its 2 steps: the gradients overflowed FP16 at the static scale 1e+09; lower scale.value"
+    assert rec.message == (
+        "skipped every one of its 2 steps: the gradients overflowed FP16 at the static scale 1e+09; lower scale.value"
+    )
     # The control: a scale that fits trains, and the same settings end `ok`.
     rec = build_run(tmp_path / "fits", *args, "scale.value=8", "schedule.steps=2").execute()
     assert rec.status == "ok" and rec.loss_scale["model"]["skipped_steps"] == 0
@@ -367,7 +431,9 @@ def test_a_relaunch_that_cannot_write_its_folder_says_so_in_one_line(tmp_path):
     r = mpt_run(*args, cwd=ROOT)
     assert r.returncode == 1 and "Traceback" not in r.stderr
     (line,) = r.stderr.strip().splitlines()
-    assert line.startswith(f"mpt-run: error: could not write {tmp_path / '.lock'}: ") and line.endswith("; the run folder's files are as they were")
+    assert line.startswith(f"mpt-run: error: could not write {tmp_path / '.lock'}: ") and line.endswith(
+        "; the run folder's files are as they were"
+    )
     assert (tmp_path / "result.json").read_bytes() == before
 
 

@@ -20,7 +20,15 @@ from torch import nn
 from torchvision.models import inception as tv_inception
 
 from mpt.config import ConfigError
-from mpt.models.fid import FIDInceptionA, FIDInceptionC, FIDInceptionE, GaussianStats, fid_inception_v3, frechet_distance, load_inception
+from mpt.models.fid import (
+    FIDInceptionA,
+    FIDInceptionC,
+    FIDInceptionE,
+    GaussianStats,
+    fid_inception_v3,
+    frechet_distance,
+    load_inception,
+)
 
 CPU = torch.device("cpu")
 
@@ -147,8 +155,18 @@ def _oracle_max_pool(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize(
     "make_fid,make_tv,channels,oracle",
     [
-        (lambda: FIDInceptionA(192, pool_features=32), lambda: tv_inception.InceptionA(192, pool_features=32), 192, _oracle_avg_pool),
-        (lambda: FIDInceptionC(768, channels_7x7=128), lambda: tv_inception.InceptionC(768, channels_7x7=128), 768, _oracle_avg_pool),
+        (
+            lambda: FIDInceptionA(192, pool_features=32),
+            lambda: tv_inception.InceptionA(192, pool_features=32),
+            192,
+            _oracle_avg_pool,
+        ),
+        (
+            lambda: FIDInceptionC(768, channels_7x7=128),
+            lambda: tv_inception.InceptionC(768, channels_7x7=128),
+            768,
+            _oracle_avg_pool,
+        ),
         (lambda: FIDInceptionE(1280), lambda: tv_inception.InceptionE(1280), 1280, _oracle_avg_pool),
         (lambda: FIDInceptionE(2048, max_pool=True), lambda: tv_inception.InceptionE(2048), 2048, _oracle_max_pool),
     ],
@@ -225,9 +243,9 @@ def test_fid_kind_extracts_fp32_pool3_features_from_resized_unnormalized_input(f
     }
     json.dumps(info)
     net = extractor.net
-    assert [type(getattr(net, f"Mixed_{b}")) for b in ("5b", "5c", "5d", "6b", "6c", "6d", "6e", "7b", "7c")] == [FIDInceptionA] * 3 + [FIDInceptionC] * 4 + [
-        FIDInceptionE
-    ] * 2
+    assert [type(getattr(net, f"Mixed_{b}")) for b in ("5b", "5c", "5d", "6b", "6c", "6d", "6e", "7b", "7c")] == [
+        FIDInceptionA
+    ] * 3 + [FIDInceptionC] * 4 + [FIDInceptionE] * 2
     assert not net.Mixed_7b.max_pool and net.Mixed_7c.max_pool
     extractor.train()  # must stay in eval mode regardless
     assert not any(m.training for m in extractor.modules())
@@ -245,7 +263,9 @@ def test_fid_kind_extracts_fp32_pool3_features_from_resized_unnormalized_input(f
     assert features.std() > 1e-3 and (features[0] - features[1]).abs().max() > 1e-3
     # The network sees the [-1, 1] images as they are, resized as pytorch-fid does; the features
     # are the final pool's output.
-    torch.testing.assert_close(seen["input"], F.interpolate(x, size=(299, 299), mode="bilinear", align_corners=False), rtol=0, atol=0)
+    torch.testing.assert_close(
+        seen["input"], F.interpolate(x, size=(299, 299), mode="bilinear", align_corners=False), rtol=0, atol=0
+    )
     torch.testing.assert_close(features, seen["pool"].flatten(1), rtol=0, atol=0)
 
     assert torch.equal(extractor(x), features)  # deterministic
@@ -310,7 +330,12 @@ def _config_error(path: Path, *fragments: str) -> None:
 
 
 def test_bad_weights_files_are_config_errors(tmp_path: Path, fid_weights: Path) -> None:
-    _config_error(tmp_path / "absent.pth", "no such file", "pt_inception-2015-12-05-6726825d.pth", "inception_v3_google-0cc3c7bd.pth")
+    _config_error(
+        tmp_path / "absent.pth",
+        "no such file",
+        "pt_inception-2015-12-05-6726825d.pth",
+        "inception_v3_google-0cc3c7bd.pth",
+    )
 
     garbage = tmp_path / "garbage.pth"
     garbage.write_bytes(np.random.default_rng(12).bytes(4096))

@@ -55,7 +55,9 @@ def test_a_compiled_network_is_counted_eager_and_compiles_after(monkeypatch):
         pytest.skip("this torch has no CatchErrorsWrapper, dynamo's frame callback, to watch")
     reached, graphs = [], []
     called = wrapper.__call__
-    monkeypatch.setattr(wrapper, "__call__", lambda self, frame, *a, **k: reached.append(frame) or called(self, frame, *a, **k))
+    monkeypatch.setattr(
+        wrapper, "__call__", lambda self, frame, *a, **k: reached.append(frame) or called(self, frame, *a, **k)
+    )
 
     def backend(gm, example_inputs):
         graphs.append(gm)
@@ -133,14 +135,19 @@ def test_mfu_is_flops_per_sample_times_throughput_over_the_peak_per_gpu():
 
 
 def test_a_run_counts_its_first_steps_flops_as_torch_counts_the_same_model(tmp_path, in_process):
-    assert build_run(tmp_path, TINY, "schedule=smoke", "schedule.count_flops=true", "checkpoint=false").execute().status == "ok"
+    assert (
+        build_run(tmp_path, TINY, "schedule=smoke", "schedule.count_flops=true", "checkpoint=false").execute().status
+        == "ok"
+    )
     rec = read_record(tmp_path)
     cfg = rec["config"]
     batch, size = cfg["schedule"]["batch_size"], cfg["schedule"]["image_size"]
     # The oracle: the same architecture's forward, loss and backward under torch's own counter.
     model = torchvision.models.mobilenet_v3_small(num_classes=cfg["data"]["num_classes"])
     with FlopCounterMode(display=False) as oracle:
-        nn.functional.cross_entropy(model(torch.randn(batch, 3, size, size)), torch.zeros(batch, dtype=torch.long)).backward()
+        nn.functional.cross_entropy(
+            model(torch.randn(batch, 3, size, size)), torch.zeros(batch, dtype=torch.long)
+        ).backward()
     assert rec["flops"]["per_step"] == oracle.get_total_flops()
     assert rec["flops"]["per_sample"] == oracle.get_total_flops() / batch
     assert rec["flops"]["counted_at_step"] == 0 and rec["flops"]["sample_unit"] == "images"
@@ -149,14 +156,23 @@ def test_a_run_counts_its_first_steps_flops_as_torch_counts_the_same_model(tmp_p
     from mpt.runner.cli import summary_lines
 
     rec["mfu"] = {"value": 0.25, "peak_tflops": 989.5, "math": "fp16"}
-    assert any(line.strip().startswith("mfu:        25.0% of 989.5 TFLOP/s (fp16;") for line in summary_lines(RunRecord.from_dict(rec)))
+    assert any(
+        line.strip().startswith("mfu:        25.0% of 989.5 TFLOP/s (fp16;")
+        for line in summary_lines(RunRecord.from_dict(rec))
+    )
 
 
 def test_the_mfu_table_holds_the_median_per_mode_and_the_flops_per_sample(tmp_path):
     def record(precision: str, value: float) -> dict:
         return {
             "status": "ok",
-            "choices": {"model": "resnet50", "precision": precision, "scale": "none", "data": "synthetic", "schedule": "bench"},
+            "choices": {
+                "model": "resnet50",
+                "precision": precision,
+                "scale": "none",
+                "data": "synthetic",
+                "schedule": "bench",
+            },
             "precision": {"name": precision},
             "throughput": {"pipeline": 100.0, "unit": "images/s"},
             "flops": {"per_sample": 12.3e9},
@@ -171,7 +187,10 @@ def test_the_mfu_table_holds_the_median_per_mode_and_the_flops_per_sample(tmp_pa
         "flops": {"per_sample": 4.5e9},
         "config": {"schedule": {"batch_size": 128, "image_size": None}},
     }
-    rows = [record_row(RunRecord.from_dict(record(p, v)), tmp_path / p / "result.json") for p, v in [("fp32", 0.4), ("amp", 0.3), ("amp", 0.5)]]
+    rows = [
+        record_row(RunRecord.from_dict(record(p, v)), tmp_path / p / "result.json")
+        for p, v in [("fp32", 0.4), ("amp", 0.3), ("amp", 0.5)]
+    ]
     runs = pd.DataFrame(rows + [record_row(RunRecord.from_dict(text_model), tmp_path / "gnmt" / "result.json")])
     runs["precision_order"], runs["scale_order"] = runs.precision.map({"fp32": 0, "amp": 1}), 0
     table = tables.mfu(runs)

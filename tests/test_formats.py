@@ -12,12 +12,31 @@ import pytest
 import torch
 
 from mpt.config import ConfigError
-from mpt.precision.formats import BF16, E2M1, E2M3, E3M2, E4M3, E5M2, FORMATS, FP16, BlockFormat, block_scale_exponents, get_format, quantize
+from mpt.precision.formats import (
+    BF16,
+    E2M1,
+    E2M3,
+    E3M2,
+    E4M3,
+    E5M2,
+    FORMATS,
+    FP16,
+    BlockFormat,
+    block_scale_exponents,
+    get_format,
+    quantize,
+)
 
 md = pytest.importorskip("ml_dtypes")
 
 NARROW = [E4M3, E5M2, E3M2, E2M3, E2M1]
-ML_DTYPE = {"e4m3": md.float8_e4m3fn, "e5m2": md.float8_e5m2, "e3m2": md.float6_e3m2fn, "e2m3": md.float6_e2m3fn, "e2m1": md.float4_e2m1fn}
+ML_DTYPE = {
+    "e4m3": md.float8_e4m3fn,
+    "e5m2": md.float8_e5m2,
+    "e3m2": md.float6_e3m2fn,
+    "e2m3": md.float6_e2m3fn,
+    "e2m1": md.float4_e2m1fn,
+}
 # ml_dtypes' overflow for each: E4M3 to NaN, E5M2 to inf, FP6 and FP4 saturate.
 ML_POLICY = {"e4m3": "nan", "e5m2": "inf", "e3m2": "saturate", "e2m3": "saturate", "e2m1": "saturate"}
 
@@ -49,7 +68,9 @@ def test_every_encoding_decodes_as_ml_dtypes_reads_it(fmt):
     theirs = torch.from_numpy(codes.numpy().astype(np.uint8).view(ML_DTYPE[fmt.name]).astype(np.float32))
     assert same(ours, theirs)
     assert ours[torch.isfinite(ours)].abs().max() == fmt.max == md.finfo(ML_DTYPE[fmt.name]).max
-    assert ours[ours > 0].min() == fmt.min_subnormal and fmt.min_normal == float(md.finfo(ML_DTYPE[fmt.name]).smallest_normal)
+    assert ours[ours > 0].min() == fmt.min_subnormal and fmt.min_normal == float(
+        md.finfo(ML_DTYPE[fmt.name]).smallest_normal
+    )
 
 
 @pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=lambda f: f.name)
@@ -131,7 +152,9 @@ def test_nan_stays_nan_where_ml_dtypes_makes_fp6_and_fp4_nan_a_negative_zero():
 
 
 @pytest.mark.parametrize(
-    "fmt,lo,hi", [(E4M3, 256.0, 288.0), (E4M3, 2.0**-9, 2.0**-8), (E2M1, 4.0, 6.0), (BF16, 1.0, 1.0078125)], ids=["e4m3", "e4m3-subnormal", "e2m1", "bf16"]
+    "fmt,lo,hi",
+    [(E4M3, 256.0, 288.0), (E4M3, 2.0**-9, 2.0**-8), (E2M1, 4.0, 6.0), (BF16, 1.0, 1.0078125)],
+    ids=["e4m3", "e4m3-subnormal", "e2m1", "bf16"],
 )
 def test_stochastic_rounding_lands_on_a_neighbour_and_is_unbiased(fmt, lo, hi):
     for frac in (0.125, 0.5, 0.875):
@@ -223,9 +246,10 @@ def test_mx_matches_torchao_where_block_scales_are_normal(name):
 
 def test_where_mx_differs_from_torchao():
     """docs/formats.md: where the block's X is 2^-127, torchao divides by 2^-126 (it keeps the
-    divisor an FP32 normal) but multiplies back by 2^-127, so the block comes back halved; and for a block holding an infinity it takes X from
-    the infinity's exponent (2^120 for E4M3), so the infinity comes back infinite and every finite
-    element of the block zero, where we mark the block NaN."""
+    divisor an FP32 normal) but multiplies back by 2^-127, so the block comes back halved; and for
+    a block holding an infinity it takes X from the infinity's exponent (2^120 for E4M3), so the
+    infinity comes back infinite and every finite element of the block zero, where we mark the
+    block NaN."""
     round_trip = torchao_mx()
     tiny = torch.full((1, 32), 2.0**-120)  # E4M3: X = 2^(-120 - 8) = 2^-128, clamped to 2^-127 by E8M0
     assert block_scale_exponents(tiny, mx("mxfp8_e4m3")).item() == -127
@@ -238,7 +262,9 @@ def test_where_mx_differs_from_torchao():
 
 
 def test_the_registry_holds_the_issue_formats():
-    assert {"fp16", "bf16", "e4m3", "e5m2", "mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e3m2", "mxfp6_e2m3", "mxfp4"} <= set(FORMATS)
+    assert {"fp16", "bf16", "e4m3", "e5m2", "mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e3m2", "mxfp6_e2m3", "mxfp4"} <= set(
+        FORMATS
+    )
     assert all(f.block == 32 for f in FORMATS.values() if isinstance(f, BlockFormat))
 
 
@@ -251,7 +277,9 @@ def mx_oracle(x: torch.Tensor, name: str) -> torch.Tensor:
     amax = np.abs(v).max(axis=1, keepdims=True)
     k = np.clip(np.floor(np.log2(np.where(amax > 0, amax, 2.0**-200))) - el.emax, -127, 127)
     scaled = np.clip(v / 2.0**k, -el.max, el.max).astype(np.float32)  # exact: v / X is an FP32 number here
-    return torch.from_numpy((scaled.astype(ML_DTYPE[el.name]).astype(np.float64) * 2.0**k).astype(np.float32).reshape(x.shape))
+    return torch.from_numpy(
+        (scaled.astype(ML_DTYPE[el.name]).astype(np.float64) * 2.0**k).astype(np.float32).reshape(x.shape)
+    )
 
 
 @pytest.mark.parametrize("name", MX_NAMES)

@@ -215,7 +215,9 @@ def test_a_corrupt_image_is_named(tmp_path):
     for i in range(3):
         save(tmp_path / f"{i}.jpg")
     bad = tmp_path / "3.jpg"
-    bad.write_bytes(torch.randint(0, 256, (500,), generator=torch.Generator().manual_seed(0), dtype=torch.uint8).numpy().tobytes())
+    bad.write_bytes(
+        torch.randint(0, 256, (500,), generator=torch.Generator().manual_seed(0), dtype=torch.uint8).numpy().tobytes()
+    )
     data = image_dir(tmp_path, size=8, batch_size=4)
     with pytest.raises(CorruptImage, match=f"corrupt image {bad}: "):
         next(iter(data.epoch(0)))
@@ -224,7 +226,9 @@ def test_a_corrupt_image_is_named(tmp_path):
 def test_a_crop_larger_than_an_image_is_named(tmp_path):
     save(tmp_path / "a.jpg", size=(64, 64))
     small = save(tmp_path / "b.jpg", size=(50, 40))
-    with pytest.raises(ConfigError, match="data.crop=65: larger than image .*a.jpg \\(64x64\\); use a crop of at most 64"):
+    with pytest.raises(
+        ConfigError, match="data.crop=65: larger than image .*a.jpg \\(64x64\\); use a crop of at most 64"
+    ):
         image_dir(tmp_path, size=8, batch_size=2, crop=65)  # the first image: before training
     data = image_dir(tmp_path, size=8, batch_size=2, crop=48)
     with pytest.raises(CropTooLarge, match=f"data.crop=48: larger than image {small} \\(50x40\\)") as e:
@@ -236,9 +240,18 @@ def test_a_crop_larger_than_an_image_is_named(tmp_path):
     "make, message",
     [
         (lambda root: root / "missing", "data.root={root}/missing: no such folder"),
-        (lambda root: root, "data.root={root}: no image files at any depth \\(accepted: .jpg .jpeg .png .*any case\\); found no files"),
-        (lambda root: (root / "notes.txt").write_text("x") and root, "data.root={root}: no image files .*; found 1 files, none an image: notes.txt"),
-        (lambda root: [save(root / f"{i}.png") for i in range(3)] and root, "data.root={root}: 3 images, fewer than one batch of schedule.batch_size=4"),
+        (
+            lambda root: root,
+            "data.root={root}: no image files at any depth \\(accepted: .jpg .jpeg .png .*any case\\); found no files",
+        ),
+        (
+            lambda root: (root / "notes.txt").write_text("x") and root,
+            "data.root={root}: no image files .*; found 1 files, none an image: notes.txt",
+        ),
+        (
+            lambda root: [save(root / f"{i}.png") for i in range(3)] and root,
+            "data.root={root}: 3 images, fewer than one batch of schedule.batch_size=4",
+        ),
     ],
     ids=["missing", "empty", "only_text", "under_a_batch"],
 )

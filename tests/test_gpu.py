@@ -22,7 +22,16 @@ from mpt.runner import checkpoint
 
 from .conftest import ROOT, TINY, Vector, build_run, compose_cfg, read_record
 from .test_cpu_tensor_cores import assert_within_one_ulp
-from .test_resume import SMALL_GAN, SMALL_LM, SMALL_NMT, Killed, assert_resumed_as_uninterrupted, log_rows, resume_args, stop_at
+from .test_resume import (
+    SMALL_GAN,
+    SMALL_LM,
+    SMALL_NMT,
+    Killed,
+    assert_resumed_as_uninterrupted,
+    log_rows,
+    resume_args,
+    stop_at,
+)
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -31,7 +40,10 @@ IDS = ["fp16", "bf16"]
 PAPER_MODELS = ["alexnet", "resnet50", "ssd", "gnmt", "biglstm", "dcgan"]
 # Every mode in configs/, the paper's first: a suite cut off by its time limit has run those on every model.
 FIRST = ["fp32", "mixed", "fp16", "amp", "bf16", "tf32", "fp16_modmom"]
-MODES = sorted((p.stem for p in (ROOT / "configs" / "precision").glob("*.yaml")), key=lambda m: (FIRST.index(m) if m in FIRST else len(FIRST), m))
+MODES = sorted(
+    (p.stem for p in (ROOT / "configs" / "precision").glob("*.yaml")),
+    key=lambda m: (FIRST.index(m) if m in FIRST else len(FIRST), m),
+)
 
 
 # --- The CPU's emulated arithmetic against CUDA's own kernels ---------------------------------------
@@ -46,8 +58,9 @@ def on_cuda(fn, low: list[torch.Tensor], grad: torch.Tensor):
 
 
 ADDMM_ROUNDS_TWICE = pytest.mark.xfail(
-    reason="CUDA's addmm with a full matrix added was 1.07 (FP16) and 1.51 (BF16) times the one-rounding bound on an H200 "
-    "(results/gpu-arithmetic); the emulation rounds once. nn.Linear adds a bias vector, in cuBLASLt's one rounding.",
+    reason="CUDA's addmm with a full matrix added was 1.07 (FP16) and 1.51 (BF16) times the one-rounding bound "
+    "on an H200 (results/gpu-arithmetic); the emulation rounds once. "
+    "nn.Linear adds a bias vector, in cuBLASLt's one rounding.",
     strict=False,
 )
 
@@ -57,12 +70,15 @@ ADDMM_ROUNDS_TWICE = pytest.mark.xfail(
     "name,fn,shapes",
     [
         ("mm", torch.mm, [(64, 256), (256, 48)]),
-        pytest.param("addmm", lambda c, a, b: torch.addmm(c, a, b), [(64, 48), (64, 256), (256, 48)], marks=ADDMM_ROUNDS_TWICE),
+        pytest.param("addmm", lambda c, a, b: torch.addmm(c, a, b), [(64, 48), (64, 256), (256, 48)],
+                     marks=ADDMM_ROUNDS_TWICE),
         ("bmm", torch.bmm, [(4, 32, 200), (4, 200, 24)]),
         ("linear", F.linear, [(3, 16, 250), (40, 250), (40,)]),
         ("conv2d", lambda x, w, b: F.conv2d(x, w, b, stride=2, padding=1), [(4, 16, 15, 13), (32, 16, 3, 3), (32,)]),
-        ("conv2d 1x1 channels-last", lambda x, w: F.conv2d(x.contiguous(memory_format=torch.channels_last), w), [(4, 64, 8, 8), (48, 64, 1, 1)]),
-        ("conv_transpose2d", lambda x, w, b: F.conv_transpose2d(x, w, b, stride=2, padding=1), [(2, 24, 7, 7), (24, 16, 4, 4), (16,)]),
+        ("conv2d 1x1 channels-last", lambda x, w: F.conv2d(x.contiguous(memory_format=torch.channels_last), w),
+         [(4, 64, 8, 8), (48, 64, 1, 1)]),
+        ("conv_transpose2d", lambda x, w, b: F.conv_transpose2d(x, w, b, stride=2, padding=1),
+         [(2, 24, 7, 7), (24, 16, 4, 4), (16,)]),
     ],
 )  # fmt: skip
 def test_the_cpu_emulation_and_cudas_kernels_agree_within_one_ulp(dtype, name, fn, shapes):
@@ -91,7 +107,14 @@ def test_the_cpu_emulation_and_cudas_kernels_agree_within_one_ulp(dtype, name, f
 @pytest.mark.parametrize("dtype", LOW, ids=IDS)
 @pytest.mark.parametrize(
     "steps,proj_size,size,hidden,batch",
-    [(1, 0, 40, 24, 5), (6, 0, 40, 24, 5), (6, 8, 40, 24, 5), (1, 0, 40, 256, 5), (6, 0, 40, 256, 5), (1, 0, 1024, 1024, 128)],
+    [
+        (1, 0, 40, 24, 5),
+        (6, 0, 40, 24, 5),
+        (6, 8, 40, 24, 5),
+        (1, 0, 40, 256, 5),
+        (6, 0, 40, 256, 5),
+        (1, 0, 1024, 1024, 128),
+    ],
 )
 def test_the_cpu_lstm_and_cudnns_agree_within_one_ulp(request, dtype, steps, proj_size, size, hidden, batch):
     """h, c and every gradient of the CPU's written-out LSTM against cuDNN's, from the same rounded
@@ -100,7 +123,8 @@ def test_the_cpu_lstm_and_cudnns_agree_within_one_ulp(request, dtype, steps, pro
         request.applymarker(
             pytest.mark.xfail(
                 reason="cuDNN's persistent FP16 kernels (small-h, static) matched none of 15 candidate "
-                "computations of one step (results/gpu-h100-loan3/arithmetic/lstm.json): at most 79.5% of h and c equal",
+                "computations of one step (results/gpu-h100-loan3/arithmetic/lstm.json): "
+                "at most 79.5% of h and c equal",
                 strict=False,
             )
         )
@@ -139,7 +163,13 @@ def test_the_cpu_lstm_and_cudnns_agree_within_one_ulp(request, dtype, steps, pro
 
 def engine_for(model: nn.Module, precision: str, scale: str, *extra: str):
     cfg = compose_cfg(
-        f"precision={precision}", f"scale={scale}", "schedule.batch_size=256", "optim.lr=0.1", "optim.momentum=0.9", "optim.weight_decay=0", *extra
+        f"precision={precision}",
+        f"scale={scale}",
+        "schedule.batch_size=256",
+        "optim.lr=0.1",
+        "optim.momentum=0.9",
+        "optim.weight_decay=0",
+        *extra,
     )
     return cfg, PrecisionEngine(model, cfg, build_scaler(cfg), [], CUDA)
 
@@ -225,12 +255,26 @@ def test_the_record_fills_memory_throughput_and_mfu_on_cuda(tmp_path, in_process
             "schedule.throughput_window=10", "device=cuda", "checkpoint=false"]  # fmt: skip
     assert build_run(tmp_path, *args).execute().status == "ok"
     rec = read_record(tmp_path)
-    assert rec["memory"]["kind"] == "cuda_max_memory_allocated" and rec["memory"]["peak_bytes"] > 2**30  # ResNet-50 at batch 256
-    assert 2**30 < rec["memory"]["steady_peak_bytes"] <= rec["memory"]["peak_bytes"]  # from the end of the 10 warm-up steps
-    assert rec["throughput"]["unit"] == "images/s" and rec["throughput"]["windows"] == 3 and rec["throughput"]["pipeline"] > 0
-    assert rec["flops"]["per_sample"] == pytest.approx(3 * 2 * 4.1e9, rel=0.1)  # forward and backward (twice the forward) of 4.1 G multiply-adds
+    assert (
+        rec["memory"]["kind"] == "cuda_max_memory_allocated" and rec["memory"]["peak_bytes"] > 2**30
+    )  # ResNet-50 at batch 256
+    assert (
+        2**30 < rec["memory"]["steady_peak_bytes"] <= rec["memory"]["peak_bytes"]
+    )  # from the end of the 10 warm-up steps
+    assert (
+        rec["throughput"]["unit"] == "images/s"
+        and rec["throughput"]["windows"] == 3
+        and rec["throughput"]["pipeline"] > 0
+    )
+    assert rec["flops"]["per_sample"] == pytest.approx(
+        3 * 2 * 4.1e9, rel=0.1
+    )  # forward and backward (twice the forward) of 4.1 G multiply-adds
     assert 0 < rec["mfu"]["value"] < 1 and rec["mfu"]["math"] == "fp16"
-    assert "H100" in rec["environment"]["device_name"] or "H200" in rec["environment"]["device_name"] or rec["mfu"].get("why")
+    assert (
+        "H100" in rec["environment"]["device_name"]
+        or "H200" in rec["environment"]["device_name"]
+        or rec["mfu"].get("why")
+    )
 
 
 RESUME_CASES = [
@@ -248,7 +292,9 @@ def cuda_resume_args(model: str, precision: str, scale: str, extra: list[str]) -
 
 
 @pytest.mark.parametrize("model,precision,scale,extra", RESUME_CASES, ids=[f"{m}-{p}" for m, p, _, _ in RESUME_CASES])
-def test_a_stopped_and_rebuilt_run_on_cuda_matches_an_uninterrupted_one(tmp_path, in_process, model, precision, scale, extra):
+def test_a_stopped_and_rebuilt_run_on_cuda_matches_an_uninterrupted_one(
+    tmp_path, in_process, model, precision, scale, extra
+):
     args = cuda_resume_args(model, precision, scale, extra)
     reference, stopped = tmp_path / "reference", tmp_path / "stopped"
     assert build_run(reference, *args).execute().status == "ok"
@@ -267,11 +313,15 @@ def test_a_stopped_and_rebuilt_run_on_cuda_matches_an_uninterrupted_one(tmp_path
 @pytest.mark.parametrize("precision", MODES)
 def test_every_paper_model_trains_in_every_mode_on_cuda(tmp_path, in_process, model, precision):
     cfg = compose_cfg(f"model={model}", f"precision={precision}")
-    if Update(cfg.precision.update_rule) != Update.optimizer and cfg.optim.name != "sgd":  # pure FP16's update is momentum SGD
+    if (
+        Update(cfg.precision.update_rule) != Update.optimizer and cfg.optim.name != "sgd"
+    ):  # pure FP16's update is momentum SGD
         with pytest.raises(ConfigError, match=f"cannot run optim.name={cfg.optim.name}"):
             build_run(tmp_path, f"model={model}", f"precision={precision}", "device=cuda")
         return
-    run = build_run(tmp_path, f"model={model}", f"precision={precision}", "schedule=smoke", "device=cuda", "checkpoint=false")
+    run = build_run(
+        tmp_path, f"model={model}", f"precision={precision}", "schedule=smoke", "device=cuda", "checkpoint=false"
+    )
     assert run.execute().status == "ok"
     rec = read_record(tmp_path)
     assert rec["environment"]["device_name"].startswith("NVIDIA") and finite_losses(rec), rec.get("final_train_loss")
@@ -286,7 +336,9 @@ def test_two_deterministic_runs_on_cuda_are_identical(tmp_path, in_process, mode
     for name in ("a", "b"):
         assert build_run(tmp_path / name, *args).execute().status == "ok"
     a, b = read_record(tmp_path / "a"), read_record(tmp_path / "b")
-    assert (a["metrics"], a["final_train_loss"]) == (b["metrics"], b["final_train_loss"]), f"ops without a deterministic kernel: {a['nondeterministic_ops']}"
+    assert (a["metrics"], a["final_train_loss"]) == (b["metrics"], b["final_train_loss"]), (
+        f"ops without a deterministic kernel: {a['nondeterministic_ops']}"
+    )
 
 
 def train_rows(run_dir: Path) -> list[dict]:
@@ -296,8 +348,9 @@ def train_rows(run_dir: Path) -> list[dict]:
 def test_cuda_graphs_with_the_dynamic_scaler_skipping_steps(tmp_path, in_process):
     """compile.mode=reduce-overhead replays CUDA graphs; a step the scaler skips must leave the
     weights as they were and the graphs must go on, as in the eager run."""
-    args = [TINY, "precision=mixed", "scale=dynamic", "scale.init=16777216", "scale.interval=4", "schedule=smoke", "schedule.steps=12",
-            "schedule.log_every=1", "device=cuda", "checkpoint=false", "deterministic=false"]  # fmt: skip
+    args = [TINY, "precision=mixed", "scale=dynamic", "scale.init=16777216", "scale.interval=4", "schedule=smoke",
+            "schedule.steps=12", "schedule.log_every=1", "device=cuda", "checkpoint=false",
+            "deterministic=false"]  # fmt: skip
     assert build_run(tmp_path / "eager", *args).execute().status == "ok"
     # Counting FLOPs on the first step as schedule=bench does: on torch 2.11 that once left the networks
     # uncompiled for the whole run (results/gpu-h100-loan3/options).

@@ -13,7 +13,9 @@ from mpt.precision.grad_histogram import GradHistogram, kept_share
 
 
 def test_hand_made_values_land_in_their_buckets():
-    values = torch.tensor([0.0, -0.0, 2.0**-30, -(2.0**-20), 1.0, -3.0, 70000.0, float("inf"), float("nan"), 2.0**-149, 3e-8, 65510.0])
+    values = torch.tensor(
+        [0.0, -0.0, 2.0**-30, -(2.0**-20), 1.0, -3.0, 70000.0, float("inf"), float("nan"), 2.0**-149, 3e-8, 65510.0]
+    )
     h = GradHistogram()
     h.add(values[:5])  # in two calls: counts accumulate
     h.add(values[5:])
@@ -27,7 +29,12 @@ def test_hand_made_values_land_in_their_buckets():
     assert s["share_zero"] == 2 / 10
     assert s["max_abs"] == 70000.0 and s["max_safe_scale"] == 0.5  # 70000 * 0.5 < 65504 < 70000
     assert s["recommended_scale"] is None  # keeping 80% needs 2^5, and the largest value already overflows
-    assert [v for v in values.tolist() if v == v and abs(v) != float("inf") and values.new_tensor(v).half() == 0] == [0.0, -0.0, 2.0**-30, 2.0**-149]
+    assert [v for v in values.tolist() if v == v and abs(v) != float("inf") and values.new_tensor(v).half() == 0] == [
+        0.0,
+        -0.0,
+        2.0**-30,
+        2.0**-149,
+    ]
 
 
 def test_the_largest_safe_scale_stops_where_fp16_rounds_to_inf():
@@ -55,9 +62,17 @@ def test_shares_match_direct_comparisons_on_random_gradients(monkeypatch):
     assert s["nonzero"] == nz.numel() and s["zeros"] == 5000
     # What a cast to FP16 really does: what it turns to zero and to inf.
     half = nz.float().half()
-    assert s["share_lost_fp16"] == pytest.approx(float((half == 0).double().mean()), abs=1e-12) and s["share_lost_fp16"] > 0.01
-    assert s["share_overflow_fp16"] == pytest.approx(float(half.isinf().double().mean()), abs=1e-12) and s["share_overflow_fp16"] > 0
-    assert s["share_subnormal_fp16"] == pytest.approx(float(((nz >= 2**-25) & (nz < 2**-14)).double().mean()), abs=1e-12)
+    assert (
+        s["share_lost_fp16"] == pytest.approx(float((half == 0).double().mean()), abs=1e-12)
+        and s["share_lost_fp16"] > 0.01
+    )
+    assert (
+        s["share_overflow_fp16"] == pytest.approx(float(half.isinf().double().mean()), abs=1e-12)
+        and s["share_overflow_fp16"] > 0
+    )
+    assert s["share_subnormal_fp16"] == pytest.approx(
+        float(((nz >= 2**-25) & (nz < 2**-14)).double().mean()), abs=1e-12
+    )
 
 
 @pytest.mark.parametrize("keep", [0.99, 0.999])
@@ -72,7 +87,10 @@ def test_the_recommended_scale_keeps_the_stated_share_and_half_of_it_does_not(ke
     kept = lambda sc: float(((values * sc).half() != 0).double().mean())  # noqa: E731  (exact: sc is a power of two)
     assert kept(scale) >= keep > kept(scale / 2)
     assert kept_share(h.bins, int(math.log2(scale))) == pytest.approx(kept(scale), abs=1e-12)
-    assert scale <= s["max_safe_scale"] and float(values.max()) * s["max_safe_scale"] < 65520 <= float(values.max()) * 2 * s["max_safe_scale"]
+    assert (
+        scale <= s["max_safe_scale"]
+        and float(values.max()) * s["max_safe_scale"] < 65520 <= float(values.max()) * 2 * s["max_safe_scale"]
+    )
 
 
 def test_a_channels_last_gradient_is_counted_without_a_copy():

@@ -62,7 +62,9 @@ def test_counts_are_the_unscaled_activation_and_weight_gradients_autograd_comput
     assert weights == {"0": hist_of(gw0, gb0), "1": hist_of(gw1, gb1), "3": hist_of(gw3, gb3)}
     assert acts["1"]["zeros"] > 0 and hist_of(g_a)["zeros"] == 0  # BN's output (ReLU's mask applied), not the ReLU's
     total = c.summary()["networks"]["model"]["activation"]["total"]
-    assert total["nonzero"] == sum(a["nonzero"] for a in acts.values()) and total["zeros"] == sum(a["zeros"] for a in acts.values())
+    assert total["nonzero"] == sum(a["nonzero"] for a in acts.values()) and total["zeros"] == sum(
+        a["zeros"] for a in acts.values()
+    )
     assert c.summary()["loss_scales"] == {"model": [S]} and c.summary()["sampled_steps"] == [0]
 
 
@@ -160,7 +162,10 @@ def test_runs_count_unscaled_gradients_in_any_precision_and_the_report_draws_the
         cwd=ROOT,
     )
     assert r.returncode == 0, r.stderr[-2000:]
-    recs = {(rec["choices"]["precision"], rec["choices"]["scale"]): rec for rec in map(read_record, (p.parent for p in sweep.rglob("result.json")))}
+    recs = {
+        (rec["choices"]["precision"], rec["choices"]["scale"]): rec
+        for rec in map(read_record, (p.parent for p in sweep.rglob("result.json")))
+    }
     assert len(recs) == 4
     for rec in recs.values():
         g = rec["grad_stats"]
@@ -169,14 +174,20 @@ def test_runs_count_unscaled_gradients_in_any_precision_and_the_report_draws_the
         # Steps 1, 3 and 4, 6 fill two windows of two: the sampled steps 2 and 5 are left out of
         # them (discarding the windows they fall in would leave one).
         assert rec["throughput"]["windows"] == 2
-        for net, count in [("generator", 9), ("discriminator", 8)]:  # G: 5 transposed convolutions, 4 batch-norms; D: 5 and 3
+        for net, count in [
+            ("generator", 9),
+            ("discriminator", 8),
+        ]:  # G: 5 transposed convolutions, 4 batch-norms; D: 5 and 3
             for kind in ("activation", "weight"):
                 assert len(g["networks"][net][kind]["layers"]) == count, (net, kind)
         lost = g["lost_updates"]["networks"]
         for net, count in [("generator", 9), ("discriminator", 8)]:
             assert len(lost[net]["layers"]) == count and [s["step"] for s in lost[net]["steps"]] == [2, 5]
             assert lost[net]["counted"] == "would_be_lost"
-            assert lost[net]["total"]["updated"] > 0 and 0 <= lost[net]["total"]["lost_fp16"] <= lost[net]["total"]["updated"]
+            assert (
+                lost[net]["total"]["updated"] > 0
+                and 0 <= lost[net]["total"]["lost_fp16"] <= lost[net]["total"]["updated"]
+            )
     plain, scaled = recs[("fp32", "none")]["grad_stats"], recs[("fp32", "static")]["grad_stats"]
     assert scaled["loss_scales"] == {"discriminator": [8.0, 8.0], "generator": [8.0, 8.0]}
     assert scaled["networks"] == plain["networks"]
@@ -186,9 +197,13 @@ def test_runs_count_unscaled_gradients_in_any_precision_and_the_report_draws_the
     build_report([sweep], out, None)
     table = (out / "tables" / "gradient_stats.md").read_text()
     assert table.count("| activation |") == 8 and table.count("| weight |") == 8
-    figs = sorted(p.name for p in (out / "figures").glob("grads_*.png") if not p.name.startswith("grads_over_training_"))
+    figs = sorted(
+        p.name for p in (out / "figures").glob("grads_*.png") if not p.name.startswith("grads_over_training_")
+    )
     assert len(figs) == 16 and all((out / "figures" / f).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for f in figs)
-    over_training = list((out / "figures").glob("grads_over_training_*.png"))  # 4 modes x 2 networks x 2 kinds, 2 sampled steps each
+    over_training = list(
+        (out / "figures").glob("grads_over_training_*.png")
+    )  # 4 modes x 2 networks x 2 kinds, 2 sampled steps each
     assert len(over_training) == 16 and all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in over_training)
     csv = (out / "tables" / "gradient_stats.csv").read_text().splitlines()
     assert len(csv) == 17 and "share_lost_fp16" in csv[0]
@@ -203,7 +218,10 @@ def test_runs_count_unscaled_gradients_in_any_precision_and_the_report_draws_the
     # Each sampled step's lr is the one its training-log line says it ran with, whatever the record's
     # own field holds (older records hold the rate after the step): planted here as 999.
     (path,) = [
-        p for p in sweep.rglob("result.json") if (read_record(p.parent)["choices"]["precision"], read_record(p.parent)["choices"]["scale"]) == ("mixed", "none")
+        p
+        for p in sweep.rglob("result.json")
+        if (read_record(p.parent)["choices"]["precision"], read_record(p.parent)["choices"]["scale"])
+        == ("mixed", "none")
     ]
     rec = json.loads(path.read_text())
     for lost in rec["grad_stats"]["lost_updates"]["networks"].values():
@@ -214,7 +232,9 @@ def test_runs_count_unscaled_gradients_in_any_precision_and_the_report_draws_the
     by_step = pd.read_csv(out / "tables" / "lost_updates_by_step.csv")
     assert len(by_step) == 16 and 999.0 not in set(by_step.lr)  # 4 runs x 2 networks x 2 sampled steps
     logged = {
-        (row["group"], row["step"]): row["lr"] for row in map(json.loads, (path.parent / "metrics.jsonl").read_text().splitlines()) if row["kind"] == "train"
+        (row["group"], row["step"]): row["lr"]
+        for row in map(json.loads, (path.parent / "metrics.jsonl").read_text().splitlines())
+        if row["kind"] == "train"
     }
     mine = by_step[by_step.run_dir.str.endswith(path.parent.name)]
     assert len(mine) == 4 and all(logged[(r.network, r.step)] == r.lr for r in mine.itertuples())
@@ -234,7 +254,9 @@ def test_a_sampled_step_is_left_out_of_its_throughput_window(monkeypatch):
 
 
 def engine_for(model: nn.Module, precision: str, lr_milestones: tuple[int, ...] = ()) -> PrecisionEngine:
-    cfg = compose_cfg(f"precision={precision}", "schedule.batch_size=256", "optim.lr=0.1", "optim.momentum=0", "optim.weight_decay=0")
+    cfg = compose_cfg(
+        f"precision={precision}", "schedule.batch_size=256", "optim.lr=0.1", "optim.momentum=0", "optim.weight_decay=0"
+    )
     return PrecisionEngine(model, cfg, build_scaler(cfg), list(lr_milestones), CPU)
 
 
@@ -246,7 +268,9 @@ def test_lost_updates_are_counted_per_layer_on_sampled_steps_only():
     step is labelled with the lr it ran with."""
     nets = {"model": net(), "fp16": net()}
     engines = {name: engine_for(m, precision, (2,)) for (name, m), precision in zip(nets.items(), ["fp32", "fp16"])}
-    c = GradStatsCollector(OmegaConf.create({"grad_hist": False, "lost_updates": True, "every": 2, "keep": 0.999}), nets, CPU)
+    c = GradStatsCollector(
+        OmegaConf.create({"grad_hist": False, "lost_updates": True, "every": 2, "keep": 0.999}), nets, CPU
+    )
     g = torch.Generator().manual_seed(3)
     oracle = {name: {} for name in nets}
     for step in range(2):
@@ -254,14 +278,20 @@ def test_lost_updates_are_counted_per_layer_on_sampled_steps_only():
             for name, model in nets.items():
                 params = list(model.parameters())
                 for p in params:  # gradients that make updates of 2^-16 to 2^-6
-                    p.grad = (torch.randn(p.shape, generator=g) * 2.0 ** torch.randint(-16, -6, p.shape, generator=g) * 10).to(p.dtype)
+                    p.grad = (
+                        torch.randn(p.shape, generator=g) * 2.0 ** torch.randint(-16, -6, p.shape, generator=g) * 10
+                    ).to(p.dtype)
                 before = [p.detach().clone() for p in params]
                 grads = [p.grad.float().numpy() for p in params]
                 with c.update(name, engines[name]):
                     engines[name].step()
                 for p, b, gr in zip(params, before, grads) if step == 1 else []:
                     w16 = b.half().numpy()
-                    u = (p.detach().double() - b.double()).numpy().astype(np.float32) if name == "model" else -np.float32(0.1) * gr
+                    u = (
+                        (p.detach().double() - b.double()).numpy().astype(np.float32)
+                        if name == "model"
+                        else -np.float32(0.1) * gr
+                    )
                     lost = (u != 0) & (np.float16(w16.astype(np.float32) + u) == w16)  # added in FP32, rounded once
                     layer = c.layer_of[name][id(p)]
                     prev = oracle[name].get(layer, (0, 0))
@@ -347,12 +377,21 @@ def test_an_atlas_run_writes_it_into_the_record(tmp_path, in_process):
     table = (tmp_path / "report" / "tables" / "atlas.md").read_text()
     assert "| model | input | mxfp4 |" in table and "(block)" in table and "(per-tensor)" in table
     # the glance table above it: a row per role, a column per format in the order asked for
-    assert "| mode | seed | step | network | role | bf16 | e5m2 | mxfp4 |" in table and "| model | weight | 0 | " in table
+    assert (
+        "| mode | seed | step | network | role | bf16 | e5m2 | mxfp4 |" in table and "| model | weight | 0 | " in table
+    )
     heatmaps = sorted(p.name for p in written if p.name.startswith("atlas_") and not p.name.startswith("atlas_hist_"))
     assert len(heatmaps) == 3 and all(f"atlas_{f}_" in " ".join(heatmaps) for f in ("bf16", "e5m2", "mxfp4"))
-    histograms = sorted(p.name for p in written if p.name.startswith("atlas_hist_"))  # one per role, a panel per scalar format
-    assert len(histograms) == 4 and all(f"atlas_hist_{role}_" in " ".join(histograms) for role in ("input", "weight", "activation_grad", "weight_grad"))
-    assert set(total["input"]["log2_bins"]) and total["input"]["zeros"] >= 0  # the totals keep their histogram for these
+    histograms = sorted(
+        p.name for p in written if p.name.startswith("atlas_hist_")
+    )  # one per role, a panel per scalar format
+    assert len(histograms) == 4 and all(
+        f"atlas_hist_{role}_" in " ".join(histograms)
+        for role in ("input", "wt", "act_grad", "wt_grad")  # naming.py
+    )
+    assert (
+        set(total["input"]["log2_bins"]) and total["input"]["zeros"] >= 0
+    )  # the totals keep their histogram for these
 
 
 def test_a_bad_atlas_format_is_named_before_the_run():

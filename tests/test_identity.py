@@ -6,7 +6,15 @@ import pytest
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from mpt.config import as_plain
-from mpt.runner.identity import MAX_NAME, computational_key, folder_name, same_computation, short_variant, variant, variant_parts
+from mpt.runner.identity import (
+    MAX_NAME,
+    computational_key,
+    folder_name,
+    same_computation,
+    short_variant,
+    variant,
+    variant_parts,
+)
 
 from .conftest import compose_cfg
 
@@ -27,7 +35,15 @@ DCGAN = [
 
 def variant_of(*overrides: str) -> str:
     parsed = OverridesParser.create().parse_overrides(list(overrides))
-    return variant(((("~" if o.is_delete() else "+" if o.is_add() else "") + o.key_or_group, None if o.is_delete() else str(o.value())) for o in parsed))
+    return variant(
+        (
+            (
+                ("~" if o.is_delete() else "+" if o.is_add() else "") + o.key_or_group,
+                None if o.is_delete() else str(o.value()),
+            )
+            for o in parsed
+        )
+    )
 
 
 def test_a_run_without_overrides_is_named_by_its_choices_alone():
@@ -55,9 +71,19 @@ def test_distinct_computations_have_distinct_folders_and_a_relaunch_the_same_one
 
 
 def test_settings_that_drive_or_log_a_run_neither_name_it_nor_make_it_another_run():
-    assert variant_of(*DCGAN) == variant_of(*DCGAN, "schedule.log_every=3", "schedule.throughput_window=2", "device=cpu", "force=true")
+    assert variant_of(*DCGAN) == variant_of(
+        *DCGAN, "schedule.log_every=3", "schedule.throughput_window=2", "device=cpu", "force=true"
+    )
     assert "checkpoint_every" not in variant_of(*DCGAN)
-    for key in ["schedule.log_every", "schedule.checkpoint_every", "schedule.throughput_warmup", "resume", "checkpoint", "hydra.run.dir", "experiment"]:
+    for key in [
+        "schedule.log_every",
+        "schedule.checkpoint_every",
+        "schedule.throughput_warmup",
+        "resume",
+        "checkpoint",
+        "hydra.run.dir",
+        "experiment",
+    ]:
         assert not computational_key(key), key
     for key in ["schedule.steps", "optim.lr", "data.root", "+model.extra", "~stats"]:
         assert computational_key(key), key

@@ -105,7 +105,10 @@ def test_fewer_images_than_a_batch_is_rejected(tmp_path):
 def test_a_corrupt_image_fails_the_run_naming_it_and_the_sweep_goes_on(tmp_path):
     from .conftest import ROOT, TINY, mpt_run, read_record
 
-    bad, good = make_folder(tmp_path / "bad", per_class=4, size=32), make_folder(tmp_path / "good", per_class=4, size=32)
+    bad, good = (
+        make_folder(tmp_path / "bad", per_class=4, size=32),
+        make_folder(tmp_path / "good", per_class=4, size=32),
+    )
     corrupt = bad / "train" / "dog" / "2.jpg"
     corrupt.write_bytes(b"\xff\xd8\xff\xe0 not a jpeg")
     r = mpt_run(
@@ -122,7 +125,10 @@ def test_a_corrupt_image_fails_the_run_naming_it_and_the_sweep_goes_on(tmp_path)
         cwd=ROOT,
     )
     assert r.returncode == 0, r.stderr[-2000:]
-    records = {rec["config"]["data"]["root"]: rec for rec in (read_record(p.parent) for p in (tmp_path / "runs").glob("*/result.json"))}
+    records = {
+        rec["config"]["data"]["root"]: rec
+        for rec in (read_record(p.parent) for p in (tmp_path / "runs").glob("*/result.json"))
+    }
     assert records[str(bad)]["status"] == "error"
     assert records[str(bad)]["message"].startswith(f"mpt.datasets.imagefolder.CorruptImage: corrupt image {corrupt}")
     assert "\n" not in records[str(bad)]["message"]

@@ -50,7 +50,14 @@ class LoggedRun(Run):
 
 
 def run(tmp_path, steps: int) -> LoggedRun:
-    cfg = compose_cfg(TINY, "schedule=smoke", f"schedule.steps={steps}", "schedule.batch_size=4", "stats.grad_hist=true", "stats.every=2")
+    cfg = compose_cfg(
+        TINY,
+        "schedule=smoke",
+        f"schedule.steps={steps}",
+        "schedule.batch_size=4",
+        "stats.grad_hist=true",
+        "stats.every=2",
+    )
     validate(cfg)
     return LoggedRun(cfg, tmp_path)
 

@@ -28,7 +28,14 @@ from mpt.runner.validation import validate
 
 from .conftest import CPU, build_run, compose_cfg, mpt_run, read_record, shared_data
 
-TINY = ["model=biglstm_tiny", "model.hidden_size=32", "model.proj_size=8", "model.num_sampled=64", "model.bptt=5", "schedule=smoke"]
+TINY = [
+    "model=biglstm_tiny",
+    "model.hidden_size=32",
+    "model.proj_size=8",
+    "model.num_sampled=64",
+    "model.bptt=5",
+    "schedule=smoke",
+]
 
 
 def tiny_cfg(*extra: str):
@@ -47,7 +54,9 @@ def test_sampled_softmax_with_every_class_sampled_is_the_full_cross_entropy():
     # Every class a candidate once, with the same expected count: the correction cancels, the
     # target's own candidate column is an accidental hit, and what is left is the full softmax.
     for log_count in (0.0, 2.5):
-        loss = sampled_softmax_loss(true, logits, targets, candidates, torch.full((n,), log_count), torch.full((vocab,), log_count))
+        loss = sampled_softmax_loss(
+            true, logits, targets, candidates, torch.full((n,), log_count), torch.full((vocab,), log_count)
+        )
         assert torch.allclose(loss.double(), F.cross_entropy(logits, targets, reduction="none"), atol=1e-5)
 
 
@@ -117,7 +126,10 @@ def test_streams_are_shifted_windows_of_shuffled_sentences_and_resume_exactly():
     assert len(resumed) == len(second) - 3 and all(torch.equal(a, b) for a, b in zip(resumed, second[3:]))
     assert not torch.equal(second[0], windows[0][0])
     s = Sentences.of([np.array([5, 6]), np.array([7])])
-    assert s.stream(np.array([1, 0])).tolist() == [7, EOS, 5, 6, EOS] and rows_of(np.arange(7), 2).tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert s.stream(np.array([1, 0])).tolist() == [7, EOS, 5, 6, EOS] and rows_of(np.arange(7), 2).tolist() == [
+        [0, 1, 2],
+        [3, 4, 5],
+    ]
 
 
 def test_the_state_carries_from_one_window_to_the_next():
@@ -196,9 +208,10 @@ def test_validation_and_test_perplexity_of_the_same_weights_agree(tmp_path):
         lines = (" ".join(f"w{t}" for t in source.sentence()) for _ in range(n))
         (tmp_path / f"{split}.txt").write_text("\n".join(line for line in lines if line) + "\n")
     for mode in ["carried", "sentence"]:
-        run = build_run(tmp_path / mode, *TINY, "data=text_corpus", f"data.root={tmp_path}", "data.train_split=train.txt",
-                        "data.val_split=valid.txt", "data.test_split=test.txt", "schedule.batch_size=16", "schedule.steps=150",
-                        "schedule.eval_every=null", "schedule.eval_batches=null", "checkpoint=false", "logger=none",
+        run = build_run(tmp_path / mode, *TINY, "data=text_corpus", f"data.root={tmp_path}",
+                        "data.train_split=train.txt", "data.val_split=valid.txt", "data.test_split=test.txt",
+                        "schedule.batch_size=16", "schedule.steps=150", "schedule.eval_every=null",
+                        "schedule.eval_batches=null", "checkpoint=false", "logger=none",
                         f"model.eval_state={mode}")  # fmt: skip
         rec = run.execute()
         assert rec.status == "ok", rec.message
@@ -214,7 +227,9 @@ def test_the_true_logit_as_a_product_is_the_diagonal_of_the_quantized_logits():
     nets = {}
     for true_logit in ("dot", "product"):
         torch.manual_seed(0)
-        nets[true_logit] = BigLSTM(tiny_cfg("model.dropout=0", f"model.true_logit={true_logit}").model, vocab=40, batch_size=3)
+        nets[true_logit] = BigLSTM(
+            tiny_cfg("model.dropout=0", f"model.true_logit={true_logit}").model, vocab=40, batch_size=3
+        )
     x, y = torch.randint(0, 40, (3, 5)), torch.randint(0, 40, (3, 5))
     flat = y.reshape(-1)  # the targets as the candidates: the sampled logits are the full (N x N) product
 
@@ -230,7 +245,9 @@ def test_the_true_logit_as_a_product_is_the_diagonal_of_the_quantized_logits():
     (dot, dot_full), (product, product_full) = logits(nets["dot"]), logits(nets["product"])
     assert torch.equal(dot_full, product_full)
     assert torch.allclose(product, product_full.diagonal(), rtol=1e-6, atol=1e-6)
-    assert (dot - dot_full.diagonal()).abs().max() > 0.05 * dot.abs().max()  # FP4's rounding, which the dot product escapes
+    assert (
+        dot - dot_full.diagonal()
+    ).abs().max() > 0.05 * dot.abs().max()  # FP4's rounding, which the dot product escapes
 
 
 def test_paper_size_is_jozefowicz_big_lstm():
@@ -241,13 +258,19 @@ def test_paper_size_is_jozefowicz_big_lstm():
     assert 1.75e9 < params < 1.85e9  # Jozefowicz et al., Table 1: "LSTM-8192-1024", 1.8B parameters
     assert (m.hidden_size, m.proj_size, m.layers, m.num_sampled, m.static_scale) == (8192, 1024, 2, 8192, 128)
     cfg = compose_cfg("model=biglstm", "schedule=paper")
-    assert (cfg.optim.name, cfg.optim.lr, cfg.optim.lr_batch, cfg.optim.initial_accumulator, cfg.optim.clip_grad_norm) == ("adagrad", 0.2, None, 1.0, 10.0)
+    assert (
+        cfg.optim.name,
+        cfg.optim.lr,
+        cfg.optim.lr_batch,
+        cfg.optim.initial_accumulator,
+        cfg.optim.clip_grad_norm,
+    ) == ("adagrad", 0.2, None, 1.0, 10.0)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])  # torch's SGD on FP32 weights; the FP16 update of FP16 weights
 def test_gradients_embedding_weighting_and_lstm_only_clipping(precision):
-    cfg = tiny_cfg("model.dropout=0", "optim.name=sgd", "optim.momentum=0", "optim.weight_decay=0", "optim.lr=1.0", "optim.lr_batch=null",
-                   "optim.clip_grad_norm=1e-3", f"precision={precision}")  # fmt: skip
+    cfg = tiny_cfg("model.dropout=0", "optim.name=sgd", "optim.momentum=0", "optim.weight_decay=0", "optim.lr=1.0",
+                   "optim.lr_batch=null", "optim.clip_grad_norm=1e-3", f"precision={precision}")  # fmt: skip
     torch.manual_seed(0)
     task = LanguageModel(cfg.model, {"vocab_size": 20}, batch_size=3)  # the task names what clipping covers
     net = task.net
@@ -256,8 +279,13 @@ def test_gradients_embedding_weighting_and_lstm_only_clipping(precision):
     emb = net.embedding.weight.grad.clone()
     net.embedding.weight.grad = None
     net.carry_h.zero_(), net.carry_c.zero_()
-    unhooked = net.embedding.weight.detach().clone().requires_grad_()  # the hook sits on the parameter, not on this copy
-    plain = torch.autograd.grad(torch.func.functional_call(net, {"embedding.weight": unhooked}, ("train", x, y, torch.arange(20)))[0].sum(), unhooked)[0]
+    unhooked = (
+        net.embedding.weight.detach().clone().requires_grad_()
+    )  # the hook sits on the parameter, not on this copy
+    plain = torch.autograd.grad(
+        torch.func.functional_call(net, {"embedding.weight": unhooked}, ("train", x, y, torch.arange(20)))[0].sum(),
+        unhooked,
+    )[0]
     assert torch.allclose(emb, 3 * plain) and emb.abs().max() > 0  # f-lm: embedding gradients times the batch size
 
     engine = PrecisionEngine(net, cfg, build_scaler(cfg), [], CPU, clipped=task.clipped_parameters("model"))
@@ -270,12 +298,16 @@ def test_gradients_embedding_weighting_and_lstm_only_clipping(precision):
     norm = torch.linalg.vector_norm(torch.stack([grads[n].float().norm() for n in lstm]))
     for n, p in net.named_parameters():
         factor = 1e-3 / (norm + 1e-6) if n.startswith("lstm.") else 1.0  # only the LSTM's gradients are clipped
-        expected = (before[n].float() - factor * grads[n].float()).to(p.dtype)  # (the FP16 update rounds once, on store)
+        expected = (before[n].float() - factor * grads[n].float()).to(
+            p.dtype
+        )  # (the FP16 update rounds once, on store)
         assert torch.allclose(p.detach().float(), expected.float(), atol=1e-6 if precision == "fp32" else 1e-3), n
 
 
 def test_a_vocabulary_file_and_its_markers(tmp_path):
-    (tmp_path / "train.txt").write_text("the cat sat\nthe dog\u00a0barked\n" * 10)  # a no-break space stays inside its token
+    (tmp_path / "train.txt").write_text(
+        "the cat sat\nthe dog\u00a0barked\n" * 10
+    )  # a no-break space stays inside its token
     (tmp_path / "valid.txt").write_text("the cat barked\n" * 20)
     (tmp_path / "vocab.txt").write_text("<S>\n</S>\n<UNK>\nthe 3\ncat\n")  # One Billion Word's spelling
     base = [
@@ -292,7 +324,9 @@ def test_a_vocabulary_file_and_its_markers(tmp_path):
     counted = build_data(tiny_cfg(*base), CPU)
     assert counted.info["vocab_size"] == 2 + 4  # the, cat, sat and "dog\u00a0barked" as one word
     (tmp_path / "short.txt").write_text("the\n")  # 2 tokens with its </s>: too few for 2 rows of 2
-    with pytest.raises(ConfigError, match="data.test_split: its 2 tokens do not give each of schedule.batch_size=2 rows two tokens"):
+    with pytest.raises(
+        ConfigError, match="data.test_split: its 2 tokens do not give each of schedule.batch_size=2 rows two tokens"
+    ):
         build_data(tiny_cfg(*base, "data.test_split=short.txt"), CPU)
     (tmp_path / "vocab.txt").write_text("the\ncat\nthe\n")
     with pytest.raises(ConfigError, match="the token 'the' is listed twice"):
@@ -321,8 +355,9 @@ def test_an_empty_corpus_file_is_named_as_empty(tmp_path, split, text):
 
 def ptb(*extra: str):
     root = shared_data("ptb")
-    return tiny_cfg("data=text_corpus", f"data.root={root}", "data.train_split=ptb.train.txt*", "data.val_split=ptb.valid.txt*",
-                    "data.test_split=ptb.test.txt*", "data.min_count=1", "schedule.batch_size=32", *extra)  # fmt: skip
+    return tiny_cfg("data=text_corpus", f"data.root={root}", "data.train_split=ptb.train.txt*",
+                    "data.val_split=ptb.valid.txt*", "data.test_split=ptb.test.txt*", "data.min_count=1",
+                    "schedule.batch_size=32", *extra)  # fmt: skip
 
 
 def test_ptb_reads_its_standard_vocabulary():
@@ -342,7 +377,10 @@ def test_ptb_reads_its_standard_vocabulary():
         (["data.val_split=heldout-*"], "data.val_split=heldout-*: matches no file under"),
         (["data.vocab_file=/nonexistent/vocab.txt"], "data.vocab_file=/nonexistent/vocab.txt: no such file"),
         (["schedule.batch_size=100000"], "schedule.batch_size=100000"),
-        (["schedule.batch_size=50000"], "data.val_split: its 73760 tokens do not give each of schedule.batch_size=50000 rows two tokens"),
+        (
+            ["schedule.batch_size=50000"],
+            "data.val_split: its 73760 tokens do not give each of schedule.batch_size=50000 rows two tokens",
+        ),
         (["data.max_vocab=2"], "data.max_vocab=2: needs at least 3"),
     ],
 )
@@ -362,7 +400,10 @@ def test_bad_text_corpus_is_one_line_naming_the_problem(overrides, named):
         (["precision=fp16"], "cannot run optim.name=adagrad; use optim.name=sgd, or precision=mixed"),
         (["data=text_corpus"], "data.root is not set"),
         (["data.sentence_end_prob=1.5"], "data.sentence_end_prob=1.5"),
-        (["data=parallel_text", "data.root=/x"], "data=parallel_text has no language_model data for model=biglstm_tiny"),
+        (
+            ["data=parallel_text", "data.root=/x"],
+            "data=parallel_text has no language_model data for model=biglstm_tiny",
+        ),
     ],
 )
 def test_bad_language_model_config_is_rejected_naming_the_key(overrides, named):
@@ -374,30 +415,48 @@ def test_bad_language_model_config_is_rejected_naming_the_key(overrides, named):
 @pytest.mark.slow
 def test_every_precision_mode_runs_the_language_model_end_to_end(tmp_path):
     modes = ["fp32", "tf32", "fp16", "mixed", "fp16_modmom", "amp", "bf16"]
-    result = mpt_run("-m", *TINY, "optim.name=sgd", "optim.lr=0.5", "scale=static", "checkpoint=false", f"precision={','.join(modes)}",
-                     f"hydra.sweep.dir={tmp_path}", cwd=tmp_path)  # fmt: skip
+    result = mpt_run("-m", *TINY, "optim.name=sgd", "optim.lr=0.5", "scale=static", "checkpoint=false",
+                     f"precision={','.join(modes)}", f"hydra.sweep.dir={tmp_path}", cwd=tmp_path)  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
-    records = {r["choices"]["precision"]: r for r in (json.loads(p.read_text()) for p in tmp_path.glob("*/result.json"))}
+    records = {
+        r["choices"]["precision"]: r for r in (json.loads(p.read_text()) for p in tmp_path.glob("*/result.json"))
+    }
     assert sorted(records) == sorted(modes)
     for mode, rec in records.items():
         assert rec["status"] == "ok", (mode, rec["message"])
-        assert math.isfinite(rec["final_train_loss"]) and rec["metrics"]["ppl"] > 1 and rec["throughput"]["unit"] == "words/s"
+        assert (
+            math.isfinite(rec["final_train_loss"])
+            and rec["metrics"]["ppl"] > 1
+            and rec["throughput"]["unit"] == "words/s"
+        )
         assert rec["data"]["ppl_floor"] > 1
     adagrad = tmp_path / "adagrad"  # bigLSTM's own optimizer in the modes paper_lm runs, with a dynamic scale
-    result = mpt_run("-m", *TINY, "scale=dynamic", "checkpoint=false", "precision=mixed,amp", f"hydra.sweep.dir={adagrad}", cwd=tmp_path)
+    result = mpt_run(
+        "-m",
+        *TINY,
+        "scale=dynamic",
+        "checkpoint=false",
+        "precision=mixed,amp",
+        f"hydra.sweep.dir={adagrad}",
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     for rec in (json.loads(p.read_text()) for p in adagrad.glob("*/result.json")):
-        assert rec["status"] == "ok" and rec["optim"]["name"] == "adagrad" and math.isfinite(rec["last_finite_train_loss"])
+        assert (
+            rec["status"] == "ok" and rec["optim"]["name"] == "adagrad" and math.isfinite(rec["last_finite_train_loss"])
+        )
 
 
 @pytest.mark.slow
 def test_perplexity_falls_toward_the_sources_floor(tmp_path):
-    args = ["model=biglstm_tiny", "schedule.batch_size=16", "schedule.steps=200", "schedule.eval_every=100", "schedule.eval_batches=null",
-            "data.train_samples=4096", "checkpoint=false"]  # fmt: skip
+    args = ["model=biglstm_tiny", "schedule.batch_size=16", "schedule.steps=200", "schedule.eval_every=100",
+            "schedule.eval_batches=null", "data.train_samples=4096", "checkpoint=false"]  # fmt: skip
     result = mpt_run(*args, f"hydra.run.dir={tmp_path}", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     rec = read_record(tmp_path)
     evals = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"eval"' in line]
     floor = rec["data"]["ppl_floor"]
     assert rec["status"] == "ok" and rec["optim"]["name"] == "adagrad"
-    assert evals[-1]["ppl"] < 0.8 * evals[0]["ppl"] and evals[-1]["ppl"] > 0.9 * floor  # learning, and no model beats the source
+    assert (
+        evals[-1]["ppl"] < 0.8 * evals[0]["ppl"] and evals[-1]["ppl"] > 0.9 * floor
+    )  # learning, and no model beats the source

@@ -57,7 +57,11 @@ def imported(path: Path, source: str | None = None) -> set[str]:
 
 def modules() -> list[Path]:
     # The top package's __init__ is empty; configs/ holds no code.
-    return sorted(p for p in PACKAGE.rglob("*.py") if "configs" not in p.relative_to(PACKAGE).parts and p != PACKAGE / "__init__.py")
+    return sorted(
+        p
+        for p in PACKAGE.rglob("*.py")
+        if "configs" not in p.relative_to(PACKAGE).parts and p != PACKAGE / "__init__.py"
+    )
 
 
 def test_no_module_imports_a_layer_above_its_own():
@@ -72,7 +76,12 @@ def test_no_module_imports_a_layer_above_its_own():
 
 def test_the_check_resolves_relative_and_nested_imports():
     probe = PACKAGE / "datasets" / "probe.py"
-    source = "from ..runner.record import now_iso\ndef f():\n    from .. import preemption\n    from ..precision import cuda_autocast\n"
+    source = (
+        "from ..runner.record import now_iso\n"
+        "def f():\n"
+        "    from .. import preemption\n"
+        "    from ..precision import cuda_autocast\n"
+    )
     assert imported(probe, source) == {"mpt.runner.record", "mpt.preemption", "mpt.precision.cuda_autocast"}
     assert layer_of("mpt.runner.record") > layer_of(module_name(probe))
 

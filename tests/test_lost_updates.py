@@ -19,7 +19,11 @@ def weights_and_updates(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     is exact in FP32 and ties fall exactly on FP16's midpoints."""
     g = torch.Generator().manual_seed(seed)
     w = torch.cat(
-        [torch.randn(2000, generator=g), torch.randn(500, generator=g) * 2.0**-18, torch.tensor([1.0, -1.0, 2.0**-10, 2.0**-14, 0.0, 2.0**-24, 1024.0])]
+        [
+            torch.randn(2000, generator=g),
+            torch.randn(500, generator=g) * 2.0**-18,
+            torch.tensor([1.0, -1.0, 2.0**-10, 2.0**-14, 0.0, 2.0**-24, 1024.0]),
+        ]
     )
     w16 = w.half()
     spacing = torch.from_numpy(np.spacing(np.abs(w16.numpy())).astype(np.float32))  # one ulp above |w|

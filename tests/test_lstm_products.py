@@ -21,7 +21,9 @@ RECIPES = {
 STEPS, BATCH = 5, 16
 
 
-def lstm_with(recipe: ops.Recipe, proj_size: int = 0, fused_cell: str | None = None) -> tuple[nn.LSTM, qm.QuantizedProducts]:
+def lstm_with(
+    recipe: ops.Recipe, proj_size: int = 0, fused_cell: str | None = None
+) -> tuple[nn.LSTM, qm.QuantizedProducts]:
     torch.manual_seed(0)
     lstm = nn.LSTM(32, 32, num_layers=2, proj_size=proj_size, bidirectional=True)
     return lstm, qm.QuantizedProducts(lstm, recipe, fused_cell)
@@ -62,10 +64,14 @@ def test_a_recurrent_weights_gradient_is_one_product_over_all_steps_rows(monkeyp
     monkeypatch.setattr(qp.SequenceWeightGrad, "weight_grad", spy)
     train_step(lstm, products)
     # every layer and direction's recurrent weight and projection, once, from every step
-    assert sorted(n for n, _, _ in seen) == sorted(f".{w}_l{i}{d}" for w in ("hh", "hr") for i in (0, 1) for d in ("", "_reverse"))
+    assert sorted(n for n, _, _ in seen) == sorted(
+        f".{w}_l{i}{d}" for w in ("hh", "hr") for i in (0, 1) for d in ("", "_reverse")
+    )
     for name_, rows, gw in seen:
         shape = (128, 16) if ".hh" in name_ else (16, 32)  # (out, in): the recurrent state is the projection's output
-        assert len(rows) == STEPS and all(g.shape == (BATCH, shape[0]) and x.shape == (BATCH, shape[1]) for g, x in rows)
+        assert len(rows) == STEPS and all(
+            g.shape == (BATCH, shape[0]) and x.shape == (BATCH, shape[1]) for g, x in rows
+        )
         assert gw.shape == shape
         g = torch.cat([g for g, _ in rows]).float()
         x = torch.cat([x for _, x in rows]).float()
@@ -75,7 +81,10 @@ def test_a_recurrent_weights_gradient_is_one_product_over_all_steps_rows(monkeyp
         else:
             site = products.sites[name_]
             if recipe.scaling == "tensor":  # one scale over all the rows: the product's own amax
-                sg, sx = ((fmt.max / t.abs().amax().double()).float() for fmt, t in ((recipe.backward, g), (recipe.forward, x)))
+                sg, sx = (
+                    (fmt.max / t.abs().amax().double()).float()
+                    for fmt, t in ((recipe.backward, g), (recipe.forward, x))
+                )
             else:  # the role's scale of the step, which end_step has since moved on from
                 sg, sx = site.delayed["grad_output"].last_scale, site.delayed["input"].last_scale
             qg, qx = oracle_operand(g, recipe.backward, sg), oracle_operand(x, recipe.forward, sx)
@@ -119,7 +128,9 @@ def test_on_scaled_mm_each_recurrent_weight_is_quantized_once_per_pass(monkeypat
     for site in recurrent:
         assert counts[True][(site, False)] == counts[True][(site, True)] == 1, site
         # each step's forward, and each step's input gradient (none for the first step's zero state)
-        assert counts[False][(site, False)] == STEPS and counts[False][(site, True)] == (STEPS - 1 if "hh" in site else STEPS), site
+        assert counts[False][(site, False)] == STEPS and counts[False][(site, True)] == (
+            STEPS - 1 if "hh" in site else STEPS
+        ), site
     for site in (f".ih_l{i}{d}" for i in (0, 1) for d in ("", "_reverse")):  # one product for all steps already
         assert counts[True][(site, False)] == counts[True][(site, True)] == 1
 

@@ -20,7 +20,14 @@ F16 = torch.float16
 
 
 def make_engine(
-    w: torch.Tensor, precision: str, scale: str = "none", lr: float = 0.01, momentum: float = 0.0, weight_decay: float = 0.0, milestones=(), extra=()
+    w: torch.Tensor,
+    precision: str,
+    scale: str = "none",
+    lr: float = 0.01,
+    momentum: float = 0.0,
+    weight_decay: float = 0.0,
+    milestones=(),
+    extra=(),
 ):
     # batch_size 256 makes the effective lr equal optim.lr (which is per 256 samples).
     cfg = compose_cfg(
@@ -55,8 +62,12 @@ def test_update_below_half_an_fp16_ulp_is_lost_by_fp16_and_kept_by_mixed():
     master = mixed_engine.master_weights()[0]
     g16 = torch.tensor(0.01, dtype=F16).double()  # the FP16 gradient the master receives
     assert master.dtype == torch.float32
-    torch.testing.assert_close(master.double(), torch.full((8,), 1 - 10 * 0.01 * float(g16), dtype=torch.float64), rtol=0, atol=1e-6)
-    assert torch.all(mixed_model.w < 1.0) and mixed_model.w.dtype == F16  # the accumulated update reaches the FP16 weights
+    torch.testing.assert_close(
+        master.double(), torch.full((8,), 1 - 10 * 0.01 * float(g16), dtype=torch.float64), rtol=0, atol=1e-6
+    )
+    assert (
+        torch.all(mixed_model.w < 1.0) and mixed_model.w.dtype == F16
+    )  # the accumulated update reaches the FP16 weights
 
 
 def fp16_oracle(w0, grads, scales, lr, m, wd, modified, clip=None, rescale=True):
@@ -91,7 +102,15 @@ def test_fp16_updates_match_float64_evaluation_of_their_formulas(precision, modi
     w0 = torch.randn(256, generator=gen).to(F16).float()
     grads = [torch.randn(256, generator=gen) * 10.0 ** torch.randint(-6, 0, (256,), generator=gen) for _ in range(6)]
     lr, m, wd = 0.1, 0.9, 5e-4
-    model, engine = make_engine(w0, precision, scale, lr=lr, momentum=m, weight_decay=wd, extra=[f"scale.value={S}"] if scale == "static" else [])
+    model, engine = make_engine(
+        w0,
+        precision,
+        scale,
+        lr=lr,
+        momentum=m,
+        weight_decay=wd,
+        extra=[f"scale.value={S}"] if scale == "static" else [],
+    )
     for G in grads:
         assert train_step(model, engine, G)
     expected = fp16_oracle(w0, grads, [S] * len(grads), lr, m, wd, modified)
@@ -105,7 +124,9 @@ def test_modified_momentum_is_rescaled_when_the_scale_changes():
     gen = torch.Generator().manual_seed(2)
     w0 = (torch.randn(64, generator=gen) * 1e-2).to(F16).float()  # small weights: fine FP16 spacing
     grads = [torch.randn(64, generator=gen) * 1e-2 for _ in range(5)]
-    model, engine = make_engine(w0, "fp16_modmom", "dynamic", lr=0.1, momentum=0.9, extra=["scale.init=64", "scale.interval=1", "scale.max=1e6"])
+    model, engine = make_engine(
+        w0, "fp16_modmom", "dynamic", lr=0.1, momentum=0.9, extra=["scale.init=64", "scale.interval=1", "scale.max=1e6"]
+    )
     for G in grads:
         assert train_step(model, engine, G)
     scales = [64.0 * 2**i for i in range(5)]
@@ -135,17 +156,23 @@ def test_fp16_updates_clip_the_unscaled_gradient(precision, modified):
     gen = torch.Generator().manual_seed(4)
     w0 = torch.randn(128, generator=gen).to(F16).float()
     grads = [torch.randn(128, generator=gen) * 0.1 for _ in range(4)]  # norm about 1.1, clipped to 0.5
-    model, engine = make_engine(w0, precision, "static", lr=0.1, momentum=0.9, extra=["scale.value=512", "optim.clip_grad_norm=0.5"])
+    model, engine = make_engine(
+        w0, precision, "static", lr=0.1, momentum=0.9, extra=["scale.value=512", "optim.clip_grad_norm=0.5"]
+    )
     for G in grads:
         assert train_step(model, engine, G)
     expected = fp16_oracle(w0, grads, [512.0] * 4, 0.1, 0.9, 0.0, modified, clip=0.5)
     assert torch.equal(model.w.double(), expected)
-    assert not torch.equal(expected, fp16_oracle(w0, grads, [512.0] * 4, 0.1, 0.9, 0.0, modified))  # clipping was active
+    assert not torch.equal(
+        expected, fp16_oracle(w0, grads, [512.0] * 4, 0.1, 0.9, 0.0, modified)
+    )  # clipping was active
 
 
 @pytest.mark.parametrize("precision", ["fp16", "fp16_modmom", "mixed"])
 def test_a_skipped_step_changes_no_weight_momentum_or_master(precision):
-    model, engine = make_engine(torch.linspace(-1, 1, 8), precision, "static", lr=0.1, momentum=0.9, extra=["scale.value=8"])
+    model, engine = make_engine(
+        torch.linspace(-1, 1, 8), precision, "static", lr=0.1, momentum=0.9, extra=["scale.value=8"]
+    )
     train_step(model, engine, torch.full((8,), 0.5))
     snapshot = [t.clone() for t in [model.w.detach(), *engine.master_weights(), *_momenta(engine)]]
     bad = torch.full((8,), 0.5)
@@ -163,10 +190,14 @@ def _momenta(engine) -> list[torch.Tensor]:
 def test_dynamic_scaler_matches_torch_gradscaler_on_a_scripted_sequence():
     overflow = [False, False, True, False, False, False, False, True, True, False, False, False, False, False]
     w0 = torch.linspace(-1, 1, 16)
-    model, engine = make_engine(w0, "fp32", "dynamic", lr=0.1, momentum=0.9, extra=["scale.init=1024", "scale.interval=3", "scale.min=1"])
+    model, engine = make_engine(
+        w0, "fp32", "dynamic", lr=0.1, momentum=0.9, extra=["scale.init=1024", "scale.interval=3", "scale.min=1"]
+    )
     ref = Vector(w0)
     opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    ref_scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=3, growth_factor=2.0, backoff_factor=0.5)
+    ref_scaler = torch.amp.GradScaler(
+        "cpu", init_scale=1024.0, growth_interval=3, growth_factor=2.0, backoff_factor=0.5
+    )
     ours, theirs = [], []
     for i, bad in enumerate(overflow):
         G = torch.full((16,), 0.01 * (i + 1))
@@ -199,7 +230,9 @@ def test_gradients_are_unscaled_before_clipping(scale, extra):
     gen = torch.Generator().manual_seed(3)
     w0 = torch.randn(32, generator=gen)
     grads = [torch.randn(32, generator=gen) for _ in range(3)]
-    model, engine = make_engine(w0, "fp32", scale, lr=0.1, momentum=0.9, weight_decay=1e-4, extra=["optim.clip_grad_norm=0.5", *extra])
+    model, engine = make_engine(
+        w0, "fp32", scale, lr=0.1, momentum=0.9, weight_decay=1e-4, extra=["optim.clip_grad_norm=0.5", *extra]
+    )
     ref = Vector(w0)
     opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
     for G in grads:
@@ -255,7 +288,14 @@ def test_mixed_matches_torch_sgd_on_fp32_masters_of_an_fp16_network():
     ref[0].half(), ref[4].half()
     S = 256.0
     # The reference's convolution is torch's own FP16 kernel: the run's must be too.
-    cfg = compose_cfg("precision=mixed", "scale=static", f"scale.value={S}", "schedule.batch_size=256", "optim.lr=0.05", "emulate_tensor_cores=false")
+    cfg = compose_cfg(
+        "precision=mixed",
+        "scale=static",
+        f"scale.value={S}",
+        "schedule.batch_size=256",
+        "optim.lr=0.05",
+        "emulate_tensor_cores=false",
+    )
     engine = PrecisionEngine(net, cfg, build_scaler(cfg), [], CPU)
     model = engine.model
     params = list(ref.parameters())
@@ -276,7 +316,9 @@ def test_mixed_matches_torch_sgd_on_fp32_masters_of_an_fp16_network():
             for p, m in zip(params, masters):
                 if m is not p:
                     p.copy_(m)
-    assert all(torch.equal(a, b) for a, b in zip(engine.master_weights(), [m for p, m in zip(params, masters) if m is not p]))
+    assert all(
+        torch.equal(a, b) for a, b in zip(engine.master_weights(), [m for p, m in zip(params, masters) if m is not p])
+    )
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
     assert all(torch.equal(a, b) for a, b in zip(model.buffers(), ref.buffers()))
 
@@ -342,7 +384,11 @@ def test_a_network_starts_from_its_fp32_initialization(mode):
     cfg = compose_cfg(f"precision={mode}", "scale=static", "optim.name=sgd")
     engine = PrecisionEngine(net, cfg, build_scaler(cfg), [], CPU)
     norm_dtype = torch.float32 if mode == "mixed" else F16
-    norms = [(a.state_dict(), b.state_dict()) for a, b in zip(engine.model.modules(), fp32.modules()) if isinstance(a, nn.BatchNorm2d)]
+    norms = [
+        (a.state_dict(), b.state_dict())
+        for a, b in zip(engine.model.modules(), fp32.modules())
+        if isinstance(a, nn.BatchNorm2d)
+    ]
     assert norms
     for ours, init in norms:
         for key, value in init.items():
@@ -352,8 +398,12 @@ def test_a_network_starts_from_its_fp32_initialization(mode):
     assert low and all(torch.equal(p, f.half()) for p, f in low)
     masters = engine.master_weights()
     if mode == "mixed":
-        assert len(masters) == len(low) and all(torch.equal(m, f) and m.dtype == torch.float32 for m, (_, f) in zip(masters, low))
-        assert any(not torch.equal(m, p.float()) for m, (p, _) in zip(masters, low))  # the FP32 values, not their FP16 rounding
+        assert len(masters) == len(low) and all(
+            torch.equal(m, f) and m.dtype == torch.float32 for m, (_, f) in zip(masters, low)
+        )
+        assert any(
+            not torch.equal(m, p.float()) for m, (p, _) in zip(masters, low)
+        )  # the FP32 values, not their FP16 rounding
     else:
         assert masters == []
 
@@ -361,7 +411,13 @@ def test_a_network_starts_from_its_fp32_initialization(mode):
 def _trained(shift: int, precision: str = "fp32", scale: str = "none") -> list[torch.Tensor]:
     torch.manual_seed(0)
     net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 5))
-    cfg = compose_cfg(f"precision={precision}", f"scale={scale}", "schedule.batch_size=256", "optim.lr=0.05", f"scale.shift_down={shift}")
+    cfg = compose_cfg(
+        f"precision={precision}",
+        f"scale={scale}",
+        "schedule.batch_size=256",
+        "optim.lr=0.05",
+        f"scale.shift_down={shift}",
+    )
     engine = PrecisionEngine(net, cfg, build_scaler(cfg), [], CPU)
     data = torch.Generator().manual_seed(1)
     for _ in range(4):
@@ -384,7 +440,9 @@ def test_shifting_the_loss_down_by_a_power_of_two_leaves_an_fp32_run_unchanged_b
 def test_a_shifted_fp16_gradient_is_rounded_there_and_shifted_back_in_fp32(shift):
     # Oracle in float64: the FP16 gradient is round_fp16(g * 2^-k); the master receives it times 2^k.
     G = torch.tensor([1e-2, 1e-3, 3e-5, 2e-6, 1e-7, 1.5e-8])
-    oracle = torch.tensor([float(torch.tensor(g * 2.0**-shift).half()) * 2.0**shift for g in G.double().tolist()], dtype=torch.float64)
+    oracle = torch.tensor(
+        [float(torch.tensor(g * 2.0**-shift).half()) * 2.0**shift for g in G.double().tolist()], dtype=torch.float64
+    )
     model, engine = make_engine(torch.ones(6), "mixed", lr=1.0, extra=[f"scale.shift_down={shift}"])
     train_step(model, engine, G)
     torch.testing.assert_close(engine.master_weights()[0].double(), 1 - oracle, rtol=0, atol=1e-7)
@@ -401,7 +459,11 @@ def test_a_scale_as_large_as_the_shift_recovers_what_it_pushed_below_fp16():
     # a dynamic scaler whose range moved with k (as the shift preset's does): its first scale 2^24
     # undoes the shift, and the run is the unshifted one's
     scaled, scaled_engine = make_engine(
-        torch.ones(2), "mixed", "dynamic", lr=1.0, extra=["scale.shift_down=24", f"scale.init={2.0**24}", f"scale.max={2.0**32}"]
+        torch.ones(2),
+        "mixed",
+        "dynamic",
+        lr=1.0,
+        extra=["scale.shift_down=24", f"scale.init={2.0**24}", f"scale.max={2.0**32}"],
     )
     for model, engine in ((unscaled, unscaled_engine), (reference, reference_engine), (scaled, scaled_engine)):
         train_step(model, engine, G)
@@ -457,4 +519,9 @@ def test_fp16_weights_with_fp32_batch_norm_update_it_by_their_rule_in_fp32(preci
         w, g = before[name]
         expected = (w - 0.05 * (g / 64 + 1e-3 * w)).to(p.dtype)
         # FP32: within the FP32 update arithmetic's few roundings; FP16: a few FP16 ulps of these weights
-        torch.testing.assert_close(p.detach(), expected, rtol=1e-6 if p.dtype == torch.float32 else 0, atol=1e-9 if p.dtype == torch.float32 else 1e-3)
+        torch.testing.assert_close(
+            p.detach(),
+            expected,
+            rtol=1e-6 if p.dtype == torch.float32 else 0,
+            atol=1e-9 if p.dtype == torch.float32 else 1e-3,
+        )

@@ -15,9 +15,28 @@ from .conftest import build_run
 
 FAMILIES = {
     "classifier": (["model=mobilenet_v3_small"], "model", "features.2.block.0.0"),
-    "translation": (["model=gnmt_small", "model.hidden_size=16", "data.train_samples=64"], "model", "decoder.classifier"),
-    "language_model": (["model=biglstm_tiny", "model.hidden_size=32", "model.proj_size=8", "model.num_sampled=64", "model.bptt=5"], "model", "lstm"),
-    "gan": (["model=dcgan64", "model.ngf=4", "model.ndf=4", "model.sample_grid=4", "data.train_samples=16", "data.val_samples=8"], "discriminator", "net.2"),
+    "translation": (
+        ["model=gnmt_small", "model.hidden_size=16", "data.train_samples=64"],
+        "model",
+        "decoder.classifier",
+    ),
+    "language_model": (
+        ["model=biglstm_tiny", "model.hidden_size=32", "model.proj_size=8", "model.num_sampled=64", "model.bptt=5"],
+        "model",
+        "lstm",
+    ),
+    "gan": (
+        [
+            "model=dcgan64",
+            "model.ngf=4",
+            "model.ndf=4",
+            "model.sample_grid=4",
+            "data.train_samples=16",
+            "data.val_samples=8",
+        ],
+        "discriminator",
+        "net.2",
+    ),
 }
 SLOW_FAMILIES = {"detection": (["model=ssd", "schedule.batch_size=2"], "model", "backbone.extra.1.0")}  # conv8_1
 
@@ -36,7 +55,17 @@ def inject(module: torch.nn.Module, where: str) -> None:
 
 
 def traced_run(tmp_path, overrides, network, layer, where, *more):
-    run = build_run(tmp_path, *overrides, "schedule=smoke", "schedule.steps=2", "precision=mixed", "scale=dynamic", "checkpoint=false", "logger=none", *more)
+    run = build_run(
+        tmp_path,
+        *overrides,
+        "schedule=smoke",
+        "schedule.steps=2",
+        "precision=mixed",
+        "scale=dynamic",
+        "checkpoint=false",
+        "logger=none",
+        *more,
+    )
     inject(dict(run.engines[network].model.named_modules())[layer], where)
     return run.train()
 
@@ -46,13 +75,18 @@ def check_named(rec, network, layer, role, nets):
     # infinite output may reach batch-norm's statistics first, which the weight check calls diverged.
     assert rec.status == "diverged", rec.message
     if role == "activation_grad":
-        assert "skipped every one of its 2 steps: the gradients overflowed FP16 at every scale it tried, 65536 down to 32768" in rec.message
+        assert (
+            "skipped every one of its 2 steps: the gradients overflowed FP16 at every scale it tried,"
+            " 65536 down to 32768" in rec.message
+        )
     origins = rec.overflow_origins["networks"]
     shown = f"{network}.{layer}" if nets > 1 else layer
     for net, found in origins.items():
         assert found["skips_traced"] == 2 == rec.loss_scale[net]["skipped_steps"]
         assert found["by_module"] == [{"module": shown, "role": role, "skips": 2}]
-        assert [f["step"] for f in found["first"]] == [0, 1] and found["first"][1]["scale"] == found["first"][0]["scale"] / 2
+        assert [f["step"] for f in found["first"]] == [0, 1] and found["first"][1]["scale"] == found["first"][0][
+            "scale"
+        ] / 2
 
 
 @pytest.mark.parametrize("where,role", [("output", "output"), ("grad", "activation_grad")])
@@ -81,8 +115,8 @@ def test_a_traced_run_trains_bit_for_bit_as_an_untraced_one(tmp_path, in_process
     logs = {}
     for trace in ("true", "false"):
         run = build_run(
-            tmp_path / trace, "model=mobilenet_v3_small", "schedule=smoke", "schedule.steps=4", "precision=mixed", "scale=dynamic", "scale.init=16777216",
-            "checkpoint=false", "logger=none", f"stats.trace_overflow={trace}",
+            tmp_path / trace, "model=mobilenet_v3_small", "schedule=smoke", "schedule.steps=4", "precision=mixed",
+            "scale=dynamic", "scale.init=16777216", "checkpoint=false", "logger=none", f"stats.trace_overflow={trace}",
         )  # fmt: skip
         rec = run.train()
         assert rec.loss_scale["model"]["skipped_steps"] > 0  # 2^24 overflows this network's FP16 gradients at first

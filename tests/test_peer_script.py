@@ -20,12 +20,17 @@ def load_script():
 
 
 def dlll(step, data) -> str:  # dllogger's JSONStreamBackend line
-    return "DLLL " + json.dumps({"timestamp": "0", "datetime": "x", "elapsedtime": "0", "type": "LOG", "step": step, "data": data})
+    return "DLLL " + json.dumps(
+        {"timestamp": "0", "datetime": "x", "elapsedtime": "0", "type": "LOG", "step": step, "data": data}
+    )
 
 
 def test_the_peers_steady_state_is_the_median_of_its_per_iteration_figures_after_warm_up(tmp_path):
     lines = ["DLLL " + json.dumps({"type": "METADATA", "metric": "train.total_ips", "metadata": {"unit": "images/s"}})]
-    lines += [dlll([1, i + 1], {"train.total_ips": ips, "train.loss": 6.9}) for i, ips in enumerate([10.0, 20.0, 100.0, 300.0, 200.0])]
+    lines += [
+        dlll([1, i + 1], {"train.total_ips": ips, "train.loss": 6.9})
+        for i, ips in enumerate([10.0, 20.0, 100.0, 300.0, 200.0])
+    ]
     lines += [dlll([1], {"train.total_ips": 126.0}), dlll([], {"train.total_ips": 126.0})]
     raport = tmp_path / "dle.json"
     raport.write_text("\n".join(lines) + "\n")
@@ -37,7 +42,14 @@ def test_the_peers_steady_state_is_the_median_of_its_per_iteration_figures_after
 
 def test_a_folder_without_the_peers_main_is_named(tmp_path):
     r = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "peer_resnet50.py"), "--peer", str(tmp_path), "--out", str(tmp_path / "o")],
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "peer_resnet50.py"),
+            "--peer",
+            str(tmp_path),
+            "--out",
+            str(tmp_path / "o"),
+        ],
         capture_output=True,
         text=True,
         timeout=120,

@@ -27,7 +27,10 @@ def jobs(preset: str, cli: tuple[str, ...] = ("device=cpu",)) -> tuple[list[list
     with initialize_config_module(config_module="mpt.configs", version_base="1.3"):
         cfg = compose(config_name="config", overrides=[f"experiment={preset}", *cli], return_hydra_config=True)
     params = [parser.parse_override(f"{k}={v}") for k, v in cfg.hydra.sweeper.params.items()]
-    axes = [[f"{o.key_or_group}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override() else [o.input_line] for o in params]
+    axes = [
+        [f"{o.key_or_group}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override() else [o.input_line]
+        for o in params
+    ]
     defaults = {g: cfg.hydra.runtime.choices[g] for g in GROUPS}
     return [[f"experiment={preset}", *cli, *job] for job in itertools.product(*axes)], defaults
 

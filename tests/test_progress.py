@@ -13,12 +13,23 @@ from mpt.runner.progress import Progress
 
 
 def rows(step, loss, scale, overflow, group="model"):
-    return [{"kind": "train", "step": step, "group": group, "lr": 0.1, "scale": scale, "overflow": overflow, "loss": loss}]
+    return [
+        {"kind": "train", "step": step, "group": group, "lr": 0.1, "scale": scale, "overflow": overflow, "loss": loss}
+    ]
 
 
 def test_without_a_terminal_it_prints_plain_lines_with_eta_loss_scale_skips_and_rate(capsys):
     readings = iter([0.0, 10.0, 20.0, 40.0])  # construction, then one reading per update
-    p = Progress("run 2/6", total=100, start=0, skipped={"model": 1}, unit="images/s", interactive=False, every_s=15, clock=lambda: next(readings))
+    p = Progress(
+        "run 2/6",
+        total=100,
+        start=0,
+        skipped={"model": 1},
+        unit="images/s",
+        interactive=False,
+        every_s=15,
+        clock=lambda: next(readings),
+    )
     p.update(10, rows(9, 2.5, 1024.0, True), rate=None)  # at 10 s: too soon after the start
     p.update(20, rows(19, 2.25, 512.0, False), rate=123.4)  # at 20 s: printed
     p.update(100, rows(99, float("nan"), 512.0, False), rate=130.0)  # the end is always printed
@@ -36,7 +47,10 @@ def test_on_a_terminal_one_tqdm_line_per_run_and_each_network_of_a_gan(monkeypat
     p.update(7, rows(6, 1.5, 8.0, None, "discriminator") + rows(6, 0.7, 8.0, True, "generator"), rate=50.0)
     p.close()
     text = err.getvalue()
-    assert "7/10" in text and "discriminator loss 1.5, scale 8, skipped 0; generator loss 0.7, scale 8, skipped 1; 50 images/s" in text
+    assert (
+        "7/10" in text
+        and "discriminator loss 1.5, scale 8, skipped 0; generator loss 0.7, scale 8, skipped 1; 50 images/s" in text
+    )
 
 
 def test_on_a_terminal_a_log_line_gets_its_own_line_and_the_console_handler_is_put_back(monkeypatch):

@@ -56,7 +56,17 @@ SCALAR_FORMATS = [E4M3, E5M2, *(get_format(n) for n in ("e3m2", "e2m3", "e2m1"))
 
 @pytest.mark.parametrize("fmt", SCALAR_FORMATS, ids=lambda f: f.name)
 def test_the_fast_rounding_rounds_as_the_formats_module(fmt, device="cpu"):
-    edges = torch.tensor([fmt.max * 1.03, -fmt.max * 1.1, fmt.min_subnormal / 2, fmt.min_subnormal * 1.5, fmt.min_subnormal * 2.5, 0.0, -0.0])
+    edges = torch.tensor(
+        [
+            fmt.max * 1.03,
+            -fmt.max * 1.1,
+            fmt.min_subnormal / 2,
+            fmt.min_subnormal * 1.5,
+            fmt.min_subnormal * 2.5,
+            0.0,
+            -0.0,
+        ]
+    )
     x = torch.cat([every_fp32_exponent(512), every_tie(fmt), edges]).to(device)
     assert same(ops.round_to(x, fmt), quantize(x, fmt))
     if fmt.name in ops.TORCH_FP8:  # torch's own cast after a clamp, which the GPU path takes, too
@@ -98,7 +108,12 @@ def test_an_fp8_linear_layer_computes_what_torchaos_emulated_float8linear_comput
         # torchao's tensorwise scales and casts, the same FP32 products: equal up to the order in
         # which the CPU's kernels (mm here, addmm there) sum, which differs between CPUs
         tol = dict(rtol=2**-7, atol=1e-6) if autocast else dict(rtol=1e-5, atol=1e-8)
-        for a, b in ((y1, y2), (x1.grad, x2.grad), (ref[0].weight.grad, ours[0].weight.grad), (ref[0].bias.grad, ours[0].bias.grad)):
+        for a, b in (
+            (y1, y2),
+            (x1.grad, x2.grad),
+            (ref[0].weight.grad, ours[0].weight.grad),
+            (ref[0].bias.grad, ours[0].bias.grad),
+        ):
             torch.testing.assert_close(a, b, **tol)
         ref.zero_grad()
         ours.zero_grad()
@@ -117,7 +132,9 @@ def test_each_product_of_an_mx_linear_layer_takes_its_blocks_along_its_own_reduc
     assert torch.equal(y, F.linear(quantize(x, f, axis=-1), quantize(w, f, axis=1)) + layer.bias)
     assert torch.allclose(x.grad, quantize(g, b, axis=-1) @ quantize(w, f, axis=0), rtol=1e-6, atol=0)
     g2, x2 = g.reshape(-1, 96), x.detach().reshape(-1, 64)
-    assert torch.allclose(layer.weight.grad, quantize(g2, b, axis=0).t() @ quantize(x2, f, axis=0), rtol=1e-6, atol=1e-7)
+    assert torch.allclose(
+        layer.weight.grad, quantize(g2, b, axis=0).t() @ quantize(x2, f, axis=0), rtol=1e-6, atol=1e-7
+    )
     assert torch.allclose(layer.bias.grad, g2.sum(0))
 
 
@@ -125,7 +142,9 @@ def test_each_product_of_an_mx_linear_layer_takes_its_blocks_along_its_own_reduc
 def test_each_product_of_an_mx_convolution_takes_its_blocks_along_its_own_reduction(transposed):
     """Channels for the output and the input gradient, the batch for the weight gradient."""
     torch.manual_seed(0)
-    conv = nn.ConvTranspose2d(40, 36, 4, stride=2, padding=1) if transposed else nn.Conv2d(40, 36, 3, stride=2, padding=1)
+    conv = (
+        nn.ConvTranspose2d(40, 36, 4, stride=2, padding=1) if transposed else nn.Conv2d(40, 36, 3, stride=2, padding=1)
+    )
     w = conv.weight.detach().clone()
     qm.QuantizedProducts(conv, MXFP8)
     x = torch.randn(34, 40, 6, 6, requires_grad=True)
@@ -136,7 +155,9 @@ def test_each_product_of_an_mx_convolution_takes_its_blocks_along_its_own_reduct
     w_in, w_out = (0, 1) if transposed else (1, 0)  # the weight's input- and output-channel axes
     op = F.conv_transpose2d if transposed else F.conv2d
     kw = dict(stride=2, padding=1)
-    assert torch.allclose(y, op(quantize(x, f, axis=1), quantize(w, f, axis=w_in), conv.bias, **kw), rtol=1e-6, atol=1e-6)
+    assert torch.allclose(
+        y, op(quantize(x, f, axis=1), quantize(w, f, axis=w_in), conv.bias, **kw), rtol=1e-6, atol=1e-6
+    )
     # the input gradient as autograd derives it from the quantized operands of its own product
     xq = quantize(x, f, axis=1).requires_grad_()
     (gx,) = torch.autograd.grad(op(xq, quantize(w, f, axis=w_out), None, **kw), xq, quantize(g, b, axis=1))
@@ -177,7 +198,9 @@ def test_a_delayed_layer_quantizes_with_the_last_steps_scale_and_keeps_the_large
     for role, t in (("input", x), ("weight", w)):
         assert site.delayed[role].scale.item() == pytest.approx(E4M3.max / t.abs().max().item(), rel=1e-6)
     s = site.delayed["input"].scale
-    assert torch.equal(layer(x).detach(), F.linear(ops.round_to(x * s, E4M3) / s, ops.scaled(w, E4M3, site.delayed["weight"].scale)))
+    assert torch.equal(
+        layer(x).detach(), F.linear(ops.round_to(x * s, E4M3) / s, ops.scaled(w, E4M3, site.delayed["weight"].scale))
+    )
     layer.eval()  # an evaluation adds nothing to the history
     before = site.delayed["input"].history.clone()
     layer(x * 10)
@@ -220,7 +243,9 @@ def test_delayed_state_saved_and_loaded_continues_as_if_never_stopped():
             p.end_step()
     for name, site in a.sites.items():
         for role, state in site.delayed.items():
-            assert torch.equal(state.history, b.sites[name].delayed[role].history) and torch.equal(state.scale, b.sites[name].delayed[role].scale)
+            assert torch.equal(state.history, b.sites[name].delayed[role].history) and torch.equal(
+                state.scale, b.sites[name].delayed[role].scale
+            )
 
 
 def test_under_torchrun_each_amax_is_the_largest_over_the_ranks():
@@ -229,7 +254,9 @@ def test_under_torchrun_each_amax_is_the_largest_over_the_ranks():
     x = torch.randn(5, 8)
     layer(x)
     products.end_step(reduce_max=lambda t: t * 4)  # another rank saw four times this one's amax
-    assert products.sites[""].delayed["input"].scale.item() == pytest.approx(E4M3.max / (4 * x.abs().max().item()), rel=1e-6)
+    assert products.sites[""].delayed["input"].scale.item() == pytest.approx(
+        E4M3.max / (4 * x.abs().max().item()), rel=1e-6
+    )
 
 
 def test_a_subclass_with_its_own_forward_is_refused_and_one_without_is_quantized():
@@ -257,8 +284,12 @@ def test_a_batched_product_and_an_fp8_convolution_take_their_operands_as_quantiz
     y.backward(g)
     f, bw = MXFP8.forward, MXFP8.backward
     assert torch.allclose(y, quantize(a, f, axis=-1) @ quantize(b, f, axis=-2), rtol=1e-6, atol=1e-6)
-    assert torch.allclose(a.grad, quantize(g, bw, axis=-1) @ quantize(b, f, axis=-1).transpose(1, 2), rtol=1e-5, atol=1e-6)
-    assert torch.allclose(b.grad, quantize(a, f, axis=-2).transpose(1, 2) @ quantize(g, bw, axis=-2), rtol=1e-5, atol=1e-6)
+    assert torch.allclose(
+        a.grad, quantize(g, bw, axis=-1) @ quantize(b, f, axis=-1).transpose(1, 2), rtol=1e-5, atol=1e-6
+    )
+    assert torch.allclose(
+        b.grad, quantize(a, f, axis=-2).transpose(1, 2) @ quantize(g, bw, axis=-2), rtol=1e-5, atol=1e-6
+    )
 
     conv = nn.Conv2d(6, 8, 3, padding=1, bias=False)
     w = conv.weight.detach().clone()
@@ -280,14 +311,22 @@ def test_the_written_out_lstm_computes_what_nn_lstm_computes(monkeypatch):
     """With the quantization taken out, every product and the cell as torch's own (packed, bidirectional, projected)."""
     monkeypatch.setattr(ops.Site, "operand", lambda self, t, role, axis, scale=None, observe=False: (t.float(), None))
     torch.manual_seed(0)
-    for kw in (dict(num_layers=2, batch_first=True, bidirectional=True), dict(num_layers=2, proj_size=3, batch_first=True), dict(num_layers=1)):
+    for kw in (
+        dict(num_layers=2, batch_first=True, bidirectional=True),
+        dict(num_layers=2, proj_size=3, batch_first=True),
+        dict(num_layers=1),
+    ):
         ref = nn.LSTM(5, 6, **kw)
         ours = copy.deepcopy(ref)
         qm.QuantizedProducts(ours, FP8)
         batch_first = kw.get("batch_first", False)
         x = torch.randn(4, 7, 5) if batch_first else torch.randn(7, 4, 5)
         for packed in (False, True):
-            inp = pack_padded_sequence(x, torch.tensor([7, 3, 5, 1]), batch_first=batch_first, enforce_sorted=False) if packed else x
+            inp = (
+                pack_padded_sequence(x, torch.tensor([7, 3, 5, 1]), batch_first=batch_first, enforce_sorted=False)
+                if packed
+                else x
+            )
             results = []
             for lstm in (ref, ours):
                 out, (h, c) = lstm(inp)
@@ -305,7 +344,9 @@ def test_an_fp8_lstm_quantizes_every_gate_product():
     products = qm.QuantizedProducts(lstm, ops.Recipe(E4M3, E5M2, "delayed", 4, 0, "max"))
     out, _ = lstm(torch.randn(5, 3, 6))
     out.sum().backward()
-    assert sorted(products.sites) == sorted(f".{k}_l{i}{d}" for k in ("ih", "hh", "hr") for i in (0, 1) for d in ("", "_reverse"))
+    assert sorted(products.sites) == sorted(
+        f".{k}_l{i}{d}" for k in ("ih", "hh", "hr") for i in (0, 1) for d in ("", "_reverse")
+    )
     for name, site in products.sites.items():
         assert sorted(site.delayed) == ["grad_output", "input", "weight"], name
         assert all(s.history[0] > 0 for s in site.delayed.values()), name
@@ -360,7 +401,8 @@ def test_a_bad_products_setting_is_named(override, message):
 @pytest.mark.parametrize(
     "mode,message",
     [("fp8", "precision.products.fused_cell=nope: no such torch.compile backend; choose one of "),
-     ("bf16", "precision.products.fused_cell=nope: only the quantized LSTM of an FP8 or MX mode has a cell of its own")],
+     ("bf16", "precision.products.fused_cell=nope: only the quantized LSTM of an FP8 or MX mode"
+              " has a cell of its own")],
 )  # fmt: skip
 def test_a_fused_cell_needs_a_quantized_lstm_and_a_known_backend(mode, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -374,23 +416,48 @@ SLOW = pytest.mark.slow
 
 @pytest.mark.parametrize(
     "mode",
-    [pytest.param("fp8", marks=SLOW), "fp8_delayed", pytest.param("mxfp8", marks=SLOW), pytest.param("mxfp6", marks=SLOW), pytest.param("mxfp4", marks=SLOW)],
+    [
+        pytest.param("fp8", marks=SLOW),
+        "fp8_delayed",
+        pytest.param("mxfp8", marks=SLOW),
+        pytest.param("mxfp6", marks=SLOW),
+        pytest.param("mxfp4", marks=SLOW),
+    ],
 )
 def test_each_fp8_and_mx_mode_trains_and_records_its_products(tmp_path, in_process, mode):
-    rec = build_run(tmp_path, TINY, "schedule=smoke", "schedule.steps=2", f"precision={mode}", "logger=none", "checkpoint=false").execute()
+    rec = build_run(
+        tmp_path, TINY, "schedule=smoke", "schedule.steps=2", f"precision={mode}", "logger=none", "checkpoint=false"
+    ).execute()
     assert rec.status == "ok" and math.isfinite(rec.final_train_loss)
     p = read_record(tmp_path)["precision"]
     assert p["products"]["forward"] == compose_cfg(f"precision={mode}").precision.products.forward
     # every convolution and linear layer of the network, emulated on a CPU
-    layers = sum(isinstance(m, (nn.Conv2d, nn.Linear)) for m in torchvision.models.mobilenet_v3_small(num_classes=10).modules())
+    layers = sum(
+        isinstance(m, (nn.Conv2d, nn.Linear)) for m in torchvision.models.mobilenet_v3_small(num_classes=10).modules()
+    )
     assert p["products"]["paths"] == {"emulated": layers}
 
 
-@pytest.mark.parametrize("model,extra", [("gnmt", SMALL_NMT), ("biglstm_tiny", SMALL_LM), ("biglstm_tiny", [*SMALL_LM, "model.true_logit=product"])])
-def test_an_lstm_model_trains_with_every_gate_attention_and_softmax_product_quantized(tmp_path, in_process, model, extra):
-    job = build_run(tmp_path, f"model={model}", *extra, "schedule=smoke", "schedule.steps=2", "precision=fp8_delayed", "logger=none", "checkpoint=false")
+@pytest.mark.parametrize(
+    "model,extra",
+    [("gnmt", SMALL_NMT), ("biglstm_tiny", SMALL_LM), ("biglstm_tiny", [*SMALL_LM, "model.true_logit=product"])],
+)
+def test_an_lstm_model_trains_with_every_gate_attention_and_softmax_product_quantized(
+    tmp_path, in_process, model, extra
+):
+    job = build_run(
+        tmp_path,
+        f"model={model}",
+        *extra,
+        "schedule=smoke",
+        "schedule.steps=2",
+        "precision=fp8_delayed",
+        "logger=none",
+        "checkpoint=false",
+    )
     (engine,) = job.engines.values()
-    # a layer per linear layer and batched product (GNMT's attention context, bigLSTM's softmax), one per LSTM weight matrix
+    # a layer per linear layer and batched product (GNMT's attention context, bigLSTM's softmax), one per LSTM
+    # weight matrix
     expected = 0
     for m in engine.model.modules():
         if isinstance(m, nn.LSTM):

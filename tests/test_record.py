@@ -32,7 +32,15 @@ def test_atomic_write_replaces_whole_and_leaves_no_temporaries(tmp_path):
 
 
 def test_non_finite_loss_without_scaling_is_recorded_as_diverged(tmp_path):
-    cfg = compose_cfg(TINY, "precision=fp32", "scale=none", "schedule=smoke", "schedule.steps=6", "schedule.log_every=1", "optim.lr=1e12")
+    cfg = compose_cfg(
+        TINY,
+        "precision=fp32",
+        "scale=none",
+        "schedule=smoke",
+        "schedule.steps=6",
+        "schedule.log_every=1",
+        "optim.lr=1e12",
+    )
     validate(cfg)
     rec = Run(cfg, tmp_path).train()
     assert rec.status == "diverged"
@@ -62,7 +70,10 @@ def test_asking_for_cuda_without_one_is_one_line(tmp_path, in_process):
 
     with pytest.raises(ConfigError) as e:
         build_run(tmp_path, TINY, "device=cuda")
-    assert str(e.value) == "device=cuda: no CUDA device is available here (torch.cuda.is_available() is False); use device=cpu or auto"
+    assert (
+        str(e.value)
+        == "device=cuda: no CUDA device is available here (torch.cuda.is_available() is False); use device=cpu or auto"
+    )
     assert not (tmp_path / "result.json").exists()
 
 
@@ -104,7 +115,9 @@ def test_the_steady_peak_leaves_out_what_only_the_warm_up_allocated(monkeypatch)
         counter["now"] = nbytes
         counter["peak"] = max(counter["peak"], nbytes)
 
-    monkeypatch.setattr(memory, "peak_memory", lambda device: {"peak_bytes": counter["peak"], "kind": "cuda_max_memory_allocated"})
+    monkeypatch.setattr(
+        memory, "peak_memory", lambda device: {"peak_bytes": counter["peak"], "kind": "cuda_max_memory_allocated"}
+    )
     monkeypatch.setattr(memory, "reset_peak_memory", lambda device: counter.update(peak=counter["now"]))
     peaks = memory.MemoryPeaks(torch.device("cpu"))
     peaks.start()
@@ -121,7 +134,11 @@ def test_the_steady_peak_leaves_out_what_only_the_warm_up_allocated(monkeypatch)
     counter.update(peak=0, now=0)
     resumed.start()
     use(500)
-    assert resumed.summary() == {"peak_bytes": 900, "steady_peak_bytes": 400, "kind": "cuda_max_memory_allocated"}  # still warming up
+    assert resumed.summary() == {
+        "peak_bytes": 900,
+        "steady_peak_bytes": 400,
+        "kind": "cuda_max_memory_allocated",
+    }  # still warming up
     resumed.steady_from_now()
     use(450)
     assert resumed.summary()["steady_peak_bytes"] == 500  # a reset leaves the counter at what is in use, as CUDA's does
@@ -130,9 +147,17 @@ def test_the_steady_peak_leaves_out_what_only_the_warm_up_allocated(monkeypatch)
 @pytest.mark.parametrize(
     "exc,status,text",
     [
-        (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), "oom", "out of memory at schedule.batch_size=4; try a smaller batch"),
+        (
+            torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+            "oom",
+            "out of memory at schedule.batch_size=4; try a smaller batch",
+        ),
         (RuntimeError("something broke\nsecond line"), "error", "RuntimeError: something broke"),
-        (None, "oom", "out of memory at schedule.batch_size=4; try a smaller batch (RuntimeError: [enforce fail at alloc_cpu.cpp"),
+        (
+            None,
+            "oom",
+            "out of memory at schedule.batch_size=4; try a smaller batch (RuntimeError: [enforce fail at alloc_cpu.cpp",
+        ),
     ],
     ids=["cuda-oom", "error", "cpu-oom"],
 )
@@ -159,13 +184,19 @@ def test_a_mode_the_device_cannot_run_is_one_clear_error(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla V100-SXM2-16GB")
-    with pytest.raises(ConfigError, match=r"^precision=bf16: Tesla V100-SXM2-16GB has no bfloat16 support; use fp16, mixed or amp$"):
+    with pytest.raises(
+        ConfigError, match=r"^precision=bf16: Tesla V100-SXM2-16GB has no bfloat16 support; use fp16, mixed or amp$"
+    ):
         check_device_support(compose_cfg("precision=bf16").precision, torch.device("cuda"))
     check_device_support(compose_cfg("precision=mixed").precision, torch.device("cuda"))  # FP16 modes are fine there
 
 
 @pytest.mark.parametrize(
-    "name,overrides", [("resnet50_fp32_none", ["precision=fp32", "scale=none"]), ("resnet50_mixed_dynamic", ["precision=mixed", "scale=dynamic"])]
+    "name,overrides",
+    [
+        ("resnet50_fp32_none", ["precision=fp32", "scale=none"]),
+        ("resnet50_mixed_dynamic", ["precision=mixed", "scale=dynamic"]),
+    ],
 )
 def test_records_of_an_older_version_match_the_config_that_computes_the_same(name, overrides):
     # Real records of the main job made by an older version, before keys added since (data.class_names,
@@ -173,12 +204,22 @@ def test_records_of_an_older_version_match_the_config_that_computes_the_same(nam
     # model. A key they lack takes the value that reproduces how they ran: for FP16 products on a CPU,
     # torch's native kernels, so today's default (emulated) is a different computation for mixed only.
     saved = json.loads((Path(__file__).parent / "data" / "older_records" / f"{name}.json").read_text())["config"]
-    assert "emulate_tensor_cores" not in saved and "emulate_cpu_fp16_conv" not in saved and "short" not in saved["model"]
-    then = [*overrides, "schedule.batch_size=8", "schedule.steps=24", "schedule.lr_milestones=[]", "schedule.eval_every=12"]
+    assert (
+        "emulate_tensor_cores" not in saved and "emulate_cpu_fp16_conv" not in saved and "short" not in saved["model"]
+    )
+    then = [
+        *overrides,
+        "schedule.batch_size=8",
+        "schedule.steps=24",
+        "schedule.lr_milestones=[]",
+        "schedule.eval_every=12",
+    ]
     assert same_computation(saved, as_plain(compose_cfg(*then, "emulate_tensor_cores=false")))
     assert same_computation(saved, as_plain(compose_cfg(*then))) == (name == "resnet50_fp32_none")
     assert not same_computation(saved, as_plain(compose_cfg(*then, "emulate_tensor_cores=false", "optim.lr=0.2")))
-    assert not same_computation(saved, as_plain(compose_cfg(*overrides, "emulate_tensor_cores=false")))  # today's short run is longer
+    assert not same_computation(
+        saved, as_plain(compose_cfg(*overrides, "emulate_tensor_cores=false"))
+    )  # today's short run is longer
 
 
 @pytest.mark.parametrize("old,same_as_false", [(False, True), (True, False)])
@@ -190,7 +231,9 @@ def test_a_config_from_before_the_tensor_core_arithmetic_is_judged_by_what_it_ra
     assert same_computation(saved, current) == same_as_false
     assert not same_computation(saved, as_plain(compose_cfg("precision=mixed")))
     fp32 = as_plain(compose_cfg("precision=fp32"))  # a mode without FP16 products: the flag never mattered
-    assert same_computation({k: v for k, v in fp32.items() if k != "emulate_tensor_cores"} | {"emulate_cpu_fp16_conv": old}, fp32)
+    assert same_computation(
+        {k: v for k, v in fp32.items() if k != "emulate_tensor_cores"} | {"emulate_cpu_fp16_conv": old}, fp32
+    )
 
 
 def test_an_lstm_models_config_from_before_the_gate_rounding_is_judged_by_what_it_ran():
@@ -202,7 +245,10 @@ def test_an_lstm_models_config_from_before_the_gate_rounding_is_judged_by_what_i
             current = as_plain(compose_cfg(f"model={model}", f"precision={precision}"))
             saved = {k: v for k, v in current.items() if k != "emulate_lstm_gate_rounding"}
             assert same_computation(saved, current) == (not matters), (model, precision)
-            assert same_computation(saved, as_plain(compose_cfg(f"model={model}", f"precision={precision}", "emulate_lstm_gate_rounding=false")))
+            assert same_computation(
+                saved,
+                as_plain(compose_cfg(f"model={model}", f"precision={precision}", "emulate_lstm_gate_rounding=false")),
+            )
         native = as_plain(compose_cfg(f"model={model}", "precision=mixed", "emulate_tensor_cores=false"))
         assert same_computation({k: v for k, v in native.items() if k != "emulate_lstm_gate_rounding"}, native)
     resnet = as_plain(compose_cfg("model=resnet50", "precision=mixed"))
@@ -233,7 +279,11 @@ def test_configs_from_another_checkout_are_named_and_make_the_record_dirty(tmp_p
         repo = tmp_path / name
         (repo / "configs").mkdir(parents=True)
         (repo / "configs" / "config.yaml").write_text(text)
-        for args in (["init", "-q"], ["add", "."], ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", name]):
+        for args in (
+            ["init", "-q"],
+            ["add", "."],
+            ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", name],
+        ):
             subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True)
         return repo
 
@@ -297,18 +347,31 @@ def test_a_new_run_writes_every_field_of_the_schema_and_its_version(tmp_path):
     validate(cfg)
     Run(cfg, tmp_path).train()
     written = json.loads((tmp_path / "result.json").read_text())
-    optional = {"sample_grids", "diverged_at_step", "preempted_at_step", "resumed_from_step", "resumed_at"}  # a classifier that ran through
+    optional = {
+        "sample_grids",
+        "diverged_at_step",
+        "preempted_at_step",
+        "resumed_from_step",
+        "resumed_at",
+    }  # a classifier that ran through
     assert set(written) == {f.name for f in fields(RunRecord)} - {"extra", "absent"} - optional
     assert written["schema"] == SCHEMA_VERSION and written["status"] == "ok" and written["epochs"] > 0
 
 
 def test_keys_this_version_does_not_know_are_kept_and_a_newer_schema_is_refused(tmp_path, capsys):
     rec = RunRecord.from_dict({"status": "ok", "choices": {"model": "m"}, "added_later": {"x": 1}})
-    assert rec.extra == {"added_later": {"x": 1}} and rec.to_dict() == {"status": "ok", "choices": {"model": "m"}, "added_later": {"x": 1}}
+    assert rec.extra == {"added_later": {"x": 1}} and rec.to_dict() == {
+        "status": "ok",
+        "choices": {"model": "m"},
+        "added_later": {"x": 1},
+    }
     path = tmp_path / "run" / "result.json"
     path.parent.mkdir()
     path.write_text(json.dumps({"schema": SCHEMA_VERSION + 1, "status": "ok", "choices": {"model": "m"}}))
-    with pytest.raises(RecordError, match=rf"{path}: record schema {SCHEMA_VERSION + 1}; this mpt reads schema {SCHEMA_VERSION} and older"):
+    with pytest.raises(
+        RecordError,
+        match=rf"{path}: record schema {SCHEMA_VERSION + 1}; this mpt reads schema {SCHEMA_VERSION} and older",
+    ):
         RunRecord.load(path)
     # mpt-report names the file in one line and writes nothing.
     from mpt.report.cli import main
@@ -316,9 +379,9 @@ def test_keys_this_version_does_not_know_are_kept_and_a_newer_schema_is_refused(
     with pytest.raises(SystemExit) as stop:
         main([str(tmp_path), "--out", str(tmp_path / "report")])
     assert stop.value.code == 2 and not (tmp_path / "report").exists()
-    assert (
-        capsys.readouterr().err.strip()
-        == f"mpt-report: error: {path}: record schema {SCHEMA_VERSION + 1}; this mpt reads schema {SCHEMA_VERSION} and older (update mpt to read it)"
+    assert capsys.readouterr().err.strip() == (
+        f"mpt-report: error: {path}: record schema {SCHEMA_VERSION + 1};"
+        f" this mpt reads schema {SCHEMA_VERSION} and older (update mpt to read it)"
     )
 
 
@@ -333,7 +396,9 @@ def test_a_deterministic_run_names_the_ops_torch_ran_without_a_deterministic_ker
     job.task.train_losses = with_put
     with pytest.warns(UserWarning, match="put_ does not have a deterministic implementation"):
         assert job.execute().status == "ok"
-    assert json.loads((tmp_path / "det" / "result.json").read_text())["nondeterministic_ops"] == ["put_"]  # once, for 3 steps
+    assert json.loads((tmp_path / "det" / "result.json").read_text())["nondeterministic_ops"] == [
+        "put_"
+    ]  # once, for 3 steps
     assert build_run(tmp_path / "free", TINY, "schedule=smoke", "checkpoint=false").execute().status == "ok"
     assert json.loads((tmp_path / "free" / "result.json").read_text())["nondeterministic_ops"] is None
 

@@ -141,7 +141,8 @@ def test_relaunching_a_sweep_skips_finished_runs_and_force_reruns(swept):
     assert "already has a record with status diverged; skipped" in r.stdout
     # Relaunched logging or timing differently, it is the same computation: the same folder, skipped.
     before = {p: p.stat().st_mtime_ns for p in swept.glob("*/result.json")}
-    r = mpt_run("-m", "precision=fp32", "optim.lr=1e12", "schedule=smoke", "schedule.log_every=3", "schedule.throughput_window=2", "checkpoint=false",
+    r = mpt_run("-m", "precision=fp32", "optim.lr=1e12", "schedule=smoke", "schedule.log_every=3",
+                "schedule.throughput_window=2", "checkpoint=false",
                 f"hydra.sweep.dir={swept}", cwd=ROOT)  # fmt: skip
     assert "already has a record with status diverged; skipped" in r.stdout
     assert {p: p.stat().st_mtime_ns for p in swept.glob("*/result.json")} == before
@@ -372,10 +373,11 @@ def test_a_static_scales_value_is_the_modes_not_the_variants():
 
 def test_the_accuracy_table_holds_the_test_split_beside_validation():
     def run(precision, scale, value, seed, bleu, test_bleu):
-        return {"model": "gnmt_small", "data": "parallel_text", "schedule": "short", "variant": "", "status": "ok", "seed": seed,
-                "mode": mode_label(precision.title(), scale, value), "precision": precision, "scale": scale, "scale_value": value,
-                "precision_order": 0 if precision == "fp32" else 3, "scale_order": 0 if scale == "none" else 2,
-                "primary_metric": "bleu", "metric.bleu": bleu, "metric.test_bleu": test_bleu, "metric.val_loss": 3.0}  # fmt: skip
+        return {"model": "gnmt_small", "data": "parallel_text", "schedule": "short", "variant": "", "status": "ok",
+                "seed": seed, "mode": mode_label(precision.title(), scale, value), "precision": precision,
+                "scale": scale, "scale_value": value, "precision_order": 0 if precision == "fp32" else 3,
+                "scale_order": 0 if scale == "none" else 2, "primary_metric": "bleu", "metric.bleu": bleu,
+                "metric.test_bleu": test_bleu, "metric.val_loss": 3.0}  # fmt: skip
 
     runs = pd.DataFrame([run("fp32", "none", None, 0, 10.0, 6.0), run("fp32", "none", None, 1, 12.0, 8.0),
                          run("mixed", "static", 1024.0, 0, 11.0, 7.0)])  # fmt: skip

@@ -100,7 +100,11 @@ def test_each_training_image_is_a_crop_of_its_padded_image_flipped_as_the_recipe
         for i in range(16):
             index = int(perm[i])
             assert labels[i] == res.train_labels[index]
-            found = [k for k, w in windows(res.train_images[index], pad, mode).items() if torch.allclose(w[0], images[i], rtol=0, atol=1e-6)]
+            found = [
+                k
+                for k, w in windows(res.train_images[index], pad, mode).items()
+                if torch.allclose(w[0], images[i], rtol=0, atol=1e-6)
+            ]
             assert found, (epoch, i)
             offsets.add(found[0][:2])
             flips.append(found[0][2])
@@ -145,7 +149,9 @@ def test_the_decoded_splits_are_cached_and_a_changed_folder_is_decoded_again(tmp
     assert image.stat().st_size == size
     again = resident(c)
     assert len(list((tmp_path / "cache").glob("*.pt"))) == 3  # a new training split, the same test split
-    assert again.train_images[0, :, 0, 0].tolist() == [255, 0, 0] and not torch.equal(again.train_images, first.train_images)
+    assert again.train_images[0, :, 0, 0].tolist() == [255, 0, 0] and not torch.equal(
+        again.train_images, first.train_images
+    )
 
 
 def test_processes_sharing_a_batch_draw_what_one_process_draws(tmp_path):
@@ -158,7 +164,13 @@ def test_processes_sharing_a_batch_draw_what_one_process_draws(tmp_path):
 
 def test_a_resident_source_refuses_an_augmentation_it_does_not_compute(tmp_path):
     c = cfg(tmp_path, "imagenet")
-    with pytest.raises(ConfigError, match=r"^data.resident=true: data.augment=imagenet is not computed on the device \(expected cifar or airbench\)$"):
+    with pytest.raises(
+        ConfigError,
+        match=(
+            r"^data.resident=true: data.augment=imagenet is not computed on the device"
+            r" \(expected cifar or airbench\)$"
+        ),
+    ):
         resident_images.validate(c)
 
 
@@ -176,7 +188,10 @@ def test_evaluation_batches_are_the_eval_batch_size_and_hold_the_same_images(tmp
             ["data.resident=false", "data.eval_batch_size=2000"],
             r"^data.eval_batch_size=2000: a resident source's setting; set data.resident=true or leave it null$",
         ),
-        (["data.eval_batch_size=0"], r"^data.eval_batch_size=0: must be a positive number of images, or null for schedule.batch_size$"),
+        (
+            ["data.eval_batch_size=0"],
+            r"^data.eval_batch_size=0: must be a positive number of images, or null for schedule.batch_size$",
+        ),
     ],
 )
 def test_an_eval_batch_size_it_cannot_use_is_refused(tmp_path, overrides, message):
@@ -185,7 +200,9 @@ def test_an_eval_batch_size_it_cannot_use_is_refused(tmp_path, overrides, messag
 
 
 def test_a_run_trains_on_it_and_says_its_data_was_resident(tmp_path, in_process):
-    args = cifar_mini_run("data.augment=cifar", "data.resident=true", f"data.cache_dir={tmp_path / 'cache'}", "schedule.batch_size=50")
+    args = cifar_mini_run(
+        "data.augment=cifar", "data.resident=true", f"data.cache_dir={tmp_path / 'cache'}", "schedule.batch_size=50"
+    )
     job = build_run(tmp_path / "run", *args)
     assert job.execute().status == "ok"
     record = read_record(tmp_path / "run")

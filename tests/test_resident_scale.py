@@ -21,7 +21,26 @@ from .test_resume import SMALL_GAN
 
 # Steps whose gradients overflow: the first (before any update, where torch's fused SGD would
 # leave its momentum unwritten), a run of three, and single ones between growths.
-OVERFLOWS = [True, False, False, True, False, False, False, True, True, True, False, False, False, False, True, False, False, False]
+OVERFLOWS = [
+    True,
+    False,
+    False,
+    True,
+    False,
+    False,
+    False,
+    True,
+    True,
+    True,
+    False,
+    False,
+    False,
+    False,
+    True,
+    False,
+    False,
+    False,
+]
 
 
 class Net(nn.Module):
@@ -38,7 +57,9 @@ class Net(nn.Module):
         return torch.tanh(x @ self.a.t()) @ self.b.t() + self.c
 
 
-def engine_for(on_device: bool, optim: str = "sgd", precision: str = "fp32", scale: str = "dynamic", *extra: str) -> PrecisionEngine:
+def engine_for(
+    on_device: bool, optim: str = "sgd", precision: str = "fp32", scale: str = "dynamic", *extra: str
+) -> PrecisionEngine:
     cfg = compose_cfg(
         f"precision={precision}",
         f"scale={scale}",
@@ -237,7 +258,9 @@ def test_a_checkpoint_of_the_device_path_resumes_it_and_the_host_path():
     ],
 )
 def test_a_device_scale_the_run_cannot_keep_is_refused_naming_why(overrides, named):
-    cfg = compose_cfg("scale=dynamic", "scale.on_device=true", "optim.implementation=fused", "optim.momentum=0.9", *overrides)
+    cfg = compose_cfg(
+        "scale=dynamic", "scale.on_device=true", "optim.implementation=fused", "optim.momentum=0.9", *overrides
+    )
     with pytest.raises(ConfigError, match=f"scale.on_device=true: .*{re.escape(named)}"):
         PrecisionEngine(Vector(torch.ones(4)), cfg, build_scaler(cfg), [], CPU, total_steps=10)
 
@@ -252,7 +275,13 @@ def test_on_a_cpu_the_host_path_is_the_default():
 def test_no_step_on_the_device_synchronizes_a_gpu(optim):
     """CUDA's own count: a synchronizing call inside a step raises under sync debug mode "error"."""
     cuda = torch.device("cuda")
-    cfg = compose_cfg("scale=dynamic", "optim.implementation=fused", f"optim.name={optim}", "optim.momentum=0.9", "schedule.log_every=8")
+    cfg = compose_cfg(
+        "scale=dynamic",
+        "optim.implementation=fused",
+        f"optim.name={optim}",
+        "optim.momentum=0.9",
+        "schedule.log_every=8",
+    )
     engine = PrecisionEngine(Net(), cfg, build_scaler(cfg), [4], cuda, total_steps=8)
     assert engine.on_device  # null: on a GPU, wherever the run allows it
     for i, bad in enumerate(OVERFLOWS[:8]):

@@ -18,7 +18,18 @@ from mpt.runner import checkpoint
 
 from .conftest import ROOT, TINY, build_run, events, mpt_run, read_record
 
-DETERMINISTIC_FIELDS = ["status", "steps", "samples", "epochs", "metrics", "final_train_loss", "last_finite_train_loss", "loss_scale", "choices", "config"]
+DETERMINISTIC_FIELDS = [
+    "status",
+    "steps",
+    "samples",
+    "epochs",
+    "metrics",
+    "final_train_loss",
+    "last_finite_train_loss",
+    "loss_scale",
+    "choices",
+    "config",
+]
 
 
 class Killed(BaseException):
@@ -87,8 +98,20 @@ def kill_after_checkpoint(args: list[str], run_dir: Path, after_rows: int) -> in
 # epoch boundary. MobileNetV3 has dropout, so fp32 also needs the random stream restored.
 # The language model also carries its LSTM state between batches (buffers) and draws its negatives
 # from the random stream; GNMT draws length-bucketed batches.
-SMALL_LM = ["model.hidden_size=32", "model.proj_size=8", "model.num_sampled=64", "model.bptt=5", "data.train_samples=12"]
-SMALL_NMT = ["model.hidden_size=16", "model.encoder_layers=2", "model.decoder_layers=2", "data.train_samples=40", "model.beam_size=2"]
+SMALL_LM = [
+    "model.hidden_size=32",
+    "model.proj_size=8",
+    "model.num_sampled=64",
+    "model.bptt=5",
+    "data.train_samples=12",
+]
+SMALL_NMT = [
+    "model.hidden_size=16",
+    "model.encoder_layers=2",
+    "model.decoder_layers=2",
+    "data.train_samples=40",
+    "model.beam_size=2",
+]
 # Gradient histograms sampled before and after the stop accumulate into the same counts.
 GRAD_STATS = ["stats.grad_hist=true", "stats.every=3"]
 # The GAN has two engines and draws its latents from the random stream.
@@ -127,7 +150,9 @@ def assert_resumed_as_uninterrupted(reference: Path, resumed: Path) -> None:
     tags = [t for t in ref_board.Tags()["scalars"] if not t.startswith("throughput/")]
     assert "train/loss" in tags or "train/loss/generator" in tags
     for tag in tags:
-        assert [(e.step, e.value) for e in res_board.Scalars(tag)] == [(e.step, e.value) for e in ref_board.Scalars(tag)], tag
+        assert [(e.step, e.value) for e in res_board.Scalars(tag)] == [
+            (e.step, e.value) for e in ref_board.Scalars(tag)
+        ], tag
     for grid in ref.get("sample_grids") or []:
         assert (resumed / grid["path"]).read_bytes() == (reference / grid["path"]).read_bytes()
     assert [r["step"] for r in log_rows(reference) if r["kind"] == "eval"] == [3, 6, 8]
@@ -143,7 +168,8 @@ def assert_resumed_as_uninterrupted(reference: Path, resumed: Path) -> None:
      ("mobilenet_v3_small", "fp16_modmom", "static", ["data.train_samples=12"]),
      # delayed scaling's amax histories and scales are state: a history of 3 steps wraps before the stop
      # (slow-tier: FP8 emulation makes it 10x fp32's run; test_quantized_products checks the state's round trip)
-     pytest.param("mobilenet_v3_small", "fp8_delayed", "none", ["data.train_samples=12", "precision.products.amax_history=3"], marks=pytest.mark.slow),
+     pytest.param("mobilenet_v3_small", "fp8_delayed", "none",
+                  ["data.train_samples=12", "precision.products.amax_history=3"], marks=pytest.mark.slow),
      ("biglstm_tiny", "mixed", "auto", SMALL_LM),
      ("gnmt", "mixed", "dynamic", SMALL_NMT), ("dcgan64", "mixed", "dynamic", [*SMALL_GAN, *GRAD_STATS]),
      # the scale on the device: two engines read back at each flush, and sampled steps at once
@@ -217,7 +243,10 @@ def test_a_checkpoint_of_another_config_is_moved_aside_naming_what_differs(tmp_p
     assert other.step == 0
     (aside,) = stale_checkpoints(tmp_path)
     out = capsys.readouterr().out
-    assert f"the checkpoint is of a different config (optim.lr): moved the checkpoint aside to {aside.name}; starting over" in out
+    assert (
+        f"the checkpoint is of a different config (optim.lr): moved the checkpoint aside to {aside.name}; starting over"
+        in out
+    )
     # Twice in one second: the second set-aside does not overwrite the first.
     assert other.execute().status == "ok"
     build_run(tmp_path, *args)
@@ -229,7 +258,10 @@ def test_a_longer_schedule_resumes_and_extends_the_run_as_if_it_had_been_that_lo
     short = tmp_path / "short"
     assert build_run(short, *args, "schedule.steps=3").execute().status == "ok"
     longer = build_run(short, *args, "schedule.steps=6")
-    assert longer.step == 3 and "resuming from the checkpoint at step 3 of 6, extending the run from 3 steps" in capsys.readouterr().out
+    assert (
+        longer.step == 3
+        and "resuming from the checkpoint at step 3 of 6, extending the run from 3 steps" in capsys.readouterr().out
+    )
     rec = longer.execute()
     assert rec.status == "ok" and rec.steps == 6 and not stale_checkpoints(short)
     assert [(s["from_step"], s["to_step"], s["total_steps"]) for s in rec.segments] == [(0, 3, 3), (3, 6, 6)]
@@ -252,11 +284,16 @@ def test_a_schedule_ending_at_the_checkpoint_or_counted_in_epochs_does_not_resum
     assert "the checkpoint is at step 4, not before this schedule's end at step 4" in capsys.readouterr().out
     assert build_run(tmp_path, *args, "schedule.steps=4").execute().status == "ok"
     # Counted in epochs, its milestones and evaluations would count in another unit.
-    assert build_run(tmp_path, *args, "schedule.steps=null", "schedule.epochs=2").step == 0 and len(stale_checkpoints(tmp_path)) == 2
+    assert (
+        build_run(tmp_path, *args, "schedule.steps=null", "schedule.epochs=2").step == 0
+        and len(stale_checkpoints(tmp_path)) == 2
+    )
     assert "different config (schedule.steps, schedule.epochs)" in capsys.readouterr().out
 
 
-def test_a_resumed_launch_killed_before_its_own_checkpoint_leaves_a_record_naming_the_one_it_resumed(tmp_path, in_process):
+def test_a_resumed_launch_killed_before_its_own_checkpoint_leaves_a_record_naming_the_one_it_resumed(
+    tmp_path, in_process
+):
     args = [TINY, "schedule=smoke", "schedule.steps=8", "schedule.checkpoint_every=4"]
     first = build_run(tmp_path, *args)
     stop_at(first, 5)
@@ -283,7 +320,10 @@ def test_a_run_resumes_across_a_commit_and_an_uncommitted_change_naming_both(tmp
         first.execute()
     code = next(codes)
     resumed = build_run(tmp_path, *args)
-    warning = "mpt-run: warning: the checkpoint was written by commit aaaaaaaaaaaa; this is commit bbbbbbbbbbbb (with uncommitted changes)"
+    warning = (
+        "mpt-run: warning: the checkpoint was written by commit aaaaaaaaaaaa;"
+        " this is commit bbbbbbbbbbbb (with uncommitted changes)"
+    )
     assert resumed.step == 2 and warning in capsys.readouterr().out
     rec = resumed.execute()
     assert rec.status == "ok" and rec.git == code and rec.resumed_from_step == 2
@@ -305,7 +345,14 @@ def test_a_moved_data_root_with_the_same_files_resumes_and_other_files_do_not(tm
     from .test_imagefolder import make_folder
 
     root = make_folder(tmp_path / "images", per_class=4, size=32)
-    args = [TINY, "data=imagefolder", "data.num_workers=0", "schedule=smoke", "schedule.batch_size=4", "schedule.steps=2"]
+    args = [
+        TINY,
+        "data=imagefolder",
+        "data.num_workers=0",
+        "schedule=smoke",
+        "schedule.batch_size=4",
+        "schedule.steps=2",
+    ]
     run_dir = tmp_path / "run"
     build_run(run_dir, *args, f"data.root={root}").execute()
     moved = shutil.copytree(root, tmp_path / "elsewhere")
@@ -370,7 +417,10 @@ def test_a_planted_checkpoint_is_refused_in_one_line_with_nothing_run(tmp_path):
     r = mpt_run(TINY, "schedule=smoke", "schedule.steps=2", f"hydra.run.dir={run_dir}", cwd=ROOT)
     assert r.returncode == 1 and not marker.exists()
     path = run_dir / checkpoint.FILENAME
-    line = f"mpt-run: error: UnsafeCheckpoint: {path} would call posix.system when read, which no mpt checkpoint does: refused, nothing in it was run"
+    line = (
+        f"mpt-run: error: UnsafeCheckpoint: {path} would call posix.system when read,"
+        " which no mpt checkpoint does: refused, nothing in it was run"
+    )
     assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith(line) and "Traceback" not in r.stdout
     assert read_record(run_dir)["status"] == "error" and path.exists()  # kept, for whoever looks into it
 
@@ -399,7 +449,9 @@ def test_a_checkpoint_written_before_weights_only_loading_still_resumes(tmp_path
     assert np.random.standard_normal(3).tolist() == expected.tolist()
 
 
-@pytest.mark.parametrize("content", [{"weights": torch.ones(2)}, [1, 2], {**a_checkpoint(1, torch.ones(1)), "config": "x"}])
+@pytest.mark.parametrize(
+    "content", [{"weights": torch.ones(2)}, [1, 2], {**a_checkpoint(1, torch.ones(1)), "config": "x"}]
+)
 def test_a_torch_file_that_is_not_a_checkpoint_is_one_line(tmp_path, content):
     torch.save(content, tmp_path / checkpoint.FILENAME)
     with pytest.raises(checkpoint.CorruptCheckpoint) as e:

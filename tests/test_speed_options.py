@@ -69,7 +69,11 @@ def test_bad_speed_options_are_rejected_naming_the_value(overrides, words):
 def test_an_unknown_compile_backend_in_a_sweep_stops_it_before_any_run(tmp_path):
     r = mpt_run("-m", *RUN, "compile.backend=aot_eager,nope", f"hydra.sweep.dir={tmp_path}", cwd=ROOT)
     assert r.returncode == 2
-    assert r.stderr.strip().splitlines()[-1].startswith("mpt-run: error: compile.backend=nope: no such torch.compile backend; choose one of")
+    assert (
+        r.stderr.strip()
+        .splitlines()[-1]
+        .startswith("mpt-run: error: compile.backend=nope: no such torch.compile backend; choose one of")
+    )
     assert "inductor" in r.stderr
     assert not list(tmp_path.glob("*/result.json"))  # not even the valid value's run started
 

@@ -14,7 +14,9 @@ from mpt.runner.sweep_files import PerLaunchConfig, launch_file
 def test_each_launch_writes_its_own_config(tmp_path):
     folder = tmp_path / "sweep"
     for lr in (0.1, 0.2):
-        config = OmegaConf.create({"hydra": {"sweep": {"dir": str(folder)}}, "optim": {"lr": lr}, "name": "${optim.lr}"})
+        config = OmegaConf.create(
+            {"hydra": {"sweep": {"dir": str(folder)}}, "optim": {"lr": lr}, "name": "${optim.lr}"}
+        )
         PerLaunchConfig().on_multirun_start(config=config, config_name="config")
     written = sorted(folder.glob("multirun-*.yaml"))
     assert [OmegaConf.load(p).optim.lr for p in written] == [0.1, 0.2]  # names sort as the launches came

@@ -12,8 +12,9 @@ from .test_resume import Killed, stop_at
 
 def test_a_runs_event_files_hold_its_losses_scales_evaluations_and_gradient_histograms(tmp_path, in_process):
     job = build_run(
-        tmp_path, TINY, "schedule=smoke", "schedule.steps=6", "schedule.log_every=2", "schedule.eval_every=3", "precision=mixed", "scale=dynamic",
-        "stats.grad_hist=true", "stats.lost_updates=true", "stats.every=2", "checkpoint=false",
+        tmp_path, TINY, "schedule=smoke", "schedule.steps=6", "schedule.log_every=2", "schedule.eval_every=3",
+        "precision=mixed", "scale=dynamic", "stats.grad_hist=true", "stats.lost_updates=true", "stats.every=2",
+        "checkpoint=false",
     )  # fmt: skip
     assert job.execute().status == "ok"
     rec = read_record(tmp_path)
@@ -44,7 +45,9 @@ def test_a_runs_event_files_hold_its_losses_scales_evaluations_and_gradient_hist
             assert h.histogram_value.num == s["nonzero"] == sum(bins.values())
             assert list(h.histogram_value.bucket_limit) == [e + 1 for e in sorted(bins)]
             assert list(h.histogram_value.bucket) == [bins[e] for e in sorted(bins)]
-        assert [e.value for e in acc.Scalars(f"grad_zero_share/model/{kind}")] == [pytest.approx(s["share_zero"]) for s in steps]
+        assert [e.value for e in acc.Scalars(f"grad_zero_share/model/{kind}")] == [
+            pytest.approx(s["share_zero"]) for s in steps
+        ]
     lost = rec["grad_stats"]["lost_updates"]["networks"]["model"]["steps"]
     assert scalars("lost_updates/model") == [(s["step"], pytest.approx(s["share_lost_fp16"], rel=1e-6)) for s in lost]
 
@@ -59,8 +62,9 @@ def test_logger_none_writes_no_event_file_and_a_bad_logger_is_named(tmp_path, in
 
 
 def test_a_run_resumed_at_an_evaluation_shows_it_once_and_a_run_started_over_drops_the_old_events(tmp_path):
-    args = [TINY, "data.train_samples=12", "schedule=smoke", "schedule.steps=6", "schedule.checkpoint_every=3", "schedule.eval_every=3",
-            "schedule.log_every=1", "schedule.throughput_warmup=1", "schedule.throughput_window=1", "device=cpu"]  # fmt: skip
+    args = [TINY, "data.train_samples=12", "schedule=smoke", "schedule.steps=6", "schedule.checkpoint_every=3",
+            "schedule.eval_every=3", "schedule.log_every=1", "schedule.throughput_warmup=1",
+            "schedule.throughput_window=1", "device=cpu"]  # fmt: skip
     job = build_run(tmp_path, *args)
     stop_at(job, 4)  # after the checkpoint and the evaluation at step 3, and one step more
     with pytest.raises(Killed):

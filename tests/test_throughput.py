@@ -66,7 +66,14 @@ def test_on_cuda_a_sampled_steps_span_and_a_traced_reruns_time_are_left_out(cloc
     """Device-bound steps of 0.1 s; the third is a sampled step (left out: 0.5 s), the fifth ran
     again to trace an overflow (0.2 s of it untimed)."""
     meter = throughput.ThroughputMeter(torch.device("cuda"), warmup=1, window=2, unit="images")
-    for work, sampled, untimed in [(0.1, False, 0.0), (0.1, False, 0.0), (0.5, True, 0.0), (0.1, False, 0.0), (0.3, False, 0.2), (0.1, False, 0.0)]:
+    for work, sampled, untimed in [
+        (0.1, False, 0.0),
+        (0.1, False, 0.0),
+        (0.5, True, 0.0),
+        (0.1, False, 0.0),
+        (0.3, False, 0.2),
+        (0.1, False, 0.0),
+    ]:
         clocks["host"] += 0.1  # the fetch, blocked behind the device
         meter.batch_ready()
         clocks["device"] += work

@@ -35,7 +35,9 @@ def test_training_and_the_final_evaluation_count_and_the_rest_is_left_out(clock)
     with watch.leaving_out():  # the last checkpoint
         clock["t"] += 7.0
     watch.stop()
-    assert watch.summary() == pytest.approx({"seconds": 3.0 + 1.0 + 4.0 + 1.5 - 0.5, "final_evaluation_s": 1.5, "left_out_s": 9.5})
+    assert watch.summary() == pytest.approx(
+        {"seconds": 3.0 + 1.0 + 4.0 + 1.5 - 0.5, "final_evaluation_s": 1.5, "left_out_s": 9.5}
+    )
 
 
 def test_a_resumed_run_adds_the_time_before_its_checkpoint(clock):
@@ -100,7 +102,9 @@ def test_a_run_that_did_not_finish_ok_has_no_time_to_result_though_it_evaluated(
     with watch.final():
         clock["t"] += 1.0
     watch.stop()
-    assert watch.summary(RunEnd(finished=False, together=True))["seconds"] is None and watch.summary()["seconds"] == pytest.approx(1.0)
+    assert watch.summary(RunEnd(finished=False, together=True))["seconds"] is None and watch.summary()[
+        "seconds"
+    ] == pytest.approx(1.0)
 
 
 def test_a_run_extended_past_its_old_end_counts_that_end_as_an_evaluation_along_the_way(clock):
@@ -115,7 +119,9 @@ def test_a_run_extended_past_its_old_end_counts_that_end_as_an_evaluation_along_
     longer.load_state_dict(state)
     longer.start()
     clock["t"] += 3.0
-    longer.after_step(StepDone(step=7, samples=4, wait_s=0.0, sampled=False, sampled_s=None, overhead_s=None, traced_s=0.0))
+    longer.after_step(
+        StepDone(step=7, samples=4, wait_s=0.0, sampled=False, sampled_s=None, overhead_s=None, traced_s=0.0)
+    )
     with longer.final():
         clock["t"] += 1.0
     longer.stop()

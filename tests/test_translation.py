@@ -169,7 +169,12 @@ def all_hypotheses(table: torch.Tensor, max_len: int, eos: int, banned: set[int]
     best = None
     for n in range(1, max_len + 1):
         for seq in itertools.product(range(table.shape[0]), repeat=n):
-            if any(t in banned for t in seq) or (eos in seq[:-1]) or (n == max_len and seq[-1] != eos) or (n < max_len and seq[-1] != eos):
+            if (
+                any(t in banned for t in seq)
+                or (eos in seq[:-1])
+                or (n == max_len and seq[-1] != eos)
+                or (n < max_len and seq[-1] != eos)
+            ):
                 continue
             score, prev = 0.0, BOS
             for t in seq:
@@ -203,7 +208,9 @@ def test_each_sentence_keeps_its_own_length_cap():
     table = F.log_softmax(logits, dim=-1)
     step, reorder = markov_step(table)
     together = beam_search(lambda t: table[t], reorder, 2, 3, torch.tensor([3, 7]), BOS, EOS, [PAD, BOS], 0.6, 5.0, CPU)
-    alone = [beam_search(step, reorder, 1, 3, torch.tensor([cap]), BOS, EOS, [PAD, BOS], 0.6, 5.0, CPU)[0] for cap in (3, 7)]
+    alone = [
+        beam_search(step, reorder, 1, 3, torch.tensor([cap]), BOS, EOS, [PAD, BOS], 0.6, 5.0, CPU)[0] for cap in (3, 7)
+    ]
     assert together == alone and [len(h) for h in alone] == [2, 6]
 
 
@@ -237,9 +244,18 @@ def test_gnmt_lr_schedule_is_nvidias_warmup_multistep():
     warmup, remain, interval = 200, 3996, 501
     milestones = [remain + k * interval for k in range(4)]
     for it in list(range(0, 400)) + list(range(3900, 6200, 7)):
-        assert math.isclose(lr_factor(it, milestones, 0.5, warmup), nvidia(it, warmup, remain, interval, 4, 0.5), rel_tol=1e-12)
+        assert math.isclose(
+            lr_factor(it, milestones, 0.5, warmup), nvidia(it, warmup, remain, interval, 4, 0.5), rel_tol=1e-12
+        )
     cfg = compose_cfg("model=gnmt", "schedule=paper")
-    assert (cfg.optim.name, cfg.optim.lr, cfg.optim.lr_batch, cfg.optim.clip_grad_norm, cfg.schedule.batch_size, cfg.schedule.epochs) == (
+    assert (
+        cfg.optim.name,
+        cfg.optim.lr,
+        cfg.optim.lr_batch,
+        cfg.optim.clip_grad_norm,
+        cfg.schedule.batch_size,
+        cfg.schedule.epochs,
+    ) == (
         "adam",
         2e-3,
         None,
@@ -247,7 +263,11 @@ def test_gnmt_lr_schedule_is_nvidias_warmup_multistep():
         128,
         6,
     )
-    assert (cfg.schedule.lr_warmup_steps, list(cfg.schedule.lr_milestones), cfg.schedule.lr_gamma) == (200, [4.0, 4.5, 5.0, 5.5], 0.5)
+    assert (cfg.schedule.lr_warmup_steps, list(cfg.schedule.lr_milestones), cfg.schedule.lr_gamma) == (
+        200,
+        [4.0, 4.5, 5.0, 5.5],
+        0.5,
+    )
 
 
 def test_synthetic_pair_maps_words_and_swaps_neighbours():
@@ -267,7 +287,14 @@ def test_synthetic_pair_maps_words_and_swaps_neighbours():
 
 def multi30k_cfg(*extra: str):
     root = shared_data("multi30k")
-    return tiny_cfg("data=parallel_text", f"data.root={root}", "data.val_split=val", "data.vocab_size=2000", "schedule.batch_size=16", *extra)
+    return tiny_cfg(
+        "data=parallel_text",
+        f"data.root={root}",
+        "data.val_split=val",
+        "data.vocab_size=2000",
+        "schedule.batch_size=16",
+        *extra,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -291,7 +318,9 @@ def test_multi30k_pairs_tokenizer_and_buckets(tmp_path, multi30k):
     refs = gzip.decompress((shared_data("multi30k") / "val.de.gz").read_bytes()).decode().splitlines()
     val = list(data.val())
     assert sorted(r for b in val for r in b.refs) == sorted(r.strip() for r in refs)
-    decoded = [info["detokenize"](row[: n - 1].tolist()) for b in val for row, n in zip(b.tgt_out, (b.tgt_out != PAD).sum(1))]
+    decoded = [
+        info["detokenize"](row[: n - 1].tolist()) for b in val for row, n in zip(b.tgt_out, (b.tgt_out != PAD).sum(1))
+    ]
     exact = sum(d == r for d, r in zip(decoded, (r for b in val for r in b.refs)))
     assert exact / len(decoded) > 0.99  # sentencepiece is lossless up to its NFKC normalization
 
@@ -370,7 +399,14 @@ def test_bad_parallel_text_is_one_line_naming_the_problem(tmp_path, setup, overr
     if setup == "latin1":
         (tmp_path / "train.de").write_bytes("Stra\xdfe\n".encode("latin-1"))
     overrides = [o.replace("ROOT", str(tmp_path)) for o in overrides]
-    cfg = tiny_cfg("data=parallel_text", f"data.root={tmp_path}", "data.val_split=val", "data.vocab_size=40", "schedule.batch_size=2", *overrides)
+    cfg = tiny_cfg(
+        "data=parallel_text",
+        f"data.root={tmp_path}",
+        "data.val_split=val",
+        "data.vocab_size=40",
+        "schedule.batch_size=2",
+        *overrides,
+    )
     with pytest.raises(ConfigError) as e:
         build_data(cfg, CPU)
     message = str(e.value)
@@ -385,7 +421,10 @@ def test_bad_parallel_text_is_one_line_naming_the_problem(tmp_path, setup, overr
         (["model.decoder_layers=1"], "model.decoder_layers=1"),
         (["precision=fp16"], "cannot run optim.name=adam; use optim.name=sgd, or precision=mixed"),
         (["data=parallel_text"], "data.root is not set"),
-        (["data=voc", "data.root=/x"], "data=voc has no translation data for model=gnmt; use data=synthetic or data=parallel_text"),
+        (
+            ["data=voc", "data.root=/x"],
+            "data=voc has no translation data for model=gnmt; use data=synthetic or data=parallel_text",
+        ),
         (["optim.betas=[0.9,1.5]"], "optim.betas=[0.9, 1.5]"),
     ],
 )
@@ -403,18 +442,27 @@ def test_every_precision_mode_translates_end_to_end(tmp_path):
     result = mpt_run("-m", "model=gnmt", "schedule=smoke", *small, "optim.name=sgd", "scale=static", "checkpoint=false",
                      f"precision={','.join(modes)}", f"hydra.sweep.dir={tmp_path}", cwd=tmp_path)  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
-    records = {r["choices"]["precision"]: r for r in (json.loads(p.read_text()) for p in tmp_path.glob("*/result.json"))}
+    records = {
+        r["choices"]["precision"]: r for r in (json.loads(p.read_text()) for p in tmp_path.glob("*/result.json"))
+    }
     assert sorted(records) == sorted(modes)
     for mode, rec in records.items():
         assert rec["status"] == "ok", (mode, rec["message"])
-        assert math.isfinite(rec["final_train_loss"]) and 0 <= rec["metrics"]["bleu"] <= 100 and rec["metrics"]["val_sentences"] > 0
+        assert (
+            math.isfinite(rec["final_train_loss"])
+            and 0 <= rec["metrics"]["bleu"] <= 100
+            and rec["metrics"]["val_sentences"] > 0
+        )
         assert rec["throughput"]["unit"] == "target tokens/s"
-    assert records["amp"]["precision"]["autocast"] == "float16" and records["fp16"]["precision"]["param_dtype"] == "float16"
+    assert (
+        records["amp"]["precision"]["autocast"] == "float16"
+        and records["fp16"]["precision"]["param_dtype"] == "float16"
+    )
 
     # GNMT's own optimizer (Adam) in the modes paper_nmt runs, with the summed loss and a dynamic scale
     adam = tmp_path / "adam"
-    result = mpt_run("-m", "model=gnmt", "schedule=smoke", *small, "model.loss_reduction=sum", "scale=dynamic", "checkpoint=false",
-                     "precision=mixed,amp", f"hydra.sweep.dir={adam}", cwd=tmp_path)  # fmt: skip
+    result = mpt_run("-m", "model=gnmt", "schedule=smoke", *small, "model.loss_reduction=sum", "scale=dynamic",
+                     "checkpoint=false", "precision=mixed,amp", f"hydra.sweep.dir={adam}", cwd=tmp_path)  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     for rec in (json.loads(p.read_text()) for p in adam.glob("*/result.json")):
         assert rec["status"] == "ok" and rec["optim"]["name"] == "adam" and math.isfinite(rec["last_finite_train_loss"])
@@ -423,15 +471,18 @@ def test_every_precision_mode_translates_end_to_end(tmp_path):
 
 @pytest.mark.slow  # a learning curve: minutes on 2 cores
 def test_bleu_rises_on_the_synthetic_pair_with_adam_and_warmup(tmp_path):
-    args = ["model=gnmt", "model.hidden_size=48", "model.encoder_layers=2", "model.decoder_layers=2", "model.dropout=0", "model.beam_size=2",
-            "data.vocab_size=12", "data.max_len=8", "optim.lr=1e-2", "schedule.batch_size=32", "schedule.steps=240", "schedule.eval_every=80",
-            "schedule.eval_batches=4", "schedule.lr_warmup_steps=20", "schedule.lr_milestones=[200]", "schedule.lr_gamma=0.5", "checkpoint=false"]  # fmt: skip
+    args = ["model=gnmt", "model.hidden_size=48", "model.encoder_layers=2", "model.decoder_layers=2", "model.dropout=0",
+            "model.beam_size=2", "data.vocab_size=12", "data.max_len=8", "optim.lr=1e-2", "schedule.batch_size=32",
+            "schedule.steps=240", "schedule.eval_every=80", "schedule.eval_batches=4", "schedule.lr_warmup_steps=20",
+            "schedule.lr_milestones=[200]", "schedule.lr_gamma=0.5", "checkpoint=false"]  # fmt: skip
     result = mpt_run(*args, f"hydra.run.dir={tmp_path}", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     rec = read_record(tmp_path)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if r["kind"] == "eval"]
-    assert rec["status"] == "ok" and rec["optim"]["name"] == "adam" and rec["optim"]["lr"] == 1e-2  # Adam's lr: not scaled with the batch
+    assert (
+        rec["status"] == "ok" and rec["optim"]["name"] == "adam" and rec["optim"]["lr"] == 1e-2
+    )  # Adam's lr: not scaled with the batch
     # (BLEU of 8-word sentences from a model this small moves in steps: the loss is the steadier witness)
     assert evals[-1]["bleu"] > evals[0]["bleu"] + 3 and evals[-1]["val_loss"] < evals[0]["val_loss"] - 0.3
     lrs = [r["lr"] for r in rows if r["kind"] == "train"]
@@ -449,17 +500,22 @@ def test_bleu_scores_each_output_against_its_own_reference(monkeypatch, multi30k
 
     monkeypatch.setattr(task, "translate", targets)
     perfect = task.evaluate(batches, torch.autograd.grad_mode.no_grad)
-    assert perfect["bleu"] > 97 and perfect["val_sentences"] == 48  # (not 100: NFKC normalization changes a few characters)
+    assert (
+        perfect["bleu"] > 97 and perfect["val_sentences"] == 48
+    )  # (not 100: NFKC normalization changes a few characters)
     monkeypatch.setattr(task, "translate", lambda batch, ctx: targets(batch, ctx)[1:] + targets(batch, ctx)[:1])
-    assert task.evaluate(batches, torch.autograd.grad_mode.no_grad)["bleu"] < 10  # each output scored against another sentence
+    assert (
+        task.evaluate(batches, torch.autograd.grad_mode.no_grad)["bleu"] < 10
+    )  # each output scored against another sentence
 
 
 @pytest.mark.slow
 def test_multi30k_run_scores_the_test_split_and_keeps_its_tokenizer(tmp_path):
     root = shared_data("multi30k")
-    result = mpt_run("model=gnmt", "model.hidden_size=16", "model.encoder_layers=2", "model.decoder_layers=2", "model.beam_size=1",
-                     "model.max_decode_len=12", "data=parallel_text", f"data.root={root}", "data.val_split=val", "data.test_split=test_2016_flickr",
-                     "data.vocab_size=1000", "schedule=smoke", "schedule.batch_size=64", f"hydra.run.dir={tmp_path}", cwd=tmp_path)  # fmt: skip
+    result = mpt_run("model=gnmt", "model.hidden_size=16", "model.encoder_layers=2", "model.decoder_layers=2",
+                     "model.beam_size=1", "model.max_decode_len=12", "data=parallel_text", f"data.root={root}",
+                     "data.val_split=val", "data.test_split=test_2016_flickr", "data.vocab_size=1000", "schedule=smoke",
+                     "schedule.batch_size=64", f"hydra.run.dir={tmp_path}", cwd=tmp_path)  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     rec = read_record(tmp_path)
     assert rec["status"] == "ok" and rec["metrics"]["test_sentences"] == 1000 and rec["metrics"]["val_sentences"] == 64
@@ -468,4 +524,7 @@ def test_multi30k_run_scores_the_test_split_and_keeps_its_tokenizer(tmp_path):
     import sentencepiece as spm
 
     sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "tokenizer.model"))
-    assert sp.get_piece_size() == 1000 and sp.decode(sp.encode("Zwei Männer spielen Fußball.")) == "Zwei Männer spielen Fußball."
+    assert (
+        sp.get_piece_size() == 1000
+        and sp.decode(sp.encode("Zwei Männer spielen Fußball.")) == "Zwei Männer spielen Fußball."
+    )

@@ -27,7 +27,10 @@ def test_every_committed_record_reads_in_todays_schema():
 
 def test_a_record_before_the_variant_field_takes_its_folders_overrides_less_logging():
     old = {"status": "ok", "choices": {}}
-    assert upgrade.record(old, "resnet50_mixed_static__schedule.log_every=5,scale.value=1024")["variant"] == "scale.value=1024"
+    assert (
+        upgrade.record(old, "resnet50_mixed_static__schedule.log_every=5,scale.value=1024")["variant"]
+        == "scale.value=1024"
+    )
     assert upgrade.record({**old, "variant": "schedule.log_every=5,optim.lr=0.1"}, "x")["variant"] == "optim.lr=0.1"
     assert "variant" not in old  # the dict read is not changed
 
@@ -35,12 +38,21 @@ def test_a_record_before_the_variant_field_takes_its_folders_overrides_less_logg
 def test_a_record_before_fp16s_own_count_counted_what_fp16_weights_would_lose():
     lost = {"networks": {"model": {"total": {"updated": 3}}, "other": None}}
     hist = {"total": {}}
-    old = {"status": "ok", "choices": {}, "grad_stats": {"networks": {"model": {"activation": hist}}, "lost_updates": lost}}
+    old = {
+        "status": "ok",
+        "choices": {},
+        "grad_stats": {"networks": {"model": {"activation": hist}}, "lost_updates": lost},
+    }
     new = upgrade.record(old, "x")
-    assert new["grad_stats"]["lost_updates"]["networks"] == {"model": {"counted": "would_be_lost", "total": {"updated": 3}}, "other": None}
+    assert new["grad_stats"]["lost_updates"]["networks"] == {
+        "model": {"counted": "would_be_lost", "total": {"updated": 3}},
+        "other": None,
+    }
     assert new["grad_stats"]["networks"]["model"]["activation"] == {"steps": [], "total": {}}
     counted = {"networks": {"model": {"counted": "lost", "total": {}}}}
-    assert upgrade.record({**old, "grad_stats": {"lost_updates": counted}}, "x")["grad_stats"]["lost_updates"] == counted
+    assert (
+        upgrade.record({**old, "grad_stats": {"lost_updates": counted}}, "x")["grad_stats"]["lost_updates"] == counted
+    )
 
 
 @pytest.mark.parametrize("has_memory", [False, True])
@@ -48,7 +60,9 @@ def test_an_older_checkpoint_reads_in_todays_schema(has_memory):
     old = {"step": 40, "git": {"commit": "abc"}, "grad_stats": {"hists": {}, "sampled_steps": []}}
     old |= {"memory": {"peak_bytes": 7, "steady_peak_bytes": 5}} if has_memory else {"peak_memory_bytes": 7}
     new = upgrade.checkpoint(old)
-    assert new["memory"] == ({"peak_bytes": 7, "steady_peak_bytes": 5} if has_memory else {"peak_bytes": 7, "steady_peak_bytes": 0})
+    assert new["memory"] == (
+        {"peak_bytes": 7, "steady_peak_bytes": 5} if has_memory else {"peak_bytes": 7, "steady_peak_bytes": 0}
+    )
     assert new["segments"] == [{"from_step": 0, "to_step": 40, "total_steps": None, "git": {"commit": "abc"}}]
     assert new["nondeterministic_ops"] == [] and new["device_rng"] is None and new["data_fingerprint"] is None
     assert new["grad_stats"]["atlas"] == {} and new["grad_stats"]["lost"] == {} and new["grad_stats"]["hists"] == {}

@@ -11,7 +11,11 @@ from mpt.models.voc_map import average_precision, voc_map
 
 
 def dets(boxes, scores, labels):
-    return {"boxes": torch.tensor(boxes, dtype=torch.float32).reshape(-1, 4), "scores": torch.tensor(scores), "labels": torch.tensor(labels)}
+    return {
+        "boxes": torch.tensor(boxes, dtype=torch.float32).reshape(-1, 4),
+        "scores": torch.tensor(scores),
+        "labels": torch.tensor(labels),
+    }
 
 
 def truth(boxes, labels, difficult=None):
@@ -43,7 +47,9 @@ def test_a_detection_of_a_difficult_object_counts_neither_way():
     # The two wrong treatments give other values: difficult as an ordinary positive (2/3), or a
     # detection of it as a false alarm (1/3).
     assert voc_map(d, [truth([A, B], [1, 1], [False, False])], 1)["map_all"] == pytest.approx(2 / 3)
-    assert voc_map([dets([ELSEWHERE, ELSEWHERE, A], [0.99, 0.9, 0.8], [1, 1, 1])], [truth([A, B], [1, 1], [False, True])], 1)["map_all"] == pytest.approx(1 / 3)
+    assert voc_map(
+        [dets([ELSEWHERE, ELSEWHERE, A], [0.99, 0.9, 0.8], [1, 1, 1])], [truth([A, B], [1, 1], [False, True])], 1
+    )["map_all"] == pytest.approx(1 / 3)
 
 
 def test_overlap_must_exceed_the_threshold_and_classes_are_scored_apart():
@@ -89,13 +95,19 @@ def random_scene(g: torch.Generator, classes: int):
             jitter = (torch.rand(4, generator=g) - 0.5) * 36
             boxes.append(box + jitter)
             scores.append(float(torch.rand(1, generator=g)))
-            labels.append(c if torch.rand(1, generator=g) < 0.8 else int(torch.randint(1, classes + 1, (1,), generator=g)))
+            labels.append(
+                c if torch.rand(1, generator=g) < 0.8 else int(torch.randint(1, classes + 1, (1,), generator=g))
+            )
     for _ in range(int(torch.randint(0, 3, (1,), generator=g))):  # background false alarms
         xy = torch.rand(2, generator=g) * 350
         boxes.append(torch.cat([xy, xy + 40]))
         scores.append(float(torch.rand(1, generator=g)))
         labels.append(int(torch.randint(1, classes + 1, (1,), generator=g)))
-    d = {"boxes": torch.stack(boxes) if boxes else torch.zeros(0, 4), "scores": torch.tensor(scores), "labels": torch.tensor(labels, dtype=torch.int64)}
+    d = {
+        "boxes": torch.stack(boxes) if boxes else torch.zeros(0, 4),
+        "scores": torch.tensor(scores),
+        "labels": torch.tensor(labels, dtype=torch.int64),
+    }
     return d, {"boxes": torch.stack(gt_boxes), "labels": torch.tensor(gt_labels, dtype=torch.int64)}
 
 

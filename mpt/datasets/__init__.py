@@ -80,7 +80,9 @@ def source(cfg: DictConfig) -> Source:
     task = Task(cfg.model.task)
     if (cfg.data.name, task) not in SOURCES:
         fits = [name for name, t in SOURCES if t == task]
-        raise ConfigError(f"data={cfg.data.name} has no {task} data for model={cfg.model.name}; use data={' or data='.join(fits)}")
+        raise ConfigError(
+            f"data={cfg.data.name} has no {task} data for model={cfg.model.name}; use data={' or data='.join(fits)}"
+        )
     return SOURCES[cfg.data.name, task]
 
 
@@ -91,7 +93,9 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"data.num_workers={cfg.data.num_workers}: must be -1 (auto) or >= 0")
 
 
-def build_data(cfg: DictConfig, device: torch.device, workdir: Optional[Path] = None, resuming: bool = False, shard: Dist = Dist()) -> DataSource:
+def build_data(
+    cfg: DictConfig, device: torch.device, workdir: Optional[Path] = None, resuming: bool = False, shard: Dist = Dist()
+) -> DataSource:
     """`workdir`: the run's folder, for what a source makes and the run must keep (a trained
     tokenizer); `resuming`: the run continues from a checkpoint there, so it reuses what it made;
     `shard`: this process's place in a torchrun job (it trains on its slice of each global batch)."""

@@ -37,11 +37,20 @@ JPEG_MAGIC = b"\xff\xd8"
 def validate(cfg: DictConfig) -> None:
     d = cfg.data
     if d.decode not in ("host", "device"):
-        raise ConfigError(f"data.decode={d.decode}: must be host (PIL in the loader's workers) or device (the JPEGs' bytes decoded on the run's device)")
+        raise ConfigError(
+            f"data.decode={d.decode}: must be host (PIL in the loader's workers) "
+            "or device (the JPEGs' bytes decoded on the run's device)"
+        )
     if d.decode == "device" and d.resident:
-        raise ConfigError("data.decode=device with data.resident=true: a resident source decodes once and keeps the pixels; choose one")
+        raise ConfigError(
+            "data.decode=device with data.resident=true: "
+            "a resident source decodes once and keeps the pixels; choose one"
+        )
     if d.decode == "device" and d.augment != "imagenet":
-        raise ConfigError(f"data.decode=device: data.augment={d.augment} is not computed there (expected imagenet; CIFAR-sized data: data.resident=true)")
+        raise ConfigError(
+            f"data.decode=device: data.augment={d.augment} is not computed there "
+            "(expected imagenet; CIFAR-sized data: data.resident=true)"
+        )
 
 
 class _Encoded(Dataset):
@@ -61,11 +70,15 @@ class _Encoded(Dataset):
         if self.train:
             try:
                 with Image.open(path) as img:  # the header only: no pixels are decoded here
-                    box = torch.tensor(transforms.RandomResizedCrop.get_params(img, list(self.crop.scale), list(self.crop.ratio)))
+                    box = torch.tensor(
+                        transforms.RandomResizedCrop.get_params(img, list(self.crop.scale), list(self.crop.ratio))
+                    )
             except (OSError, SyntaxError, ValueError) as e:
                 raise imagefolder.CorruptImage(f"corrupt image {path}: {type(e).__name__}: {e}") from None
             flip = bool(torch.rand(1) < 0.5)  # RandomHorizontalFlip's draw, after the crop's
-        with open(path, "rb") as f:  # bytes, not tensors: a worker shares each tensor through a file descriptor of its own
+        with open(
+            path, "rb"
+        ) as f:  # bytes, not tensors: a worker shares each tensor through a file descriptor of its own
             return f.read(), box, flip, label, path
 
 
@@ -102,7 +115,9 @@ def decode(files: list[bytes], paths: list[str], device: torch.device) -> list[t
     format by PIL on the host, as the host path reads it. A batch the device's decoder refuses is
     decoded a file at a time, and a file it refuses (a CMYK JPEG for some decoders) on the host."""
     jpegs = [i for i, f in enumerate(files) if f[:2] == JPEG_MAGIC]
-    out: dict[int, torch.Tensor] = {i: _on_host(files[i], paths[i]).to(device) for i in range(len(files)) if i not in set(jpegs)}
+    out: dict[int, torch.Tensor] = {
+        i: _on_host(files[i], paths[i]).to(device) for i in range(len(files)) if i not in set(jpegs)
+    }
     encoded = {i: torch.frombuffer(bytearray(files[i]), dtype=torch.uint8) for i in jpegs}
     try:
         out.update(zip(jpegs, _jpegs_on(device, [encoded[i] for i in jpegs]) if jpegs else []))
@@ -119,22 +134,34 @@ class DeviceDecodedImages(LoaderData):
     def __init__(self, data: DictConfig, schedule: DictConfig, seed: int, device: torch.device, shard: Dist = Dist()):
         root = imagefolder.folder_root(data)
         self.size, self.val_size = schedule.image_size, round(schedule.image_size * data.resize_ratio)
-        train_set, val_set = imagefolder.open_split(root, data.train_split, None), imagefolder.open_split(root, data.val_split, None)
+        train_set, val_set = (
+            imagefolder.open_split(root, data.train_split, None),
+            imagefolder.open_split(root, data.val_split, None),
+        )
         imagefolder.check_splits(root, data, train_set.classes, val_set.classes, len(train_set), schedule.batch_size)
         self.device = device
         workers = default_workers() if data.num_workers == -1 else data.num_workers
-        common: dict[str, Any] = dict(num_workers=workers, collate_fn=_collate, persistent_workers=workers > 0, worker_init_fn=shielded_worker)
+        common: dict[str, Any] = dict(
+            num_workers=workers, collate_fn=_collate, persistent_workers=workers > 0, worker_init_fn=shielded_worker
+        )
         self.order = torch.Generator().manual_seed(seed)
         self.batches = EpochBatches(len(train_set), schedule.batch_size, self.order, shard)
         # Loaders with generators of their own, as the host path's: iterating them never draws from
         # the global RNG that dropout uses, so a resumed run's random stream is the uninterrupted one's.
         common["generator"] = torch.Generator().manual_seed(seed)
-        self.train_loader = DataLoader(SeededSamples(_Encoded(train_set, train=True), seed), batch_sampler=self.batches, **common)
+        self.train_loader = DataLoader(
+            SeededSamples(_Encoded(train_set, train=True), seed), batch_sampler=self.batches, **common
+        )
         val_order = imagefolder.fixed_order(len(val_set)).tolist()  # the host path's evaluation order
         common["generator"] = torch.Generator().manual_seed(seed)
-        self.val_loader = DataLoader(_Encoded(val_set, train=False), batch_size=schedule.batch_size, sampler=val_order, **common)
+        self.val_loader = DataLoader(
+            _Encoded(val_set, train=False), batch_size=schedule.batch_size, sampler=val_order, **common
+        )
         self.steps_per_epoch = len(train_set) // schedule.batch_size
-        self.mean, self.std = (torch.tensor(s, device=device).view(1, 3, 1, 1) for s in (imagefolder.IMAGENET_MEAN, imagefolder.IMAGENET_STD))
+        self.mean, self.std = (
+            torch.tensor(s, device=device).view(1, 3, 1, 1)
+            for s in (imagefolder.IMAGENET_MEAN, imagefolder.IMAGENET_STD)
+        )
         self.root, self.train_split = root, data.train_split
         self.info = {
             "num_classes": len(train_set.classes),
@@ -153,14 +180,19 @@ class DeviceDecodedImages(LoaderData):
         """A training batch: each image's box resized to the training size, and its flip."""
         data, boxes, flips, labels, paths = batch
         images = decode(data, paths, self.device)
-        out = [F.resized_crop(im, *box.tolist(), [self.size, self.size], antialias=True) for im, box in zip(images, boxes)]
+        out = [
+            F.resized_crop(im, *box.tolist(), [self.size, self.size], antialias=True) for im, box in zip(images, boxes)
+        ]
         out = [o.flip(-1) if f else o for o, f in zip(out, flips.tolist())]
         return self._normalized(out), labels.to(self.device, non_blocking=True)
 
     def _evaluation_batch(self, batch: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         """Resize(image_size * resize_ratio) and CenterCrop(image_size), as the host path's."""
         data, _, _, labels, paths = batch
-        out = [F.center_crop(F.resize(im, [self.val_size], antialias=True), [self.size, self.size]) for im in decode(data, paths, self.device)]
+        out = [
+            F.center_crop(F.resize(im, [self.val_size], antialias=True), [self.size, self.size])
+            for im in decode(data, paths, self.device)
+        ]
         return self._normalized(out), labels.to(self.device, non_blocking=True)
 
     def val(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

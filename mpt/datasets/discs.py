@@ -40,7 +40,9 @@ def make_discs(n: int, size: int, noise: float, g: torch.Generator) -> torch.Ten
         # dark background whatever hue it drew.
         colour = colour / colour.amax(1, keepdim=True).clamp_min(1e-6) * (0.6 + 0.4 * torch.rand(m, 1, generator=g))
         background = 0.25 * torch.rand(m, 1, generator=g)
-        dist = ((centres[None, None, :] - cx[:, None, None]) ** 2 + (centres[None, :, None] - cy[:, None, None]) ** 2).sqrt()
+        dist = (
+            (centres[None, None, :] - cx[:, None, None]) ** 2 + (centres[None, :, None] - cy[:, None, None]) ** 2
+        ).sqrt()
         alpha = ((radius[:, None, None] - dist) / edge + 0.5).clamp(0, 1)[:, None]  # [m, 1, size, size]
         images = background[:, :, None, None] + alpha * (colour[:, :, None, None] - background[:, :, None, None])
         # Drawn even when noise is 0, so the discs are the same whatever data.pixel_noise is.
@@ -70,12 +72,16 @@ class SyntheticDiscs(EpochOrder):
         """One pass in a fresh random order, from batch `start` (a resumed run's position)."""
         perm = torch.randperm(self.train_images.shape[0], generator=self.begin_epoch()).to(self.train_images.device)
         for i in range(start, self.steps_per_epoch):
-            yield to_unit_range(self.train_images[perm[slice(*self.shard.shard(i * self.batch_size, (i + 1) * self.batch_size))]])
+            yield to_unit_range(
+                self.train_images[perm[slice(*self.shard.shard(i * self.batch_size, (i + 1) * self.batch_size))]]
+            )
 
     def val(self) -> Iterator[torch.Tensor]:
         for i in range(0, self.val_images.shape[0], self.batch_size):
             yield to_unit_range(self.val_images[i : i + self.batch_size])
 
 
-def build(cfg: DictConfig, device: torch.device, workdir: Optional[Path] = None, resuming: bool = False, shard: Dist = Dist()) -> SyntheticDiscs:
+def build(
+    cfg: DictConfig, device: torch.device, workdir: Optional[Path] = None, resuming: bool = False, shard: Dist = Dist()
+) -> SyntheticDiscs:
     return SyntheticDiscs(cfg.data, cfg.schedule, seed=cfg.seed, device=device, shard=shard)

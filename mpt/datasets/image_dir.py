@@ -74,7 +74,8 @@ class ImageFiles(Dataset):
         side = min(w, h) if self.crop is None else self.crop
         if side > min(w, h):
             raise CropTooLarge(
-                f"data.crop={self.crop}: larger than image {path} ({w}x{h}); use a crop of at most {min(w, h)} or data.crop=null (the shorter side)"
+                f"data.crop={self.crop}: larger than image {path} ({w}x{h}); "
+                f"use a crop of at most {min(w, h)} or data.crop=null (the shorter side)"
             )
         img = TF.center_crop(img, [side, side])
         # PIL's bilinear resize widens its filter when shrinking, i.e. it is antialiased.
@@ -85,7 +86,9 @@ class ImageFiles(Dataset):
 def validate(cfg: DictConfig) -> None:
     d = cfg.data
     if d.root is None:
-        raise ConfigError("data.root is not set: data=image_dir needs the folder of images (e.g. CelebA's img_align_celeba)")
+        raise ConfigError(
+            "data.root is not set: data=image_dir needs the folder of images (e.g. CelebA's img_align_celeba)"
+        )
     positive(cfg, "data.crop", allow_none=True)
     positive(cfg, "data.val_samples")  # reference images for FID
 
@@ -101,9 +104,14 @@ class ImageDirData(LoaderData):
         if not images:
             accepted = " ".join(IMG_EXTENSIONS)
             found = f"found {len(others)} files, none an image: {listing(others)}" if others else "found no files"
-            raise ConfigError(f"data.root={root}: no image files at any depth (accepted: {accepted}, any case); {found}")
+            raise ConfigError(
+                f"data.root={root}: no image files at any depth (accepted: {accepted}, any case); {found}"
+            )
         if len(images) < schedule.batch_size:
-            raise ConfigError(f"data.root={root}: {len(images)} images, fewer than one batch of schedule.batch_size={schedule.batch_size}")
+            raise ConfigError(
+                f"data.root={root}: {len(images)} images, "
+                f"fewer than one batch of schedule.batch_size={schedule.batch_size}"
+            )
         paths = [str(root / p) for p in images]
         self._check_crop(data.crop, paths[0])
         dataset = ImageFiles(paths, schedule.image_size, data.crop)
@@ -113,12 +121,26 @@ class ImageDirData(LoaderData):
         workers = default_workers() if data.num_workers == -1 else data.num_workers
         # Loaders get generators of their own, so iterating them never draws from the global RNG:
         # a resumed run's random stream stays the uninterrupted one's.
-        common: dict[str, Any] = dict(num_workers=workers, pin_memory=device.type == "cuda", persistent_workers=workers > 0, worker_init_fn=shielded_worker)
+        common: dict[str, Any] = dict(
+            num_workers=workers,
+            pin_memory=device.type == "cuda",
+            persistent_workers=workers > 0,
+            worker_init_fn=shielded_worker,
+        )
         self.order = torch.Generator().manual_seed(seed)
         self.batches = EpochBatches(len(paths), schedule.batch_size, self.order, shard)
-        self.train_loader = DataLoader(SeededSamples(dataset, seed), batch_sampler=self.batches, generator=torch.Generator().manual_seed(seed), **common)
+        self.train_loader = DataLoader(
+            SeededSamples(dataset, seed),
+            batch_sampler=self.batches,
+            generator=torch.Generator().manual_seed(seed),
+            **common,
+        )
         self.val_loader = DataLoader(
-            Subset(dataset, reference), batch_size=schedule.batch_size, shuffle=False, generator=torch.Generator().manual_seed(seed), **common
+            Subset(dataset, reference),
+            batch_size=schedule.batch_size,
+            shuffle=False,
+            generator=torch.Generator().manual_seed(seed),
+            **common,
         )
         self.steps_per_epoch = len(paths) // schedule.batch_size
         self.info = {"train_samples": len(paths), "val_samples": n_val, "resident": False, "num_workers": workers}
@@ -135,11 +157,16 @@ class ImageDirData(LoaderData):
         except (OSError, SyntaxError, ValueError):
             return  # unreadable: the loader names it when it gets there
         if crop > min(w, h):
-            raise ConfigError(f"data.crop={crop}: larger than image {path} ({w}x{h}); use a crop of at most {min(w, h)} or data.crop=null (the shorter side)")
+            raise ConfigError(
+                f"data.crop={crop}: larger than image {path} ({w}x{h}); "
+                f"use a crop of at most {min(w, h)} or data.crop=null (the shorter side)"
+            )
 
     def to_device(self, batch: torch.Tensor) -> torch.Tensor:
         return to_unit_range(batch.to(self.device, non_blocking=True))
 
 
-def build(cfg: DictConfig, device: torch.device, workdir: Optional[Path] = None, resuming: bool = False, shard: Dist = Dist()) -> ImageDirData:
+def build(
+    cfg: DictConfig, device: torch.device, workdir: Optional[Path] = None, resuming: bool = False, shard: Dist = Dist()
+) -> ImageDirData:
     return ImageDirData(cfg.data, cfg.schedule, seed=cfg.seed, device=device, shard=shard)

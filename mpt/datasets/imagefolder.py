@@ -54,7 +54,10 @@ def open_split(root: Path, split: str, transform) -> datasets.ImageFolder:
     folder = root / split
     if not folder.is_dir():
         found = sorted(p.name for p in root.iterdir() if p.is_dir())
-        raise ConfigError(f"data.root={root}: no '{split}' folder (found: {', '.join(found) or 'nothing'}); expected {split}/<class>/<image>")
+        raise ConfigError(
+            f"data.root={root}: no '{split}' folder (found: {', '.join(found) or 'nothing'}); "
+            f"expected {split}/<class>/<image>"
+        )
     try:
         return datasets.ImageFolder(str(folder), transform=transform, loader=load_image)
     except FileNotFoundError as e:  # no class folders, or a class folder without images
@@ -91,7 +94,12 @@ def train_transform(augment: str, size: int) -> transforms.Compose:
             ]
         )
     return transforms.Compose(
-        [transforms.RandomResizedCrop(size), transforms.RandomHorizontalFlip(), transforms.ToTensor(), transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
+        [
+            transforms.RandomResizedCrop(size),
+            transforms.RandomHorizontalFlip(),
+            transforms.ToTensor(),
+            transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+        ]
     )
 
 
@@ -124,24 +132,38 @@ def folder_root(data: DictConfig) -> Path:
     """data.root, or a ConfigError naming the layout it should hold."""
     root = Path(os.path.expanduser(data.root))
     if not root.is_dir():
-        raise ConfigError(f"data.root={root}: no such folder (expected {data.train_split}/<class>/<image> and {data.val_split}/<class>/<image>)")
+        raise ConfigError(
+            f"data.root={root}: no such folder "
+            f"(expected {data.train_split}/<class>/<image> and {data.val_split}/<class>/<image>)"
+        )
     return root
 
 
-def check_splits(root: Path, data: DictConfig, classes: list[str], val_classes: list[str], train_samples: int, batch_size: int) -> None:
+def check_splits(
+    root: Path, data: DictConfig, classes: list[str], val_classes: list[str], train_samples: int, batch_size: int
+) -> None:
     """Both splits name the same classes, and training has at least one batch."""
     if val_classes != classes:
-        raise ConfigError(f"data.root={root}: {data.val_split}/ has classes {val_classes[:5]}... but {data.train_split}/ has {classes[:5]}...")
+        raise ConfigError(
+            f"data.root={root}: {data.val_split}/ has classes {val_classes[:5]}... "
+            f"but {data.train_split}/ has {classes[:5]}..."
+        )
     if train_samples < batch_size:
         raise ConfigError(f"data.root={root}: {train_samples} training images, fewer than one batch of {batch_size}")
 
 
-def plain_images(root: Path, split: str, size: int, n: int, device: torch.device, normalize: Optional[transforms.Normalize] = None) -> torch.Tensor:
+def plain_images(
+    root: Path, split: str, size: int, n: int, device: torch.device, normalize: Optional[transforms.Normalize] = None
+) -> torch.Tensor:
     """n training images drawn uniformly (the same for every seed), whole at the training size (not
     evaluation's resize-and-crop, whose ratio may zoom), not augmented, normalized (by ImageNet's
     statistics unless `normalize` says otherwise). On `device`."""
     normalize = normalize or transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)
-    plain = open_split(root, split, transforms.Compose([transforms.Resize(size), transforms.CenterCrop(size), transforms.ToTensor(), normalize]))
+    plain = open_split(
+        root,
+        split,
+        transforms.Compose([transforms.Resize(size), transforms.CenterCrop(size), transforms.ToTensor(), normalize]),
+    )
     chosen = fixed_order(len(plain))[:n].tolist()
     return torch.stack([plain[i][0] for i in chosen]).to(device)
 
@@ -150,9 +172,18 @@ class ImageFolderData(LoaderData):
     def __init__(self, data: DictConfig, schedule: DictConfig, seed: int, device: torch.device, shard: Dist = Dist()):
         root = folder_root(data)
         size = schedule.image_size
-        normalize = transforms.Normalize(*((CIFAR10_MEAN, CIFAR10_STD) if data.augment in ("cifar", "airbench") else (IMAGENET_MEAN, IMAGENET_STD)))
+        normalize = transforms.Normalize(
+            *((CIFAR10_MEAN, CIFAR10_STD) if data.augment in ("cifar", "airbench") else (IMAGENET_MEAN, IMAGENET_STD))
+        )
         train_tf = train_transform(data.augment, size)
-        val_tf = transforms.Compose([transforms.Resize(round(size * data.resize_ratio)), transforms.CenterCrop(size), transforms.ToTensor(), normalize])
+        val_tf = transforms.Compose(
+            [
+                transforms.Resize(round(size * data.resize_ratio)),
+                transforms.CenterCrop(size),
+                transforms.ToTensor(),
+                normalize,
+            ]
+        )
         self.train_set = open_split(root, data.train_split, train_tf)
         self.val_set = open_split(root, data.val_split, val_tf)
         check_splits(root, data, self.train_set.classes, self.val_set.classes, len(self.train_set), schedule.batch_size)
@@ -160,16 +191,33 @@ class ImageFolderData(LoaderData):
         workers = default_workers() if data.num_workers == -1 else data.num_workers
         # Loaders get generators of their own, so iterating them never draws from the global RNG
         # that dropout uses: a resumed run's random stream stays the uninterrupted one's.
-        common: dict[str, Any] = dict(num_workers=workers, pin_memory=device.type == "cuda", persistent_workers=workers > 0, worker_init_fn=shielded_worker)
+        common: dict[str, Any] = dict(
+            num_workers=workers,
+            pin_memory=device.type == "cuda",
+            persistent_workers=workers > 0,
+            worker_init_fn=shielded_worker,
+        )
         self.order = torch.Generator().manual_seed(seed)
         self.batches = EpochBatches(len(self.train_set), schedule.batch_size, self.order, shard)
-        samples = AlternatingFlips(self.train_set, seed) if data.augment == "airbench" else SeededSamples(self.train_set, seed)
-        self.train_loader = DataLoader(samples, batch_sampler=self.batches, generator=torch.Generator().manual_seed(seed), **common)
+        samples = (
+            AlternatingFlips(self.train_set, seed)
+            if data.augment == "airbench"
+            else SeededSamples(self.train_set, seed)
+        )
+        self.train_loader = DataLoader(
+            samples, batch_sampler=self.batches, generator=torch.Generator().manual_seed(seed), **common
+        )
         # ImageFolder lists a split class by class, so a capped evaluation (schedule.eval_batches)
         # would score the first classes only. One fixed order, the same for every seed and mode,
         # makes any prefix a uniform sample and lets every run score the same images.
         val_order = fixed_order(len(self.val_set)).tolist()
-        self.val_loader = DataLoader(self.val_set, batch_size=schedule.batch_size, sampler=val_order, generator=torch.Generator().manual_seed(seed), **common)
+        self.val_loader = DataLoader(
+            self.val_set,
+            batch_size=schedule.batch_size,
+            sampler=val_order,
+            generator=torch.Generator().manual_seed(seed),
+            **common,
+        )
         self.steps_per_epoch = len(self.train_set) // schedule.batch_size
         self.root, self.train_split, self.size, self.normalize = root, data.train_split, size, normalize
         self.info = {
@@ -189,5 +237,7 @@ class ImageFolderData(LoaderData):
         return images.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
 
 
-def build(cfg: DictConfig, device: torch.device, workdir: Optional[Path] = None, resuming: bool = False, shard: Dist = Dist()) -> ImageFolderData:
+def build(
+    cfg: DictConfig, device: torch.device, workdir: Optional[Path] = None, resuming: bool = False, shard: Dist = Dist()
+) -> ImageFolderData:
     return ImageFolderData(cfg.data, cfg.schedule, seed=cfg.seed, device=device, shard=shard)

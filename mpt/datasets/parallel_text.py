@@ -1,6 +1,7 @@
 """Parallel text on disk: <root>/<split>.<lang>, or <split>.<lang>.gz, one sentence per line, line i
-of the source file translating line i of the target file (WMT16 en-de and Multi30k both come so). Splits: data.train_split, data.val_split (evaluated during
-training) and, optionally, data.test_split (evaluated once, in full, at the end).
+of the source file translating line i of the target file (WMT16 en-de and Multi30k both come so).
+Splits: data.train_split, data.val_split (evaluated during training) and, optionally,
+data.test_split (evaluated once, in full, at the end).
 
 The subword vocabulary is a sentencepiece BPE model trained on both sides of the training text (one
 shared vocabulary, as GNMT's joint BPE), or a given .model file. The run saves the model it used
@@ -33,7 +34,10 @@ def split_file(root: Path, split: str, lang: str) -> Path:
     for path in (root / f"{split}.{lang}", root / f"{split}.{lang}.gz"):
         if path.is_file():
             return path
-    raise ConfigError(f"data.root={root}: holds neither {split}.{lang} nor {split}.{lang}.gz (set by data.*_split and data.src_lang/tgt_lang)")
+    raise ConfigError(
+        f"data.root={root}: holds neither {split}.{lang} nor {split}.{lang}.gz "
+        "(set by data.*_split and data.src_lang/tgt_lang)"
+    )
 
 
 def read_lines(path: Path) -> list[str]:
@@ -72,7 +76,9 @@ def read_pairs(root: Path, split: str, src_lang: str, tgt_lang: str, key: str) -
     for path, lines in [(src_path, src), (tgt_path, tgt)]:
         refuse_empty(path, lines, f"data.{key}={split}")
     if len(src) != len(tgt):
-        raise ConfigError(f"{src_path} has {len(src)} lines but {tgt_path} has {len(tgt)}: parallel files must align line by line")
+        raise ConfigError(
+            f"{src_path} has {len(src)} lines but {tgt_path} has {len(tgt)}: parallel files must align line by line"
+        )
     return [s.strip() for s in src], [t.strip() for t in tgt]
 
 
@@ -87,10 +93,15 @@ def train_tokenizer(lines: list[str], vocab_size: int, sentences: int, seed: int
         spm.SentencePieceTrainer.train(
             sentence_iterator=iter(lines), model_writer=proto, model_type="bpe", vocab_size=vocab_size,
             character_coverage=1.0, pad_id=PAD, unk_id=UNK, bos_id=BOS, eos_id=EOS,
-            input_sentence_size=sentences, shuffle_input_sentence=True, num_threads=min(16, os.cpu_count() or 1), minloglevel=2,
+            input_sentence_size=sentences, shuffle_input_sentence=True,
+            num_threads=min(16, os.cpu_count() or 1), minloglevel=2,
         )  # fmt: skip
-    except RuntimeError as e:  # e.g. "Vocabulary size is too high (8000). Please set it to a value <= 7112."
-        raise ConfigError(f"data.vocab_size={vocab_size}: sentencepiece cannot train it on this text ({str(e).strip().splitlines()[-1]})") from None
+    except RuntimeError as e:
+        # e.g. "Vocabulary size is too high (8000). Please set it to a value <= 7112."
+        reason = str(e).strip().splitlines()[-1]
+        raise ConfigError(
+            f"data.vocab_size={vocab_size}: sentencepiece cannot train it on this text ({reason})"
+        ) from None
     return proto.getvalue()
 
 
@@ -105,7 +116,8 @@ def load_tokenizer(proto: bytes, source: str):
     ids = (sp.pad_id(), sp.unk_id(), sp.bos_id(), sp.eos_id())
     if ids != (PAD, UNK, BOS, EOS):
         raise ConfigError(
-            f"{source}: its pad, unk, bos, eos ids are {ids}; this project's batches need {(PAD, UNK, BOS, EOS)} (train it with pad_id=0 unk_id=1 bos_id=2 eos_id=3)"
+            f"{source}: its pad, unk, bos, eos ids are {ids}; this project's batches need {(PAD, UNK, BOS, EOS)} "
+            "(train it with pad_id=0 unk_id=1 bos_id=2 eos_id=3)"
         )
     return sp
 
@@ -120,7 +132,9 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"data.src_lang={d.src_lang} equals data.tgt_lang: translation needs two languages")
 
 
-def parallel_text(cfg: DictConfig, device: torch.device, workdir: Optional[Path] = None, resuming: bool = False, shard: Dist = Dist()) -> TranslationData:
+def parallel_text(
+    cfg: DictConfig, device: torch.device, workdir: Optional[Path] = None, resuming: bool = False, shard: Dist = Dist()
+) -> TranslationData:
     """`shard`: under torchrun, rank 0 trains the tokenizer and writes it into `workdir`; the
     other ranks wait for it and read it, so every rank encodes with the same vocabulary."""
     d = cfg.data
@@ -141,7 +155,10 @@ def parallel_text(cfg: DictConfig, device: torch.device, workdir: Optional[Path]
         # the vocabulary the checkpoint's model was trained with (its sha256 is checked on restore)
         proto, origin = (workdir / TOKENIZER_FILE).read_bytes(), "trained on the training text, kept by the run"
     elif shard.is_main:
-        proto, origin = train_tokenizer(train_src + train_tgt, d.vocab_size, d.tokenizer_sentences, cfg.seed), "trained on the training text"
+        proto, origin = (
+            train_tokenizer(train_src + train_tgt, d.vocab_size, d.tokenizer_sentences, cfg.seed),
+            "trained on the training text",
+        )
     else:
         proto, origin = None, "trained on the training text by rank 0"
     if workdir is not None and shard.is_main:
@@ -177,7 +194,9 @@ def parallel_text(cfg: DictConfig, device: torch.device, workdir: Optional[Path]
         "train_pairs_dropped": dropped,  # empty, or longer than data.max_len subwords
         "val_split": d.val_split,
     }
-    data = TranslationData(train, val, val_tgt, detokenize, info, d, cfg.schedule, cfg.model.pad_to_multiple, cfg.seed, device, shard)
+    data = TranslationData(
+        train, val, val_tgt, detokenize, info, d, cfg.schedule, cfg.model.pad_to_multiple, cfg.seed, device, shard
+    )
     if test is not None:
         data.test_pairs, data.test_refs = list(zip(encode(test[0]), encode(test[1]))), test[1]
         data.info.update(test_split=d.test_split, test_pairs=len(test[0]))

@@ -41,22 +41,35 @@ def validate(cfg: DictConfig) -> None:
     imagefolder.validate(cfg)
     device_decode.validate(cfg)
     if cfg.data.resident and cfg.data.augment not in PADDING:
-        raise ConfigError(f"data.resident=true: data.augment={cfg.data.augment} is not computed on the device (expected {' or '.join(PADDING)})")
+        raise ConfigError(
+            f"data.resident=true: data.augment={cfg.data.augment} is not computed on the device "
+            f"(expected {' or '.join(PADDING)})"
+        )
     size = cfg.data.eval_batch_size
     if size is not None and not cfg.data.resident:
-        raise ConfigError(f"data.eval_batch_size={size}: a resident source's setting; set data.resident=true or leave it null")
+        raise ConfigError(
+            f"data.eval_batch_size={size}: a resident source's setting; set data.resident=true or leave it null"
+        )
     if size is not None and size < 1:
-        raise ConfigError(f"data.eval_batch_size={size}: must be a positive number of images, or null for schedule.batch_size")
+        raise ConfigError(
+            f"data.eval_batch_size={size}: must be a positive number of images, or null for schedule.batch_size"
+        )
 
 
 def stamp(folder: Path) -> str:
     """What the folder's files are as the cache knows them: each one's path, size and modification
     time (an image rewritten at the same size is decoded again), hashed."""
-    entries = sorted(f"{p.relative_to(folder).as_posix()}\t{p.stat().st_size}\t{p.stat().st_mtime_ns}" for p in folder.rglob("*") if p.is_file())
+    entries = sorted(
+        f"{p.relative_to(folder).as_posix()}\t{p.stat().st_size}\t{p.stat().st_mtime_ns}"
+        for p in folder.rglob("*")
+        if p.is_file()
+    )
     return hashlib.sha256("\n".join(entries).encode()).hexdigest()[:16]
 
 
-def decode(root: Path, split: str, tf: transforms.Compose, workers: int, cache_dir: Optional[Path]) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+def decode(
+    root: Path, split: str, tf: transforms.Compose, workers: int, cache_dir: Optional[Path]
+) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
     """A split's images as uint8 (N, 3, H, W), its labels and classes: read from the cache when the
     folder and the transform are those it was made from, else decoded and cached."""
     made = hashlib.sha256(repr(tf).encode()).hexdigest()[:8]  # the transform, its sizes and interpolation
@@ -67,7 +80,9 @@ def decode(root: Path, split: str, tf: transforms.Compose, workers: int, cache_d
         return found["images"], found["labels"], list(found["classes"])
     folder = imagefolder.open_split(root, split, transforms.Compose([*tf.transforms, transforms.PILToTensor()]))
     images, labels = [], []
-    for x, y in DataLoader(folder, batch_size=500, num_workers=workers, worker_init_fn=shielded_worker):  # in the folder's order
+    for x, y in DataLoader(
+        folder, batch_size=500, num_workers=workers, worker_init_fn=shielded_worker
+    ):  # in the folder's order
         images.append(x)
         labels.append(y)
     out = torch.cat(images), torch.cat(labels), folder.classes
@@ -82,7 +97,9 @@ def normalized(images: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> t
     return images.float().div(255).sub_(mean).div_(std)
 
 
-def crop_and_flip(images: torch.Tensor, pad: int, mode: str, dy: torch.Tensor, dx: torch.Tensor, flip: torch.Tensor) -> torch.Tensor:
+def crop_and_flip(
+    images: torch.Tensor, pad: int, mode: str, dy: torch.Tensor, dx: torch.Tensor, flip: torch.Tensor
+) -> torch.Tensor:
     """Each image padded by `pad` pixels (`mode` as F.pad's), cropped back to its size at offset
     (dy, dx) of the padded image, then mirrored where `flip`."""
     n, c, h, w = images.shape
@@ -92,7 +109,12 @@ def crop_and_flip(images: torch.Tensor, pad: int, mode: str, dy: torch.Tensor, d
         padded = F.pad(images, (pad,) * 4, mode=mode)
     rows = (dy[:, None] + torch.arange(h, device=images.device))[:, None, :, None]
     cols = (dx[:, None] + torch.arange(w, device=images.device))[:, None, None, :]
-    out = padded[torch.arange(n, device=images.device)[:, None, None, None], torch.arange(c, device=images.device)[None, :, None, None], rows, cols]
+    out = padded[
+        torch.arange(n, device=images.device)[:, None, None, None],
+        torch.arange(c, device=images.device)[None, :, None, None],
+        rows,
+        cols,
+    ]
     return torch.where(flip[:, None, None, None], out.flip(-1), out)
 
 
@@ -121,12 +143,20 @@ class ResidentImages(EpochOrder):
         self.eval_batch_size = data.eval_batch_size or schedule.batch_size
         self.order = torch.Generator().manual_seed(seed)  # the loader's order generator and its draws
         self.steps_per_epoch = len(train_labels) // schedule.batch_size
-        self.info = {"num_classes": len(classes), "classes": classes, "train_samples": len(train_labels), "val_samples": len(val_labels), "resident": True}
+        self.info = {
+            "num_classes": len(classes),
+            "classes": classes,
+            "train_samples": len(train_labels),
+            "val_samples": len(val_labels),
+            "resident": True,
+        }
 
     def _augmented(self, idx: torch.Tensor, epoch: int, batch: int, mine: slice) -> torch.Tensor:
         """The images `idx` of one global batch, augmented; `mine`: this process's share of it. The
         draws are the whole batch's, so a sample's crop does not depend on how many processes share it."""
-        g = torch.Generator(device=self.device).manual_seed(((self.seed * 1_000_003 + epoch) * 100_000_007 + batch) % 2**63)
+        g = torch.Generator(device=self.device).manual_seed(
+            ((self.seed * 1_000_003 + epoch) * 100_000_007 + batch) % 2**63
+        )
         n, room = self.batch_size, 2 * self.pad + 1
         dy = torch.randint(room, (n,), generator=g, device=self.device)[mine]
         dx = torch.randint(room, (n,), generator=g, device=self.device)[mine]
@@ -156,7 +186,9 @@ class ResidentImages(EpochOrder):
         return normalized(self.train_images[chosen], self.mean, self.std)
 
 
-def build(cfg: DictConfig, device: torch.device, workdir: Optional[Path] = None, resuming: bool = False, shard: Dist = Dist()):
+def build(
+    cfg: DictConfig, device: torch.device, workdir: Optional[Path] = None, resuming: bool = False, shard: Dist = Dist()
+):
     """The source of data=imagefolder: kept on the device with data.resident=true, decoded there with
     data.decode=device, else the loader's."""
     if cfg.data.resident:

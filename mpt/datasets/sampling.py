@@ -25,7 +25,9 @@ def validate_sample_counts(cfg: DictConfig) -> None:
 def require_one_batch(train_samples: int, batch_size: int) -> None:
     """A synthetic source made of fewer samples than a batch could never yield one."""
     if train_samples < batch_size:
-        raise ConfigError(f"data.train_samples={train_samples}: fewer than one batch of schedule.batch_size={batch_size}")
+        raise ConfigError(
+            f"data.train_samples={train_samples}: fewer than one batch of schedule.batch_size={batch_size}"
+        )
 
 
 def default_workers() -> int:

@@ -83,7 +83,13 @@ class SyntheticShapes(EpochOrder):
             for _ in range(n):
                 image, boxes, labels = make_image(size, colors, data.max_objects, data.pixel_noise, g)
                 images.append(image)
-                targets.append({"boxes": boxes.to(device), "labels": labels.to(device), "difficult": torch.zeros_like(labels, dtype=torch.bool).to(device)})
+                targets.append(
+                    {
+                        "boxes": boxes.to(device),
+                        "labels": labels.to(device),
+                        "difficult": torch.zeros_like(labels, dtype=torch.bool).to(device),
+                    }
+                )
             return torch.stack(images).to(device), targets
 
         self.train_images, self.train_targets = make(data.train_samples)
@@ -100,14 +106,18 @@ class SyntheticShapes(EpochOrder):
 
     def _batch(self, images: torch.Tensor, targets: list[dict], idx: list[int]):
         train = targets is self.train_targets
-        picked = [targets[i] if not train else {"boxes": targets[i]["boxes"], "labels": targets[i]["labels"]} for i in idx]
+        picked = [
+            targets[i] if not train else {"boxes": targets[i]["boxes"], "labels": targets[i]["labels"]} for i in idx
+        ]
         return images[idx].float().div_(255), picked
 
     def epoch(self, epoch: int, start: int = 0) -> Iterator[tuple[torch.Tensor, list[dict]]]:
         """One pass in a fresh random order, from batch `start` (a resumed run's position)."""
         perm = torch.randperm(len(self.train_targets), generator=self.begin_epoch()).tolist()
         for i in range(start, self.steps_per_epoch):
-            yield self._batch(self.train_images, self.train_targets, perm[i * self.batch_size : (i + 1) * self.batch_size])
+            yield self._batch(
+                self.train_images, self.train_targets, perm[i * self.batch_size : (i + 1) * self.batch_size]
+            )
 
     def val(self) -> Iterator[tuple[torch.Tensor, list[dict]]]:
         n = len(self.val_targets)
@@ -115,5 +125,7 @@ class SyntheticShapes(EpochOrder):
             yield self._batch(self.val_images, self.val_targets, list(range(i, min(i + self.batch_size, n))))
 
 
-def build(cfg: DictConfig, device: torch.device, workdir: Optional[Path] = None, resuming: bool = False, shard: Dist = Dist()) -> SyntheticShapes:
+def build(
+    cfg: DictConfig, device: torch.device, workdir: Optional[Path] = None, resuming: bool = False, shard: Dist = Dist()
+) -> SyntheticShapes:
     return SyntheticShapes(cfg.data, cfg.schedule, seed=cfg.seed, device=device)

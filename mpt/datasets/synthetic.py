@@ -41,7 +41,12 @@ class SyntheticImages(EpochOrder):
         self.val_images, self.val_labels = (t.to(device) for t in val)
         self.order = torch.Generator().manual_seed(20_000 + seed)
         self.steps_per_epoch = data.train_samples // self.batch_size
-        self.info = {"num_classes": data.num_classes, "train_samples": data.train_samples, "val_samples": data.val_samples, "resident": True}
+        self.info = {
+            "num_classes": data.num_classes,
+            "train_samples": data.train_samples,
+            "val_samples": data.val_samples,
+            "resident": True,
+        }
 
     def epoch(self, epoch: int, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """One pass in a fresh random order, from batch `start` (a resumed run's position)."""
@@ -59,5 +64,7 @@ class SyntheticImages(EpochOrder):
             yield self.val_images[i : i + self.batch_size], self.val_labels[i : i + self.batch_size]
 
 
-def build(cfg: DictConfig, device: torch.device, workdir: Optional[Path] = None, resuming: bool = False, shard: Dist = Dist()) -> SyntheticImages:
+def build(
+    cfg: DictConfig, device: torch.device, workdir: Optional[Path] = None, resuming: bool = False, shard: Dist = Dist()
+) -> SyntheticImages:
     return SyntheticImages(cfg.data, cfg.schedule, seed=cfg.seed, device=device, shard=shard)

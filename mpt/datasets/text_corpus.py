@@ -5,8 +5,8 @@ Batches follow Jozefowicz et al.'s training: each epoch shuffles the training se
 tokens at a time; the model carries its state from one window to the next. Validation and test
 keep the file order and are read as the model's `eval_state` says: `carried`, the split cut into
 rows and windows as above (f-lm's and Zaremba et al.'s evaluation), or `sentence`, whole sentences
-padded into batches, each scored from a zero state. Ids are ranked by training frequency (</s> 0, <unk> 1, then words), as the
-log-uniform sampler of the sampled softmax assumes.
+padded into batches, each scored from a zero state. Ids are ranked by training frequency (</s> 0,
+<unk> 1, then words), as the log-uniform sampler of the sampled softmax assumes.
 """
 
 from __future__ import annotations
@@ -44,7 +44,9 @@ class Sentences:
     def of(cls, sentences: list[np.ndarray]) -> "Sentences":
         """From one array of ids per sentence (without its EOS)."""
         ends = [np.append(s, EOS) for s in sentences]
-        return cls(np.concatenate(ends) if ends else np.zeros(0, np.int32), np.array([len(e) for e in ends], dtype=np.int64))
+        return cls(
+            np.concatenate(ends) if ends else np.zeros(0, np.int32), np.array([len(e) for e in ends], dtype=np.int64)
+        )
 
     @classmethod
     def join(cls, parts: list["Sentences"]) -> "Sentences":
@@ -100,19 +102,33 @@ class LMData(EpochOrder):
         self.steps_per_epoch = (train.tokens // batch_size - 1) // bptt
         if self.steps_per_epoch < 1:
             raise ConfigError(
-                f"schedule.batch_size={batch_size}: {train.tokens} training tokens make rows shorter than model.bptt={bptt} + 1; use a smaller batch or bptt"
+                f"schedule.batch_size={batch_size}: {train.tokens} training tokens make rows shorter than "
+                f"model.bptt={bptt} + 1; use a smaller batch or bptt"
             )
         for split, sentences in [("val_split", val), ("test_split", test)]:
             if sentences is not None and sentences.tokens // batch_size < 2:
-                raise ConfigError(f"data.{split}: its {sentences.tokens} tokens do not give each of schedule.batch_size={batch_size} rows two tokens")
+                raise ConfigError(
+                    f"data.{split}: its {sentences.tokens} tokens do not give each of "
+                    f"schedule.batch_size={batch_size} rows two tokens"
+                )
         self.order = torch.Generator().manual_seed(20_000 + seed)
-        self.info = {**info, "train_sentences": len(train), "train_tokens": train.tokens, "val_tokens": val.tokens, "resident": False}
+        self.info = {
+            **info,
+            "train_sentences": len(train),
+            "train_tokens": train.tokens,
+            "val_tokens": val.tokens,
+            "resident": False,
+        }
         if test is not None:
             self.info["test_tokens"] = test.tokens
 
     def _windows(self, rows: np.ndarray, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for t in range(start * self.bptt, rows.shape[1] - 1, self.bptt):
-            span = torch.from_numpy(np.ascontiguousarray(rows[:, t : t + self.bptt + 1])).to(self.device, non_blocking=True).long()
+            span = (
+                torch.from_numpy(np.ascontiguousarray(rows[:, t : t + self.bptt + 1]))
+                .to(self.device, non_blocking=True)
+                .long()
+            )
             yield span[:, :-1], span[:, 1:]
 
     def epoch(self, epoch: int, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -171,7 +187,9 @@ def file_sentences(path: Path, index: dict[str, int]) -> Sentences:
     """One file's sentences as ids: only one file's strings are held at a time."""
     sentences = [w for w in map(words_of, read_lines(path)) if w]
     lengths = np.fromiter((len(w) + 1 for w in sentences), dtype=np.int64, count=len(sentences))
-    ids = np.fromiter((index.get(t, UNK) for w in sentences for t in (*w, EOS_TOKEN)), dtype=np.int32, count=int(lengths.sum()))
+    ids = np.fromiter(
+        (index.get(t, UNK) for w in sentences for t in (*w, EOS_TOKEN)), dtype=np.int32, count=int(lengths.sum())
+    )
     return Sentences(ids, lengths)
 
 
@@ -220,10 +238,16 @@ def validate(cfg: DictConfig) -> None:
 
 def vocabulary(d: DictConfig, train_files: list[Path]) -> list[str]:
     """The ids' words: data.vocab_file's, or counted from the training files."""
-    return read_vocabulary(Path(d.vocab_file).expanduser()) if d.vocab_file else build_vocabulary(count_words(train_files), d.min_count, d.max_vocab)
+    return (
+        read_vocabulary(Path(d.vocab_file).expanduser())
+        if d.vocab_file
+        else build_vocabulary(count_words(train_files), d.min_count, d.max_vocab)
+    )
 
 
-def text_corpus(cfg: DictConfig, device: torch.device, workdir: Optional[Path] = None, resuming: bool = False, shard: Dist = Dist()) -> LMData:
+def text_corpus(
+    cfg: DictConfig, device: torch.device, workdir: Optional[Path] = None, resuming: bool = False, shard: Dist = Dist()
+) -> LMData:
     d = cfg.data
     root = Path(d.root).expanduser()
     if not root.is_dir():
@@ -244,11 +268,25 @@ def text_corpus(cfg: DictConfig, device: torch.device, workdir: Optional[Path] =
     train_ids, val_ids = ids(train_files, "train_split"), ids(val_files, "val_split")
     info = {
         "vocab_size": len(vocab),
-        "vocabulary": "from " + (str(d.vocab_file) if d.vocab_file else f"training counts (min_count {d.min_count}, max_vocab {d.max_vocab})"),
+        "vocabulary": "from "
+        + (
+            str(d.vocab_file) if d.vocab_file else f"training counts (min_count {d.min_count}, max_vocab {d.max_vocab})"
+        ),
         "val_oov_rate": float((val_ids.ids == UNK).mean()),
     }
     test_ids = ids(test_files, "test_split") if test_files is not None else None
-    return LMData(train_ids, val_ids, test_ids, info, cfg.schedule.batch_size, cfg.model.bptt, cfg.seed, device, shard, cfg.model.eval_state)
+    return LMData(
+        train_ids,
+        val_ids,
+        test_ids,
+        info,
+        cfg.schedule.batch_size,
+        cfg.model.bptt,
+        cfg.seed,
+        device,
+        shard,
+        cfg.model.eval_state,
+    )
 
 
 # --- a Markov source with a known entropy rate
@@ -276,7 +314,9 @@ class MarkovSource:
         self.pi = pi[rank]
         self.g = g
         # Id 1 is <unk> in every vocabulary; the source never emits it, so words are 2.. here.
-        self.entropy_rate = float(-(self.pi[:, None] * self.p * torch.log(self.p.clamp_min(1e-300))).sum())  # nats per token
+        self.entropy_rate = float(
+            -(self.pi[:, None] * self.p * torch.log(self.p.clamp_min(1e-300))).sum()
+        )  # nats per token
 
     def sentence(self) -> np.ndarray:
         out: list[int] = []
@@ -306,7 +346,9 @@ def validate_synthetic(cfg: DictConfig) -> None:
         raise ConfigError(f"data.sentence_end_prob={cfg.data.sentence_end_prob}: must be in (0, 1)")
 
 
-def synthetic_lm(cfg: DictConfig, device: torch.device, workdir: Optional[Path] = None, resuming: bool = False, shard: Dist = Dist()) -> LMData:
+def synthetic_lm(
+    cfg: DictConfig, device: torch.device, workdir: Optional[Path] = None, resuming: bool = False, shard: Dist = Dist()
+) -> LMData:
     d = cfg.data
     source = MarkovSource(d.vocab_size, d.sentence_end_prob, cfg.seed)
     train = Sentences.of([source.sentence() for _ in range(d.train_samples)])
@@ -318,4 +360,6 @@ def synthetic_lm(cfg: DictConfig, device: torch.device, workdir: Optional[Path] 
         "entropy_rate_nats": source.entropy_rate,
         "ppl_floor": math.exp(source.entropy_rate),
     }
-    return LMData(train, val, None, info, cfg.schedule.batch_size, cfg.model.bptt, cfg.seed, device, shard, cfg.model.eval_state)
+    return LMData(
+        train, val, None, info, cfg.schedule.batch_size, cfg.model.bptt, cfg.seed, device, shard, cfg.model.eval_state
+    )

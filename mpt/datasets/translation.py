@@ -40,7 +40,12 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def collate(pairs: Sequence[tuple[np.ndarray, np.ndarray]], multiple: int, device: torch.device, refs: Optional[list[str]] = None) -> TranslationBatch:
+def collate(
+    pairs: Sequence[tuple[np.ndarray, np.ndarray]],
+    multiple: int,
+    device: torch.device,
+    refs: Optional[list[str]] = None,
+) -> TranslationBatch:
     n = len(pairs)
     src_lens = np.array([len(s) + 1 for s, _ in pairs])
     tgt_lens = np.array([len(t) + 1 for _, t in pairs])
@@ -96,11 +101,13 @@ class TranslationData(EpochOrder):
         self.steps_per_epoch = sum(len(b) // self.batch_size for b in self.buckets)
         if self.steps_per_epoch == 0:
             raise ConfigError(
-                f"schedule.batch_size={self.batch_size}: no length bucket holds a full batch of the {len(train)} training pairs "
-                f"(bucket sizes {[len(b) for b in self.buckets]}); use a smaller batch or fewer data.num_buckets"
+                f"schedule.batch_size={self.batch_size}: no length bucket holds a full batch "
+                f"of the {len(train)} training pairs (bucket sizes {[len(b) for b in self.buckets]}); "
+                "use a smaller batch or fewer data.num_buckets"
             )
         if not val:
-            raise ConfigError(f"data.{'val_split=' + data.val_split if data.name == 'parallel_text' else 'val_samples=0'}: no validation pairs")
+            setting = "val_split=" + data.val_split if data.name == "parallel_text" else "val_samples=0"
+            raise ConfigError(f"data.{setting}: no validation pairs")
         self.order = torch.Generator().manual_seed(20_000 + seed)
         self.info = {
             **info,
@@ -115,7 +122,9 @@ class TranslationData(EpochOrder):
         batches = []
         for members in self.buckets:
             perm = members[torch.randperm(len(members), generator=self.order)]
-            batches += [perm[i : i + self.batch_size] for i in range(0, len(perm) - self.batch_size + 1, self.batch_size)]
+            batches += [
+                perm[i : i + self.batch_size] for i in range(0, len(perm) - self.batch_size + 1, self.batch_size)
+            ]
         return [batches[i] for i in torch.randperm(len(batches), generator=self.order).tolist()]
 
     def epoch(self, epoch: int, start: int = 0) -> Iterator[TranslationBatch]:
@@ -134,7 +143,8 @@ class TranslationData(EpochOrder):
         saved, now = state.get("tokenizer_sha256"), self.info.get("tokenizer_sha256")
         if saved != now:  # the same ids would mean other subwords: the checkpoint's model cannot go on
             raise ConfigError(
-                f"the checkpoint was trained with tokenizer sha256 {saved}, this run's is {now} (the text or data.tokenizer_model changed); resume=false starts over"
+                f"the checkpoint was trained with tokenizer sha256 {saved}, this run's is {now} "
+                "(the text or data.tokenizer_model changed); resume=false starts over"
             )
         super().load_state_dict(state)
 
@@ -207,4 +217,6 @@ def synthetic_translation(
     val = [lang.sentence() for _ in range(d.val_samples)]
     refs = [lang.detokenize(t.tolist()) for _, t in val]
     info = {"vocab_size": FIRST_WORD + d.vocab_size, "tokenizer": "synthetic words"}
-    return TranslationData(train, val, refs, lang.detokenize, info, d, cfg.schedule, cfg.model.pad_to_multiple, cfg.seed, device, shard)
+    return TranslationData(
+        train, val, refs, lang.detokenize, info, d, cfg.schedule, cfg.model.pad_to_multiple, cfg.seed, device, shard
+    )

@@ -145,7 +145,9 @@ def _ids_from_split_file(file: Path) -> list[str]:
         with open(file, newline="") as f:
             reader = csv.DictReader(f)
             if "filename" not in (reader.fieldnames or []):
-                raise ConfigError(f"{file}: a split .csv needs a 'filename' column (found: {', '.join(reader.fieldnames or [])})")
+                raise ConfigError(
+                    f"{file}: a split .csv needs a 'filename' column (found: {', '.join(reader.fieldnames or [])})"
+                )
             names = [row["filename"] for row in reader]
     else:
         names = [line.split()[0] for line in file.read_text().splitlines() if line.strip()]
@@ -159,14 +161,21 @@ def resolve_set(root: Path, name: str) -> tuple[list[str], Path, Path]:
         year, split = parts
         split_file = root / year / "ImageSets" / "Main" / f"{split}.txt"
         if not split_file.is_file():
-            raise ConfigError(f"data set {name}: no {split_file} (the devkit's split lists are ImageSets/Main/<split>.txt)")
+            raise ConfigError(
+                f"data set {name}: no {split_file} (the devkit's split lists are ImageSets/Main/<split>.txt)"
+            )
         return _ids_from_split_file(split_file), root / year / "Annotations", root / year / "JPEGImages"
     if (root / "annotations").is_dir() and (root / "images").is_dir():
         split_file = root / name
         if not split_file.is_file():
-            raise ConfigError(f"data set {name}: no split file {split_file} (a .txt of ids or a .csv with a filename column)")
+            raise ConfigError(
+                f"data set {name}: no split file {split_file} (a .txt of ids or a .csv with a filename column)"
+            )
         return _ids_from_split_file(split_file), root / "annotations", root / "images"
-    raise ConfigError(f"data.root={root}: neither a VOC devkit (VOC2007/Annotations, ...) holding set {name} nor a flat annotations/ + images/ folder pair")
+    raise ConfigError(
+        f"data.root={root}: neither a VOC devkit (VOC2007/Annotations, ...) holding set {name} "
+        "nor a flat annotations/ + images/ folder pair"
+    )
 
 
 def read_sets(root: Path, names: list[str], class_names: list[str], clip_boxes: bool = False) -> list[Annotation]:
@@ -248,19 +257,37 @@ class VOCData(LoaderData):
         train = read_sets(root, list(data.train_sets), list(data.class_names), data.clip_boxes)
         val = read_sets(root, list(data.val_sets), list(data.class_names), data.clip_boxes)
         if len(train) < schedule.batch_size:
-            raise ConfigError(f"data.train_sets={list(data.train_sets)}: {len(train)} images, fewer than one batch of {schedule.batch_size}")
+            raise ConfigError(
+                f"data.train_sets={list(data.train_sets)}: {len(train)} images, "
+                f"fewer than one batch of {schedule.batch_size}"
+            )
         self.device = device
         workers = default_workers() if data.num_workers == -1 else data.num_workers
         common: dict[str, Any] = dict(
-            num_workers=workers, pin_memory=device.type == "cuda", persistent_workers=workers > 0, worker_init_fn=shielded_worker, collate_fn=collate
+            num_workers=workers,
+            pin_memory=device.type == "cuda",
+            persistent_workers=workers > 0,
+            worker_init_fn=shielded_worker,
+            collate_fn=collate,
         )
         # Loaders get generators of their own, so iterating them never draws from the global RNG.
         self.order = torch.Generator().manual_seed(seed)
         self.batches = EpochBatches(len(train), schedule.batch_size, self.order, shard)
         train_set = VOCDetection(train, ssd_train_transform(size), data.keep_difficult, with_difficult=False)
         val_set = VOCDetection(val, eval_transform(size), keep_difficult=True, with_difficult=True)
-        self.train_loader = DataLoader(SeededSamples(train_set, seed), batch_sampler=self.batches, generator=torch.Generator().manual_seed(seed), **common)
-        self.val_loader = DataLoader(val_set, batch_size=schedule.batch_size, shuffle=False, generator=torch.Generator().manual_seed(seed), **common)
+        self.train_loader = DataLoader(
+            SeededSamples(train_set, seed),
+            batch_sampler=self.batches,
+            generator=torch.Generator().manual_seed(seed),
+            **common,
+        )
+        self.val_loader = DataLoader(
+            val_set,
+            batch_size=schedule.batch_size,
+            shuffle=False,
+            generator=torch.Generator().manual_seed(seed),
+            **common,
+        )
         self.steps_per_epoch = len(train) // schedule.batch_size
         self.info = {
             "num_classes": len(data.class_names),
@@ -278,8 +305,12 @@ class VOCData(LoaderData):
 
     def to_device(self, batch: tuple[torch.Tensor, list[dict]]) -> tuple[torch.Tensor, list[dict]]:
         images, targets = batch
-        return images.to(self.device, non_blocking=True), [{k: v.to(self.device, non_blocking=True) for k, v in t.items()} for t in targets]
+        return images.to(self.device, non_blocking=True), [
+            {k: v.to(self.device, non_blocking=True) for k, v in t.items()} for t in targets
+        ]
 
 
-def build(cfg: DictConfig, device: torch.device, workdir: Optional[Path] = None, resuming: bool = False, shard: Dist = Dist()) -> VOCData:
+def build(
+    cfg: DictConfig, device: torch.device, workdir: Optional[Path] = None, resuming: bool = False, shard: Dist = Dist()
+) -> VOCData:
     return VOCData(cfg.data, cfg.schedule, seed=cfg.seed, device=device, shard=shard)

@@ -81,7 +81,9 @@ class Task:
     def count_samples(self, batch: Any) -> int:
         raise NotImplementedError
 
-    def evaluate(self, batches: Iterable[Any], forward_context: Callable[[], ContextManager], final: bool = False) -> dict[str, float]:
+    def evaluate(
+        self, batches: Iterable[Any], forward_context: Callable[[], ContextManager], final: bool = False
+    ) -> dict[str, float]:
         """The metrics over `batches`; `final`: the run's last evaluation, which a task may score as its
         recipe scores its result (airbench94's test-time augmentation)."""
         raise NotImplementedError
@@ -129,7 +131,10 @@ def validate_image_size(cfg: DictConfig) -> None:
     """A model that takes images: the schedule's size is one it accepts."""
     positive(cfg, "schedule.image_size")
     if cfg.schedule.image_size < cfg.model.small_input_size:
-        raise ConfigError(f"schedule.image_size={cfg.schedule.image_size}: {cfg.model.name} needs at least {cfg.model.small_input_size} pixels")
+        raise ConfigError(
+            f"schedule.image_size={cfg.schedule.image_size}: "
+            f"{cfg.model.name} needs at least {cfg.model.small_input_size} pixels"
+        )
 
 
 # The module under mpt.models that holds each task's `validate(cfg)` and `build(cfg, data_info, shard)`.

@@ -64,7 +64,9 @@ class Airbench94(nn.Module):
         self.whiten.weight.requires_grad_(False)  # set from the data by init_whitening, never trained
         with torch.no_grad():
             self.whiten_bias.zero_()
-        self.blocks = nn.Sequential(ConvGroup(width, WIDTHS[0]), ConvGroup(WIDTHS[0], WIDTHS[1]), ConvGroup(WIDTHS[1], WIDTHS[2]))
+        self.blocks = nn.Sequential(
+            ConvGroup(width, WIDTHS[0]), ConvGroup(WIDTHS[0], WIDTHS[1]), ConvGroup(WIDTHS[1], WIDTHS[2])
+        )
         self.head = nn.Linear(WIDTHS[2], num_classes, bias=False)
 
     @property

@@ -40,11 +40,15 @@ def log_uniform_log_prob(ids: torch.Tensor, vocab: int) -> torch.Tensor:
     return (torch.log((k + 2) / (k + 1)) / math.log(vocab + 1)).log().float()
 
 
-def sampled_softmax_loss(true_logits, sampled_logits, targets, candidates, true_log_count, sampled_log_count) -> torch.Tensor:
+def sampled_softmax_loss(
+    true_logits, sampled_logits, targets, candidates, true_log_count, sampled_log_count
+) -> torch.Tensor:
     """Per-token loss: cross-entropy of the true class among [true, candidates], every logit minus
     the log of its expected count among the candidates; a candidate equal to the target is removed.
     true_logits (N,), sampled_logits (N, S), targets (N,), candidates (S,), log counts (N,) and (S,)."""
-    logits = torch.cat([(true_logits.float() - true_log_count)[:, None], sampled_logits.float() - sampled_log_count[None, :]], dim=1)
+    logits = torch.cat(
+        [(true_logits.float() - true_log_count)[:, None], sampled_logits.float() - sampled_log_count[None, :]], dim=1
+    )
     hits = candidates[None, :] == targets[:, None]
     logits[:, 1:] = logits[:, 1:].masked_fill(hits, -torch.inf)
     return F.cross_entropy(logits, torch.zeros_like(targets), reduction="none")
@@ -64,7 +68,9 @@ class BigLSTM(nn.Module):
         super().__init__()
         self.vocab = vocab
         self.embedding = nn.Embedding(vocab, m.proj_size)
-        self.lstm = nn.LSTM(m.proj_size, m.hidden_size, num_layers=m.layers, proj_size=m.proj_size, batch_first=True, dropout=m.dropout)
+        self.lstm = nn.LSTM(
+            m.proj_size, m.hidden_size, num_layers=m.layers, proj_size=m.proj_size, batch_first=True, dropout=m.dropout
+        )
         self.drop = nn.Dropout(m.dropout)
         self.softmax_w = nn.Parameter(torch.empty(vocab, m.proj_size))
         self.softmax_b = nn.Parameter(torch.zeros(vocab))
@@ -98,7 +104,9 @@ class BigLSTM(nn.Module):
         out = self.drop(out).reshape(-1, out.shape[-1])
         flat = targets.reshape(-1)
         if self.true_logits is not None:  # each row's dot product as a (1 x P) @ (P x 1) product
-            true_logits = self.true_logits(out.unsqueeze(1), self.softmax_w[flat].unsqueeze(-1)).view(-1) + self.softmax_b[flat]
+            true_logits = (
+                self.true_logits(out.unsqueeze(1), self.softmax_w[flat].unsqueeze(-1)).view(-1) + self.softmax_b[flat]
+            )
         else:
             true_logits = (out * self.softmax_w[flat]).sum(-1) + self.softmax_b[flat]
         sampled_logits = self.logits(out, self.softmax_w[candidates].t()) + self.softmax_b[candidates]
@@ -111,7 +119,9 @@ class BigLSTM(nn.Module):
         chunk = max(1, EVAL_LOGITS // self.vocab)  # the full logits of a One Billion Word batch would not fit at once
         for i in range(0, len(flat), chunk):
             logits = self.logits(out[i : i + chunk], self.softmax_w.t()) + self.softmax_b
-            total = total + F.cross_entropy(logits.float(), flat[i : i + chunk], reduction="sum", ignore_index=PAD_TARGET)
+            total = total + F.cross_entropy(
+                logits.float(), flat[i : i + chunk], reduction="sum", ignore_index=PAD_TARGET
+            )
         return total, state
 
 
@@ -141,7 +151,8 @@ class LanguageModel(OneNetwork):
         log_s = math.log(self.num_sampled)
         flat = targets.reshape(-1)
         losses = sampled_softmax_loss(true_logits, sampled_logits, flat, candidates,
-                                      log_s + log_uniform_log_prob(flat, self.vocab), log_s + log_uniform_log_prob(candidates, self.vocab))  # fmt: skip
+                                      log_s + log_uniform_log_prob(flat, self.vocab),
+                                      log_s + log_uniform_log_prob(candidates, self.vocab))  # fmt: skip
         per_word = losses.mean()
         # f-lm's objective: the mean over words times the BPTT length (a sum over time steps, a mean
         # over the batch's streams); the gradients, and so what FP16 must hold, are that large.
@@ -151,7 +162,9 @@ class LanguageModel(OneNetwork):
         return batch[1].numel()
 
     @torch.no_grad()
-    def evaluate(self, batches: Iterable, forward_context: Callable[[], ContextManager], final: bool = False) -> dict[str, float]:
+    def evaluate(
+        self, batches: Iterable, forward_context: Callable[[], ContextManager], final: bool = False
+    ) -> dict[str, float]:
         """Perplexity with the full softmax. model.eval_state=carried: the state carried across the
         stream's windows from zeros, and val_cell_max, the largest |cell state| at a window's end (a
         latched cell shows as hundreds or thousands where the rest stay in the tens); sentence: each
@@ -184,7 +197,10 @@ def validate(cfg: DictConfig) -> None:
     for key in ["model.hidden_size", "model.proj_size", "model.layers", "model.num_sampled", "model.bptt"]:
         positive(cfg, key)
     if m.proj_size >= m.hidden_size:
-        raise ConfigError(f"model.proj_size={m.proj_size}: must be smaller than model.hidden_size={m.hidden_size} (nn.LSTM's projection)")
+        raise ConfigError(
+            f"model.proj_size={m.proj_size}: must be smaller than model.hidden_size={m.hidden_size} "
+            "(nn.LSTM's projection)"
+        )
     if not 0 <= m.dropout < 1:
         raise ConfigError(f"model.dropout={m.dropout}: must be in [0, 1)")
     if m.true_logit not in ("dot", "product"):

@@ -58,7 +58,9 @@ class CifarResNet(nn.Module):
         self.fc = nn.Linear(64, num_classes)
         for m in self.modules():
             if isinstance(m, (nn.Conv2d, nn.Linear)):
-                nn.init.kaiming_normal_(m.weight, mode="fan_out" if isinstance(m, nn.Conv2d) else "fan_in", nonlinearity="relu")
+                nn.init.kaiming_normal_(
+                    m.weight, mode="fan_out" if isinstance(m, nn.Conv2d) else "fan_in", nonlinearity="relu"
+                )
                 if m.bias is not None:
                     nn.init.zeros_(m.bias)
 

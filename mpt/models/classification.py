@@ -57,7 +57,9 @@ class Classification(OneNetwork):
                 self.net = torchvision.models.get_model(model_cfg.arch, weights=None, num_classes=num_classes, **kwargs)
         except TypeError as e:
             if "dropout" in str(e):
-                raise ConfigError(f"model.dropout={model_cfg.dropout}: {model_cfg.name} has no dropout to set") from None
+                raise ConfigError(
+                    f"model.dropout={model_cfg.dropout}: {model_cfg.name} has no dropout to set"
+                ) from None
             raise
         self.num_classes = num_classes
         self.base = self.net  # the network as built, while self.net may become a wrapper of it
@@ -74,14 +76,18 @@ class Classification(OneNetwork):
         yield LossTerm("model", self._loss(out, labels))
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        loss = F.cross_entropy(logits, labels, label_smoothing=self.cfg.label_smoothing, reduction=self.cfg.loss_reduction)
+        loss = F.cross_entropy(
+            logits, labels, label_smoothing=self.cfg.label_smoothing, reduction=self.cfg.loss_reduction
+        )
         return loss * self.sum_factor if self.sum_factor != 1.0 else loss
 
     def count_samples(self, batch: Any) -> int:
         return int(batch[1].shape[0])
 
     @torch.no_grad()
-    def evaluate(self, batches: Iterable[Any], forward_context: Callable[[], ContextManager], final: bool = False) -> dict[str, float]:
+    def evaluate(
+        self, batches: Iterable[Any], forward_context: Callable[[], ContextManager], final: bool = False
+    ) -> dict[str, float]:
         self.net.eval()
         k = min(5, self.num_classes)
         correct1 = correct5 = seen = 0
@@ -98,7 +104,12 @@ class Classification(OneNetwork):
         self.net.train()
         if seen == 0:
             raise ValueError("evaluation saw no samples: the validation set is empty")
-        return {"top1": correct1 / seen, f"top{k}": correct5 / seen, "val_loss": float(loss_sum) / seen, "val_samples": seen}
+        return {
+            "top1": correct1 / seen,
+            f"top{k}": correct5 / seen,
+            "val_loss": float(loss_sum) / seen,
+            "val_samples": seen,
+        }
 
     def _tta_logits(self, images: torch.Tensor) -> torch.Tensor:
         def mirrored(x: torch.Tensor) -> torch.Tensor:
@@ -119,7 +130,8 @@ class Classification(OneNetwork):
         if isinstance(net, Airbench94):
             if not hasattr(data, "plain_train_images"):
                 raise ConfigError(
-                    f"model={self.cfg.name} sets its whitening from training images, which {type(data).__name__} does not give; use data=imagefolder or data=synthetic"
+                    f"model={self.cfg.name} sets its whitening from training images, "
+                    f"which {type(data).__name__} does not give; use data=imagefolder or data=synthetic"
                 )
             net.init_whitening(data.plain_train_images(WHITENING_IMAGES))
 
@@ -128,7 +140,9 @@ class Classification(OneNetwork):
         gradient is dropped before each update (frozen_parameters), which skips it as torch's SGD
         skips a weight without a gradient, and leaves data parallelism's buckets as they were."""
         net, epochs = self.base, self.cfg.whiten_bias_epochs
-        self.frozen = [net.whiten_bias] if isinstance(net, Airbench94) and epochs is not None and epoch >= epochs else []
+        self.frozen = (
+            [net.whiten_bias] if isinstance(net, Airbench94) and epochs is not None and epoch >= epochs else []
+        )
 
     def frozen_parameters(self, name: str) -> list[torch.nn.Parameter]:
         return self.frozen
@@ -144,7 +158,10 @@ def validate(cfg: DictConfig) -> None:
     if m.tta not in TTA_LEVELS:
         raise ConfigError(f"model.tta={m.tta}: must be 0 (none), 1 (mirror) or 2 (mirror and translate)")
     if m.whiten_bias_epochs is not None and (m.arch != "airbench94" or m.whiten_bias_epochs < 0):
-        raise ConfigError(f"model.whiten_bias_epochs={m.whiten_bias_epochs}: a number of epochs >= 0 for airbench94's whitening layer, null otherwise")
+        raise ConfigError(
+            f"model.whiten_bias_epochs={m.whiten_bias_epochs}: "
+            "a number of epochs >= 0 for airbench94's whitening layer, null otherwise"
+        )
 
 
 def build(cfg: DictConfig, data_info: dict, shard: Dist = Dist()) -> Classification:

@@ -52,7 +52,11 @@ def _act(leaky_slope: float | None) -> nn.Module:
 
 def _up(cin: int, cout: int, slope: float | None, first: bool = False) -> list[nn.Module]:
     """A fractionally-strided convolution doubling the size (or 1x1 to 4x4 first), batch-norm, activation."""
-    conv = nn.ConvTranspose2d(cin, cout, 4, 1, 0, bias=False) if first else nn.ConvTranspose2d(cin, cout, 4, 2, 1, bias=False)
+    conv = (
+        nn.ConvTranspose2d(cin, cout, 4, 1, 0, bias=False)
+        if first
+        else nn.ConvTranspose2d(cin, cout, 4, 2, 1, bias=False)
+    )
     return [conv, nn.BatchNorm2d(cout), _act(slope)]
 
 
@@ -92,7 +96,13 @@ class Discriminator(nn.Module):
         slope = m.leaky_slope
         if m.arch == "dcgan128":
             widths = [m.ndf * k for k in (1, 2, 4, 8, 16, 16)]  # 64, 32, 16, 8, 4, 2 pixels
-            head = [nn.Flatten(), nn.Linear(widths[-1] * 2 * 2, m.d_fc_size, bias=False), nn.BatchNorm1d(m.d_fc_size), _act(slope), nn.Linear(m.d_fc_size, 1)]
+            head = [
+                nn.Flatten(),
+                nn.Linear(widths[-1] * 2 * 2, m.d_fc_size, bias=False),
+                nn.BatchNorm1d(m.d_fc_size),
+                _act(slope),
+                nn.Linear(m.d_fc_size, 1),
+            ]
         else:  # dcgan64: 32, 16, 8, 4 pixels, then a 4x4 convolution to the logit
             widths = [m.ndf * k for k in (1, 2, 4, 8)]
             head = [nn.Conv2d(widths[-1], 1, 4, 1, 0), nn.Flatten()]
@@ -134,7 +144,9 @@ class GAN(Task):
         self.generator, self.discriminator = Generator(model_cfg), Discriminator(model_cfg)
         init_weights(self.generator, model_cfg.init_std)
         init_weights(self.discriminator, model_cfg.init_std)
-        self.fixed_noise = torch.randn(model_cfg.sample_grid, model_cfg.nz, generator=torch.Generator().manual_seed(FIXED_NOISE_SEED + seed))
+        self.fixed_noise = torch.randn(
+            model_cfg.sample_grid, model_cfg.nz, generator=torch.Generator().manual_seed(FIXED_NOISE_SEED + seed)
+        )
         self.fid_seed = FID_NOISE_SEED + seed
         self.fid_extractor: InceptionFeatures | None = None
         self.real_stats: GaussianStats | None = None
@@ -193,7 +205,9 @@ class GAN(Task):
             return getattr(self.generator, "module", self.generator)(z).float().clamp_(-1, 1)
 
     @torch.no_grad()
-    def evaluate(self, batches: Iterable[torch.Tensor], forward_context: Callable[[], ContextManager], final: bool = False) -> dict[str, float]:
+    def evaluate(
+        self, batches: Iterable[torch.Tensor], forward_context: Callable[[], ContextManager], final: bool = False
+    ) -> dict[str, float]:
         """D(x) on the reference images, D(G(z)) on the fixed noise, and FID when there are weights.
 
         Both networks run in eval mode: batch-norm uses its running statistics, and evaluation
@@ -253,7 +267,12 @@ class GAN(Task):
         finally:
             G.train()
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, lambda f: save_image(fake.cpu() * 0.5 + 0.5, f, format="png", nrow=max(1, math.isqrt(fake.shape[0])), padding=2))
+        write_atomic(
+            path,
+            lambda f: save_image(
+                fake.cpu() * 0.5 + 0.5, f, format="png", nrow=max(1, math.isqrt(fake.shape[0])), padding=2
+            ),
+        )
         return path
 
 
@@ -266,16 +285,29 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"model.arch={m.arch}: expected one of {', '.join(ARCHS)}")
     if cfg.schedule.image_size != m.input_size:  # first: its one size says more than "at least"
         # Its strides are laid out for one size: 4x4 doubled to the output.
-        raise ConfigError(f"schedule.image_size={cfg.schedule.image_size}: {m.name} ({m.arch}) makes {m.input_size}x{m.input_size} images only")
+        raise ConfigError(
+            f"schedule.image_size={cfg.schedule.image_size}: "
+            f"{m.name} ({m.arch}) makes {m.input_size}x{m.input_size} images only"
+        )
     validate_image_size(cfg)
-    for key in ["model.nz", "model.ngf", "model.ndf", "model.d_fc_size", "model.init_std", "model.sample_grid", "model.fid_samples"]:
+    for key in [
+        "model.nz",
+        "model.ngf",
+        "model.ndf",
+        "model.d_fc_size",
+        "model.init_std",
+        "model.sample_grid",
+        "model.fid_samples",
+    ]:
         positive(cfg, key)
     if m.leaky_slope < 0:
         raise ConfigError(f"model.leaky_slope={m.leaky_slope}: must be zero or positive")
     if m.fid_weights is not None:  # a covariance needs two samples on each side
         for key in ["model.fid_samples", "data.val_samples"]:
             if OmegaConf.select(cfg, key) < 2:
-                raise ConfigError(f"{key}={OmegaConf.select(cfg, key)}: FID (model.fid_weights is set) needs at least 2 images")
+                raise ConfigError(
+                    f"{key}={OmegaConf.select(cfg, key)}: FID (model.fid_weights is set) needs at least 2 images"
+                )
 
 
 def build(cfg: DictConfig, data_info: dict, shard: Dist = Dist()) -> GAN:

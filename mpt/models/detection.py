@@ -73,23 +73,31 @@ def load_backbone_weights(path: str) -> nn.Module:
     `caffe` for VGG16_Weights.IMAGENET1K_FEATURES, `unit_variance` for IMAGENET1K_V1."""
     file = Path(path).expanduser()
     if not file.is_file():
-        raise ConfigError(f"model.backbone_weights={path}: no such file (expected a torchvision vgg16 state dict saved with torch.save)")
+        raise ConfigError(
+            f"model.backbone_weights={path}: no such file "
+            "(expected a torchvision vgg16 state dict saved with torch.save)"
+        )
     try:
         state = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as e:
         raise ConfigError(
-            f"model.backbone_weights={path}: not a readable torch state dict ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+            f"model.backbone_weights={path}: not a readable torch state dict "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
         ) from None
     vgg = torchvision.models.vgg16(weights=None)
     if not isinstance(state, dict) or not any(k.startswith("features.") for k in state):
         raise ConfigError(f"model.backbone_weights={path}: holds no 'features.*' tensors of a torchvision vgg16")
     missing = [k for k in vgg.state_dict() if k.startswith("features.") and k not in state]
     if missing:
-        raise ConfigError(f"model.backbone_weights={path}: lacks {missing[0]} (and {len(missing) - 1} more) of vgg16's features")
+        raise ConfigError(
+            f"model.backbone_weights={path}: lacks {missing[0]} (and {len(missing) - 1} more) of vgg16's features"
+        )
     try:
         vgg.load_state_dict(state, strict=False)  # the classifier, if present, is not used
     except RuntimeError as e:
-        raise ConfigError(f"model.backbone_weights={path}: does not fit vgg16 ({str(e).splitlines()[-1].strip()})") from None
+        raise ConfigError(
+            f"model.backbone_weights={path}: does not fit vgg16 ({str(e).splitlines()[-1].strip()})"
+        ) from None
     return vgg
 
 
@@ -98,7 +106,9 @@ def build_ssd300(num_classes: int, backbone_weights: str | None) -> SSD:
     SSD300's VOC default boxes."""
     detector = ssd300_vgg16(weights=None, weights_backbone=None, num_classes=num_classes)
     # The same number of boxes per location as torchvision's, so its heads fit unchanged.
-    detector.anchor_generator = DefaultBoxGenerator(ASPECT_RATIOS, scales=VOC_BOX_SCALES, steps=FEATURE_STEPS, clip=False)
+    detector.anchor_generator = DefaultBoxGenerator(
+        ASPECT_RATIOS, scales=VOC_BOX_SCALES, steps=FEATURE_STEPS, clip=False
+    )
     if backbone_weights:
         from torchvision.models.detection.ssd import _vgg_extractor  # the builder's own VGG surgery
 
@@ -142,7 +152,12 @@ class Detection(OneNetwork):
             else:
                 matched.append(self.detector.proposal_matcher(box_iou(t["boxes"], anchors)))
         # FP32 whatever the mode: the softmax, the hard-negative ranking and the box targets.
-        losses = self.detector.compute_loss(targets, {"bbox_regression": regression.float(), "cls_logits": logits.float()}, [anchors] * len(targets), matched)
+        losses = self.detector.compute_loss(
+            targets,
+            {"bbox_regression": regression.float(), "cls_logits": logits.float()},
+            [anchors] * len(targets),
+            matched,
+        )
         box, cls = losses["bbox_regression"], losses["classification"]
         yield LossTerm("model", box + cls, {"loss_box": box.detach(), "loss_cls": cls.detach()})
 
@@ -150,17 +165,23 @@ class Detection(OneNetwork):
         return int(batch[0].shape[0])
 
     @torch.no_grad()
-    def detect(self, images: torch.Tensor, forward_context: Callable[[], ContextManager]) -> list[dict[str, torch.Tensor]]:
+    def detect(
+        self, images: torch.Tensor, forward_context: Callable[[], ContextManager]
+    ) -> list[dict[str, torch.Tensor]]:
         with forward_context():
             regression, logits = self.net(images)
         anchors = self.anchors(images.device)
         size = tuple(images.shape[-2:])
         return self.detector.postprocess_detections(
-            {"bbox_regression": regression.float(), "cls_logits": logits.float()}, [anchors] * images.shape[0], [size] * images.shape[0]
+            {"bbox_regression": regression.float(), "cls_logits": logits.float()},
+            [anchors] * images.shape[0],
+            [size] * images.shape[0],
         )
 
     @torch.no_grad()
-    def evaluate(self, batches: Iterable[Any], forward_context: Callable[[], ContextManager], final: bool = False) -> dict[str, float]:
+    def evaluate(
+        self, batches: Iterable[Any], forward_context: Callable[[], ContextManager], final: bool = False
+    ) -> dict[str, float]:
         self.net.eval()
         detections, truths = [], []
         try:
@@ -188,10 +209,20 @@ def validate(cfg: DictConfig) -> None:
     validate_image_size(cfg)
     if cfg.schedule.image_size != INPUT_SIZE:
         # Its default boxes and feature-map strides are laid out for this one size.
-        raise ConfigError(f"schedule.image_size={cfg.schedule.image_size}: {cfg.model.name} takes {INPUT_SIZE}x{INPUT_SIZE} images only")
+        raise ConfigError(
+            f"schedule.image_size={cfg.schedule.image_size}: "
+            f"{cfg.model.name} takes {INPUT_SIZE}x{INPUT_SIZE} images only"
+        )
     if cfg.model.input_convention not in INPUT_CONVENTIONS:
-        raise ConfigError(f"model.input_convention={cfg.model.input_convention}: expected one of {', '.join(INPUT_CONVENTIONS)}")
+        raise ConfigError(
+            f"model.input_convention={cfg.model.input_convention}: expected one of {', '.join(INPUT_CONVENTIONS)}"
+        )
 
 
 def build(cfg: DictConfig, data_info: dict, shard: Dist = Dist()) -> Detection:
-    return Detection(cfg.model, num_classes=data_info["num_classes"], class_names=data_info["classes"], image_size=cfg.schedule.image_size)
+    return Detection(
+        cfg.model,
+        num_classes=data_info["num_classes"],
+        class_names=data_info["classes"],
+        image_size=cfg.schedule.image_size,
+    )

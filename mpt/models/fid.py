@@ -18,7 +18,8 @@ record). Two files are accepted, told apart by their state dict:
   Good for comparing our own runs with each other, not with the literature.
 
 The extractor always runs in IEEE FP32, outside any autocast region and with TF32 off: FID is the
-measurement, not part of the precision mode under test. The Gaussian statistics and the distance are computed in float64.
+measurement, not part of the precision mode under test. The Gaussian statistics and the distance
+are computed in float64.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ from mpt.precision.engine import ieee_fp32
 FID_FILE = "pt_inception-2015-12-05-6726825d.pth"
 TORCHVISION_FILE = "inception_v3_google-0cc3c7bd.pth"
 ACCEPTED = (
-    f"pytorch-fid's {FID_FILE} (the standard FID network) or torchvision's {TORCHVISION_FILE} (ImageNet Inception v3, FIDs not comparable with published ones)"
+    f"pytorch-fid's {FID_FILE} (the standard FID network) or torchvision's {TORCHVISION_FILE} "
+    "(ImageNet Inception v3, FIDs not comparable with published ones)"
 )
 FID_NETWORK = "FID Inception (pytorch-fid pt_inception-2015-12-05)"
 TORCHVISION_NETWORK = "torchvision Inception v3 (ImageNet weights): FIDs not comparable with published ones"
@@ -72,7 +74,13 @@ class FIDInceptionC(tv_inception.InceptionC):
         branch1x1 = self.branch1x1(x)
         branch7x7 = self.branch7x7_3(self.branch7x7_2(self.branch7x7_1(x)))
         branch7x7dbl = x
-        for conv in (self.branch7x7dbl_1, self.branch7x7dbl_2, self.branch7x7dbl_3, self.branch7x7dbl_4, self.branch7x7dbl_5):
+        for conv in (
+            self.branch7x7dbl_1,
+            self.branch7x7dbl_2,
+            self.branch7x7dbl_3,
+            self.branch7x7dbl_4,
+            self.branch7x7dbl_5,
+        ):
             branch7x7dbl = conv(branch7x7dbl)
         branch_pool = self.branch_pool(_avg_pool_no_pad(x))
         return [branch1x1, branch7x7, branch7x7dbl, branch_pool]
@@ -207,7 +215,8 @@ def load_inception(path: str, device: torch.device) -> tuple[InceptionFeatures, 
         ) from None
     except Exception as e:
         raise ConfigError(
-            f"{where}: cannot be read as a state dict by torch.load(weights_only=True) ({type(e).__name__}: {_first_line(e)}); expected {ACCEPTED}"
+            f"{where}: cannot be read as a state dict by torch.load(weights_only=True) "
+            f"({type(e).__name__}: {_first_line(e)}); expected {ACCEPTED}"
         ) from None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ConfigError(f"{where}: holds a {type(state).__name__}, not a state dict of tensors; expected {ACCEPTED}")
@@ -234,7 +243,9 @@ def load_inception(path: str, device: torch.device) -> tuple[InceptionFeatures, 
     try:
         net.load_state_dict(state, strict=True)
     except RuntimeError as e:
-        raise ConfigError(f"{where}: does not load into the {network.split(':')[0]} architecture: {_first_line(e)}") from None
+        raise ConfigError(
+            f"{where}: does not load into the {network.split(':')[0]} architecture: {_first_line(e)}"
+        ) from None
 
     extractor = InceptionFeatures(net).to(device=device, dtype=torch.float32)
     info = {"weights": path, "sha256": _sha256(local), "network": network, "comparable": comparable}

@@ -47,13 +47,17 @@ class BahdanauAttention(nn.Module):
     def keys(self, context: torch.Tensor) -> torch.Tensor:
         return self.linear_k(context)
 
-    def forward(self, query: torch.Tensor, context: torch.Tensor, keys: torch.Tensor, pad_mask: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, query: torch.Tensor, context: torch.Tensor, keys: torch.Tensor, pad_mask: torch.Tensor
+    ) -> torch.Tensor:
         """query (B, Tq, Hq), context (B, S, C), keys (B, S, U), pad_mask (B, S) True at padding -> (B, Tq, C)."""
         q = self.linear_q(query)
         v = self.linear_att / self.linear_att.norm() * self.normalize_scalar
         # the bias in the keys' dtype: under autocast an FP32 parameter would promote this, the
         # largest activation of the model (B x Tq x S x units), to FP32
-        scores = torch.tanh(q.unsqueeze(2) + keys.unsqueeze(1) + self.normalize_bias.to(keys.dtype)).matmul(v)  # (B, Tq, S)
+        scores = torch.tanh(q.unsqueeze(2) + keys.unsqueeze(1) + self.normalize_bias.to(keys.dtype)).matmul(
+            v
+        )  # (B, Tq, S)
         scores = scores.masked_fill(pad_mask.unsqueeze(1), torch.finfo(scores.dtype).min)
         return self.weigh(F.softmax(scores, dim=-1).to(context.dtype), context)
 
@@ -96,7 +100,11 @@ class Decoder(nn.Module):
         Returns logits (B, T, V) and the new state."""
 
         def initial(i):
-            return None if state is None else (state[i, 0].unsqueeze(0).contiguous(), state[i, 1].unsqueeze(0).contiguous())
+            return (
+                None
+                if state is None
+                else (state[i, 0].unsqueeze(0).contiguous(), state[i, 1].unsqueeze(0).contiguous())
+            )
 
         y, hc = self.attention_rnn(self.dropout(x), initial(0))
         states = [hc]
@@ -157,7 +165,9 @@ class Translation(OneNetwork):
         self.banned = [PAD, BOS, *range(self.vocab_size, self.net.padded_vocab)]
 
     def _token_losses(self, logits: torch.Tensor, target: torch.Tensor, smoothing: float) -> torch.Tensor:
-        return F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=PAD, label_smoothing=smoothing, reduction="sum")
+        return F.cross_entropy(
+            logits.flatten(0, 1), target.flatten(), ignore_index=PAD, label_smoothing=smoothing, reduction="sum"
+        )
 
     def train_losses(self, batch: TranslationBatch) -> Iterator[LossTerm]:
         logits = self.net("train", batch.src, batch.src_len, batch.src_len_cpu, batch.tgt_in)
@@ -194,7 +204,9 @@ class Translation(OneNetwork):
                            self.cfg.len_norm_factor, self.cfg.len_norm_const, batch.src.device)  # fmt: skip
 
     @torch.no_grad()
-    def evaluate(self, batches: Iterable[TranslationBatch], forward_context: Callable[[], ContextManager], final: bool = False) -> dict[str, float]:
+    def evaluate(
+        self, batches: Iterable[TranslationBatch], forward_context: Callable[[], ContextManager], final: bool = False
+    ) -> dict[str, float]:
         import sacrebleu
 
         self.net.eval()
@@ -215,7 +227,8 @@ class Translation(OneNetwork):
             raise ValueError("evaluation saw no sentences: the validation set is empty")
         val_loss = float(nll) / tokens
         bleu = sacrebleu.corpus_bleu(hyps, [refs])  # 13a tokenization, case-sensitive: sacrebleu's standard
-        # as NVIDIA's GNMT scores itself (sacrebleu --score-only -lc --tokenize intl), for comparing with its published BLEU
+        # as NVIDIA's GNMT scores itself (sacrebleu --score-only -lc --tokenize intl), for comparing
+        # with its published BLEU
         bleu_lc_intl = sacrebleu.corpus_bleu(hyps, [refs], lowercase=True, tokenize="intl")
         return {
             "bleu": bleu.score,
@@ -242,16 +255,24 @@ def validate(cfg: DictConfig) -> None:
     ]:
         positive(cfg, key)
     if not 0 <= m.encoder_bidirectional_layers <= m.encoder_layers:
-        raise ConfigError(f"model.encoder_bidirectional_layers={m.encoder_bidirectional_layers}: must be between 0 and model.encoder_layers={m.encoder_layers}")
+        raise ConfigError(
+            f"model.encoder_bidirectional_layers={m.encoder_bidirectional_layers}: "
+            f"must be between 0 and model.encoder_layers={m.encoder_layers}"
+        )
     if m.decoder_layers < 2:
-        raise ConfigError(f"model.decoder_layers={m.decoder_layers}: GNMT needs at least 2 (the attention layer and one above it)")
+        raise ConfigError(
+            f"model.decoder_layers={m.decoder_layers}: GNMT needs at least 2 (the attention layer and one above it)"
+        )
     for key in ["model.dropout", "model.label_smoothing"]:
         if not 0 <= OmegaConf.select(cfg, key) < 1:
             raise ConfigError(f"{key}={OmegaConf.select(cfg, key)}: must be in [0, 1)")
     if m.loss_reduction not in LOSS_REDUCTIONS:
         raise ConfigError(f"model.loss_reduction={m.loss_reduction}: expected one of {', '.join(LOSS_REDUCTIONS)}")
     if m.len_norm_factor < 0 or m.len_norm_const < 0:
-        raise ConfigError(f"model.len_norm_factor={m.len_norm_factor}, model.len_norm_const={m.len_norm_const}: must be zero or positive")
+        raise ConfigError(
+            f"model.len_norm_factor={m.len_norm_factor}, model.len_norm_const={m.len_norm_const}: "
+            "must be zero or positive"
+        )
 
 
 def build(cfg: DictConfig, data_info: dict, shard: Dist = Dist()) -> Translation:

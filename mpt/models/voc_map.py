@@ -41,7 +41,9 @@ def average_precision(recall: torch.Tensor, precision: torch.Tensor, eleven_poin
         return sum(points) / 11
     r = torch.cat([torch.zeros(1, dtype=torch.float64), recall, torch.ones(1, dtype=torch.float64)])
     p = torch.cat([torch.zeros(1, dtype=torch.float64), precision, torch.zeros(1, dtype=torch.float64)])
-    p = torch.flip(torch.cummax(torch.flip(p, [0]), 0).values, [0])  # the envelope: best precision at this recall or more
+    p = torch.flip(
+        torch.cummax(torch.flip(p, [0]), 0).values, [0]
+    )  # the envelope: best precision at this recall or more
     steps = torch.nonzero(r[1:] != r[:-1]).flatten()
     return float(((r[steps + 1] - r[steps]) * p[steps + 1]).sum())
 
@@ -54,7 +56,9 @@ class ClassResult:
     detections: int
 
 
-def match_class(dets: list[tuple[int, float, torch.Tensor]], gts: dict[int, tuple[torch.Tensor, torch.Tensor]], iou_threshold: float):
+def match_class(
+    dets: list[tuple[int, float, torch.Tensor]], gts: dict[int, tuple[torch.Tensor, torch.Tensor]], iou_threshold: float
+):
     """True/false positive flags of one class's detections (image, score, box) in descending score order."""
     order = sorted(range(len(dets)), key=lambda i: -dets[i][1])  # stable: equal scores keep their order
     taken = {img: torch.zeros(len(boxes), dtype=torch.bool) for img, (boxes, _) in gts.items()}
@@ -104,7 +108,12 @@ def voc_map(detections: list[dict], ground_truths: list[dict], num_classes: int,
         ctp, cfp = torch.cumsum(tp, 0), torch.cumsum(fp, 0)
         recall = ctp / positives
         precision = ctp / torch.clamp(ctp + cfp, min=1e-12)
-        per_class[c] = ClassResult(average_precision(recall, precision, True), average_precision(recall, precision, False), positives, len(dets))
+        per_class[c] = ClassResult(
+            average_precision(recall, precision, True),
+            average_precision(recall, precision, False),
+            positives,
+            len(dets),
+        )
 
     def mean(key: str) -> float:
         return sum(getattr(r, key) for r in per_class.values()) / len(per_class) if per_class else math.nan

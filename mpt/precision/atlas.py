@@ -97,7 +97,11 @@ class FormatAtlas:
         max_abs = float(clean.abs().max()) if clean.numel() else 0.0
         for i, fmt in enumerate(self.formats):
             q = quantize_detail(x, fmt, axis=axis)
-            saturated = quantize_detail(x, fmt, overflow="saturate", axis=axis).values if fmt.overflow != "saturate" else q.values
+            saturated = (
+                quantize_detail(x, fmt, overflow="saturate", axis=axis).values
+                if fmt.overflow != "saturate"
+                else q.values
+            )
             # A block holding an infinity reads NaN throughout: its finite values count as signal
             # but their error cannot be told, so they are left out of the noise.
             noise = torch.where(finite & torch.isfinite(saturated), saturated - clean, 0.0).double().square().sum()
@@ -129,7 +133,14 @@ class FormatAtlas:
         h = self.hist.summary(keep)
         bins, nonzero, max_abs = self.hist.bins.cpu(), h["nonzero"], h["max_abs"]
         share = (lambda n: n / nonzero) if nonzero else (lambda n: 0.0)
-        out = {"values": h["values"], "nonzero": nonzero, "nonfinite": h["nonfinite"], "share_zero": h["share_zero"], "max_abs": max_abs, "formats": {}}
+        out = {
+            "values": h["values"],
+            "nonzero": nonzero,
+            "nonfinite": h["nonfinite"],
+            "share_zero": h["share_zero"],
+            "max_abs": max_abs,
+            "formats": {},
+        }
         if with_bins:
             out |= {"zeros": h["zeros"], "log2_bins": h["log2_bins"]}
         for i, fmt in enumerate(self.formats):

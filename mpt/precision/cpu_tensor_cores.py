@@ -109,7 +109,10 @@ def _product(original, name: str, counts: dict[str, int], scratch: _Scratch):
         # Every FP32 product of the process passes here while the context is open: the first
         # argument's dtype (these ops' inputs share one) decides most calls cheaply.
         first = args[0]
-        if not (isinstance(first, torch.Tensor) and first.dtype in LOW_PRECISION) or (dtype := low_precision_dtype(args, kwargs)) is None:
+        if (
+            not (isinstance(first, torch.Tensor) and first.dtype in LOW_PRECISION)
+            or (dtype := low_precision_dtype(args, kwargs)) is None
+        ):
             return original.call_boxed(keyset, *args, **kwargs)
         counts[name] = counts.get(name, 0) + 1
         bias = None
@@ -147,10 +150,24 @@ def _lstm(original, packed: bool, emulate: bool, round_gates: bool, counts: dict
                 torch._C._set_mkldnn_enabled(was)
         if packed:
             _, batch_sizes, hx, params, has_biases, num_layers, dropout, train, bidirectional = args
-            return emulated_lstm(x, batch_sizes, hx, params, has_biases, num_layers, dropout, train, bidirectional, dtype, round_gates=round_gates)
+            return emulated_lstm(
+                x,
+                batch_sizes,
+                hx,
+                params,
+                has_biases,
+                num_layers,
+                dropout,
+                train,
+                bidirectional,
+                dtype,
+                round_gates=round_gates,
+            )
         _, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first = args
         xt = x.transpose(0, 1) if batch_first else x
-        out, h, c = emulated_lstm(xt, None, hx, params, has_biases, num_layers, dropout, train, bidirectional, dtype, round_gates=round_gates)
+        out, h, c = emulated_lstm(
+            xt, None, hx, params, has_biases, num_layers, dropout, train, bidirectional, dtype, round_gates=round_gates
+        )
         return (out.transpose(0, 1) if batch_first else out), h, c
 
     return kernel
@@ -331,7 +348,20 @@ class _Recurrence(torch.autograd.Function):
         return d_gates, dh.to(dtype), dc, d_w_hh, d_w_hr, None, None, None, None, None
 
 
-def emulated_lstm(x, batch_sizes, hx, weights, has_biases, num_layers, dropout, train, bidirectional, dtype, math=torch.float32, round_gates=True):
+def emulated_lstm(
+    x,
+    batch_sizes,
+    hx,
+    weights,
+    has_biases,
+    num_layers,
+    dropout,
+    train,
+    bidirectional,
+    dtype,
+    math=torch.float32,
+    round_gates=True,
+):
     """_VF.lstm's computation (time-major or packed input, all in `dtype`) with cuDNN's arithmetic:
     every product of FP16/BF16 values accumulated in FP32 and rounded to `dtype` (the input's and
     the recurrent state's gate products apart), the gate sums, activations and cell update in FP32,

@@ -48,12 +48,23 @@ FP32_SET_OPT_DTYPE = frozenset(
 # FP32 through the overload that takes a dtype
 FP32_APPEND_DTYPE = {"norm.Scalar": "norm.ScalarOpt_dtype", "norm.ScalarOpt_dim": "norm.ScalarOpt_dim_dtype"}
 # the widest floating dtype among the arguments
-PROMOTE = frozenset("addcdiv addcmul atan2 bilinear cross dot vdot grid_sampler index_put tensordot scatter_add".split())
+PROMOTE = frozenset(
+    "addcdiv addcmul atan2 bilinear cross dot vdot grid_sampler index_put tensordot scatter_add".split()
+)
 BANNED = frozenset({"binary_cross_entropy"})
 # cuDNN's RNNs: CUDA's wrapper casts input, states and weights to FP16 whatever autocast's dtype.
 # A CPU has no _cudnn_rnn; its stand-ins are the RNN ops that reach it on CUDA.
 CUDNN_RNN = frozenset({"_cudnn_rnn"})
-CPU_RNNS = ("lstm.input", "lstm.data", "gru.input", "gru.data", "rnn_tanh.input", "rnn_tanh.data", "rnn_relu.input", "rnn_relu.data")
+CPU_RNNS = (
+    "lstm.input",
+    "lstm.data",
+    "gru.input",
+    "gru.data",
+    "rnn_tanh.input",
+    "rnn_tanh.data",
+    "rnn_relu.input",
+    "rnn_relu.data",
+)
 
 POLICIES = {
     **{op: "lower_precision_fp" for op in LOWER_PRECISION},
@@ -94,7 +105,9 @@ def _kernel(name: str, policy: str):
         "fp32": lambda args: torch.float32,
         # the widest: FP32 if any eligible argument is FP32, else the low dtype
         "promote": lambda args: (
-            torch.float32 if any(_eligible(t) and t.dtype == torch.float32 for t in tree_flatten(args)[0]) else torch.get_autocast_dtype("cpu")
+            torch.float32
+            if any(_eligible(t) and t.dtype == torch.float32 for t in tree_flatten(args)[0])
+            else torch.get_autocast_dtype("cpu")
         ),
     }.get(policy)
     if cast_to is not None:
@@ -130,8 +143,8 @@ def _kernel(name: str, policy: str):
 
         def banned(keyset, *a, **k):
             raise RuntimeError(
-                f"torch.nn.functional.{name} and torch.nn.BCELoss are unsafe to autocast (CUDA's autocast refuses them); "
-                "use binary_cross_entropy_with_logits or nn.BCEWithLogitsLoss"
+                f"torch.nn.functional.{name} and torch.nn.BCELoss are unsafe to autocast "
+                "(CUDA's autocast refuses them); use binary_cross_entropy_with_logits or nn.BCEWithLogitsLoss"
             )
 
         return banned

@@ -44,18 +44,21 @@ def validate(cfg: DictConfig) -> None:
     """Raises ConfigError naming the first bad combination of `precision` with the optimizer."""
     if cfg.optim.implementation != "default" and Update(cfg.precision.update_rule) != Update.optimizer:
         raise ConfigError(
-            f"optim.implementation={cfg.optim.implementation}: precision={cfg.precision.name} updates FP16 weights with this project's own FP16 update, not torch's optimizers; leave it at default"
+            f"optim.implementation={cfg.optim.implementation}: precision={cfg.precision.name} updates FP16 weights "
+            "with this project's own FP16 update, not torch's optimizers; leave it at default"
         )
     p = cfg.precision
     if p.master_weights and p.param_dtype == DType.float32:
         raise ConfigError(f"precision {p.name}: master_weights needs param_dtype float16 or bfloat16, got float32")
     if p.update_rule != Update.optimizer and (p.param_dtype != DType.float16 or p.master_weights):
         raise ConfigError(
-            f"precision {p.name}: update_rule={p.update_rule.name} updates FP16 weights in place; needs param_dtype=float16 and no master weights"
+            f"precision {p.name}: update_rule={p.update_rule.name} updates FP16 weights in place; "
+            "needs param_dtype=float16 and no master weights"
         )
     if p.update_rule != Update.optimizer and cfg.optim.name != "sgd":
         raise ConfigError(
-            f"precision {p.name}: its FP16 update is momentum SGD and cannot run optim.name={cfg.optim.name}; use optim.name=sgd, or precision=mixed"
+            f"precision {p.name}: its FP16 update is momentum SGD and cannot run optim.name={cfg.optim.name}; "
+            "use optim.name=sgd, or precision=mixed"
         )
     if p.autocast is not None and p.param_dtype != DType.float32:
         raise ConfigError(f"precision {p.name}: autocast works on FP32 weights; got param_dtype={p.param_dtype.name}")
@@ -89,7 +92,11 @@ def ieee_fp32() -> Iterator[None]:
     (FID's Inception) must not run in TF32 because the mode under test does."""
     new_api = hasattr(torch.backends.cuda.matmul, "fp32_precision")
     flags = (
-        [(torch.backends.cuda.matmul, "fp32_precision"), (torch.backends.cudnn.conv, "fp32_precision"), (torch.backends.cudnn.rnn, "fp32_precision")]  # type: ignore[attr-defined]
+        [
+            (torch.backends.cuda.matmul, "fp32_precision"),
+            (torch.backends.cudnn.conv, "fp32_precision"),  # type: ignore[attr-defined]
+            (torch.backends.cudnn.rnn, "fp32_precision"),
+        ]
         if new_api
         else [(torch.backends.cuda.matmul, "allow_tf32"), (torch.backends.cudnn, "allow_tf32")]
     )
@@ -106,7 +113,10 @@ def check_device_support(mode: DictConfig, device: torch.device) -> None:
     """A mode the device cannot run fails here, naming the mode and the device."""
     wants_bf16 = DType.bfloat16 in (mode.param_dtype, mode.autocast)
     if device.type == "cuda" and wants_bf16 and not torch.cuda.is_bf16_supported():
-        raise ConfigError(f"precision={mode.name}: {torch.cuda.get_device_name(device)} has no bfloat16 support; use fp16, mixed or amp")
+        raise ConfigError(
+            f"precision={mode.name}: {torch.cuda.get_device_name(device)} has no bfloat16 support; "
+            "use fp16, mixed or amp"
+        )
 
 
 def default_channels_last(mode: DictConfig, device: torch.device) -> bool:
@@ -153,7 +163,9 @@ def prepare_model(model: nn.Module, mode: DictConfig, device: torch.device, chan
     if channels_last:
         model.to(memory_format=torch.channels_last)
     if dtype != torch.float32:
-        model.register_forward_pre_hook(lambda _m, args, kwargs: (_cast_floating(args, dtype), _cast_floating(kwargs, dtype)), with_kwargs=True)
+        model.register_forward_pre_hook(
+            lambda _m, args, kwargs: (_cast_floating(args, dtype), _cast_floating(kwargs, dtype)), with_kwargs=True
+        )
         model.register_forward_hook(lambda _m, _args, out: _cast_floating(out, torch.float32))
     return model
 
@@ -192,7 +204,14 @@ class _TorchUpdate:
     carries_scale = False  # gradients are unscaled in place before the update
     in_place_fp16 = False  # lost updates are those FP16 weights would lose
 
-    def __init__(self, params: list[nn.Parameter], cfg: DictConfig, lr: float, fp32_values: dict[nn.Parameter, torch.Tensor], scaled: list[bool]):
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        cfg: DictConfig,
+        lr: float,
+        fp32_values: dict[nn.Parameter, torch.Tensor],
+        scaled: list[bool],
+    ):
         self.params = params
         # Only low-precision weights get a master; FP32 ones (batch-norm under mixed) are updated directly.
         # A master starts from the weight's FP32 value, as the paper keeps it; only the working copy is rounded.
@@ -249,12 +268,21 @@ class _FP16Update:
     carries_scale = True
     in_place_fp16 = True  # lost updates are those the FP16 weights did lose
 
-    def __init__(self, params: list[nn.Parameter], cfg: DictConfig, lr: float, fp32_values: dict[nn.Parameter, torch.Tensor], scaled: list[bool]):
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        cfg: DictConfig,
+        lr: float,
+        fp32_values: dict[nn.Parameter, torch.Tensor],
+        scaled: list[bool],
+    ):
         self.params = params
         modified = cfg.precision.update_rule == Update.fp16_modified_momentum
         o = cfg.optim
         groups = param_groups(params, scaled, o, lr)
-        self.optimizer = FP16MomentumSGD(groups, lr=lr, momentum=o.momentum, weight_decay=o.weight_decay, modified=modified, nesterov=o.nesterov)
+        self.optimizer = FP16MomentumSGD(
+            groups, lr=lr, momentum=o.momentum, weight_decay=o.weight_decay, modified=modified, nesterov=o.nesterov
+        )
 
     def written(self) -> list[torch.Tensor]:
         return list(self.params)
@@ -267,7 +295,11 @@ class _FP16Update:
 
     def apply(self, grads: list[torch.Tensor], scale: float, coef: torch.Tensor | None, clipped: list[bool]) -> None:
         with_grads = [p for p in self.params if p.grad is not None]
-        self.optimizer.step(grad_scale=scale, grad_coef=1.0 if coef is None else coef, clipped={id(p) for p, c in zip(with_grads, clipped) if c})
+        self.optimizer.step(
+            grad_scale=scale,
+            grad_coef=1.0 if coef is None else coef,
+            clipped={id(p) for p, c in zip(with_grads, clipped) if c},
+        )
 
     def master_weights(self) -> list[torch.Tensor]:
         return []
@@ -303,7 +335,12 @@ class PrecisionEngine:
         model.to(device=device)
         # The FP32 values of the weights prepare_model will round: their masters start from these.
         mode = cfg.precision
-        kept_fp32 = {id(q) for m in model.modules() if mode.norm_fp32 and isinstance(m, nn.modules.batchnorm._BatchNorm) for q in m.parameters()}
+        kept_fp32 = {
+            id(q)
+            for m in model.modules()
+            if mode.norm_fp32 and isinstance(m, nn.modules.batchnorm._BatchNorm)
+            for q in m.parameters()
+        }
         fp32_values = {
             q: q.detach().clone()
             for q in model.parameters()
@@ -327,7 +364,9 @@ class PrecisionEngine:
         # What optim.clip_grad_norm covers: every weight, or those the task names (bigLSTM: its LSTM's)
         self.clip_ids = {id(q) for q in (params if clipped is None else clipped)}
         # optim.norm_bias_lr_scale's weights: batch-norm biases (Jordan 2024's "bias scaler")
-        norm_biases = {id(m.bias) for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.bias is not None}
+        norm_biases = {
+            id(m.bias) for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.bias is not None
+        }
         update_cls = _TorchUpdate if cfg.precision.update_rule == Update.optimizer else _FP16Update
         self.update = update_cls(params, cfg, effective_lr(cfg), fp32_values, [id(q) in norm_biases for q in params])
         self.optimizer = self.update.optimizer
@@ -338,8 +377,12 @@ class PrecisionEngine:
         # On the device path the schedule drives a host-only copy of the groups: the optimizer's own
         # lr are device tensors that the steps set from it (resident_scale.py)
         scheduled = _host_copy(self.optimizer) if on_device else self.optimizer
-        self.scheduler = build_lr_schedule(scheduled, lr_milestones, s.lr_gamma, s.lr_warmup_steps, s.lr_shape, list(s.lr_triangle), total_steps)
-        self.resident = ResidentScale(scaler, self.optimizer, self.scheduler, device, s.log_every) if on_device else None
+        self.scheduler = build_lr_schedule(
+            scheduled, lr_milestones, s.lr_gamma, s.lr_warmup_steps, s.lr_shape, list(s.lr_triangle), total_steps
+        )
+        self.resident = (
+            ResidentScale(scaler, self.optimizer, self.scheduler, device, s.log_every) if on_device else None
+        )
         self._zero_momentum()
         self.lookahead: Lookahead | None = None
         if cfg.optim.lookahead.start_epoch is not None:
@@ -380,7 +423,9 @@ class PrecisionEngine:
         if not self.scaler.checks_overflow:
             return None
         if applied is None:
-            assert self.resident is not None and self.resident.last_found is not None  # only the device path leaves it unknown
+            assert (
+                self.resident is not None and self.resident.last_found is not None
+            )  # only the device path leaves it unknown
             return self.resident.last_found > 0
         return not applied
 
@@ -429,7 +474,9 @@ class PrecisionEngine:
         unscale = 1.0 if self.update.carries_scale else 1.0 / scale
         overflow, grad_max = False, None
         if self.scaler.checks_overflow:
-            overflow, grad_max = self._check_and_unscale(grads, unscale, scale * unscale if self.scaler.observes_grad_max else None)
+            overflow, grad_max = self._check_and_unscale(
+                grads, unscale, scale * unscale if self.scaler.observes_grad_max else None
+            )
         elif unscale != 1.0:
             torch._foreach_mul_(grads, unscale)
         self.scaler.update(overflow, grad_max)  # the scale for the next step; raises Diverged when it gives up
@@ -469,7 +516,9 @@ class PrecisionEngine:
             if group["momentum"] != 0:
                 for p in group["params"]:
                     if self.optimizer.state[p].get("momentum_buffer") is None:
-                        self.optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                        self.optimizer.state[p]["momentum_buffer"] = torch.zeros_like(
+                            p, memory_format=torch.preserve_format
+                        )
 
     def _averaged(self) -> list[torch.Tensor]:
         return [*self.update.written(), *(b for b in self.model.buffers() if b.is_floating_point())]
@@ -486,7 +535,9 @@ class PrecisionEngine:
         if self.lookahead is not None and self.lookahead.settle(self._averaged()):
             self.update.copy_back()
 
-    def _check_and_unscale(self, grads: list[torch.Tensor], unscale: float, left_scale: float | None) -> tuple[bool, float | None]:
+    def _check_and_unscale(
+        self, grads: list[torch.Tensor], unscale: float, left_scale: float | None
+    ) -> tuple[bool, float | None]:
         """Whether any gradient is non-finite, after unscaling them by `unscale`. With `left_scale`
         (the scale the gradients still carry afterwards), also the largest |gradient| unscaled,
         brought to the host in the same sync."""
@@ -567,7 +618,10 @@ class PrecisionEngine:
 def _host_copy(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """An optimizer of one empty weight per group, with the groups' settings: what a schedule on the
     host writes its lr into, on the device path."""
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [torch.zeros(0, requires_grad=True)]} for g in optimizer.param_groups]
+    groups = [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": [torch.zeros(0, requires_grad=True)]}
+        for g in optimizer.param_groups
+    ]
     copy = torch.optim.SGD(groups, lr=float(groups[0]["lr"]))
     # Never stepped: torch's scheduler would warn at its first step that the optimizer was not
     copy._opt_called = True  # type: ignore[attr-defined]

@@ -248,7 +248,9 @@ def quantize_detail(
     return Quantized(values, over, fmt.min_normal)
 
 
-def _finish(x: torch.Tensor, rounded: torch.Tensor, max_value: torch.Tensor | float, policy: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _finish(
+    x: torch.Tensor, rounded: torch.Tensor, max_value: torch.Tensor | float, policy: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Applies the overflow policy to the rounded values and restores NaN; also returns which
     elements overflowed."""
     over = (rounded.abs() > max_value) & ~torch.isnan(x)  # includes x = +-inf, which _round leaves huge or infinite

@@ -39,16 +39,27 @@ class FP16MomentumSGD(torch.optim.Optimizer):
     def __init__(self, params, lr: float, momentum: float, weight_decay: float, modified: bool, nesterov: bool = False):
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay))
         self.modified, self.nesterov = modified, nesterov
-        self.lost: dict[torch.nn.Parameter, LostUpdates] | None = None  # while a dict, steps count the updates each weight lost
+        self.lost: dict[torch.nn.Parameter, LostUpdates] | None = (
+            None  # while a dict, steps count the updates each weight lost
+        )
         for group in self.param_groups:
             for p in group["params"]:
                 # FP32 ones: batch-norm kept in FP32 (precision.norm_fp32, Naruse's arrangement), updated
                 # by the same rule and stored in FP32
                 if p.dtype not in (torch.float16, torch.float32):
-                    raise TypeError(f"FP16MomentumSGD updates FP16 (and FP32) weights; got a {p.dtype} parameter of shape {tuple(p.shape)}")
+                    raise TypeError(
+                        f"FP16MomentumSGD updates FP16 (and FP32) weights; "
+                        f"got a {p.dtype} parameter of shape {tuple(p.shape)}"
+                    )
 
     @torch.no_grad()
-    def step(self, closure=None, grad_scale: float = 1.0, grad_coef: float | torch.Tensor = 1.0, clipped: set[int] | None = None):
+    def step(
+        self,
+        closure=None,
+        grad_scale: float = 1.0,
+        grad_coef: float | torch.Tensor = 1.0,
+        clipped: set[int] | None = None,
+    ):
         """grad_scale: the loss scale the gradients carry. grad_coef: a clipping factor for the unscaled
         gradient, applied to the parameters whose ids are in `clipped` (None: all)."""
         for group in self.param_groups:
@@ -63,7 +74,11 @@ class FP16MomentumSGD(torch.optim.Optimizer):
                     state["scale"] = held
                 coef = grad_coef if clipped is None or id(p) in clipped else 1.0
                 # updates lost by FP16 weights only: an FP32 one keeps what FP32 keeps
-                lost = None if self.lost is None or p.dtype != torch.float16 else self.lost.setdefault(p, LostUpdates(p.device))
+                lost = (
+                    None
+                    if self.lost is None or p.dtype != torch.float16
+                    else self.lost.setdefault(p, LostUpdates(p.device))
+                )
                 for w16, g16, buf in _pieces(p, p.grad, state["momentum"]):
                     w = w16.float()
                     before = None if lost is None else w16.clone()
@@ -113,11 +128,24 @@ def momentum_headroom(m: float) -> float:
 def build_torch_optimizer(params, cfg: DictConfig, lr: float) -> torch.optim.Optimizer:
     o = cfg.optim
     # torch's three implementations compute the same update; they differ in kernel launches.
-    how = {} if o.implementation == "default" else {"foreach": o.implementation == "foreach", "fused": o.implementation == "fused"}
+    how = (
+        {}
+        if o.implementation == "default"
+        else {"foreach": o.implementation == "foreach", "fused": o.implementation == "fused"}
+    )
     if o.name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=o.momentum, weight_decay=o.weight_decay, nesterov=o.nesterov, **how)
+        return torch.optim.SGD(
+            params, lr=lr, momentum=o.momentum, weight_decay=o.weight_decay, nesterov=o.nesterov, **how
+        )
     if o.name == "adagrad":
-        return torch.optim.Adagrad(params, lr=lr, initial_accumulator_value=o.initial_accumulator, eps=o.eps, weight_decay=o.weight_decay, **how)
+        return torch.optim.Adagrad(
+            params,
+            lr=lr,
+            initial_accumulator_value=o.initial_accumulator,
+            eps=o.eps,
+            weight_decay=o.weight_decay,
+            **how,
+        )
     if o.name == "adam":
         return torch.optim.Adam(params, lr=lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay, **how)
     raise ValueError(f"optim.name={o.name}: expected sgd, adam or adagrad")
@@ -172,8 +200,13 @@ def build_lr_schedule(
     if shape == "triangle":
         assert triangle is not None and total_steps is not None  # checked by the engine and the config
         return torch.optim.lr_scheduler.LambdaLR(
-            optimizer, functools.partial(triangle_factor, total_steps=total_steps, triangle=(triangle[0], triangle[1], triangle[2]))
+            optimizer,
+            functools.partial(
+                triangle_factor, total_steps=total_steps, triangle=(triangle[0], triangle[1], triangle[2])
+            ),
         )
     if warmup_steps == 0:  # the schedule earlier checkpoints hold
         return torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=milestones, gamma=gamma)
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(lr_factor, milestones=milestones, gamma=gamma, warmup_steps=warmup_steps))
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, functools.partial(lr_factor, milestones=milestones, gamma=gamma, warmup_steps=warmup_steps)
+    )

@@ -18,7 +18,9 @@ import torch
 FORMAT = {torch.float16: (10, -14), torch.bfloat16: (7, -126)}
 
 TERMS = 256  # at most this many products are summed into one result in the tests and probes
-FP32_ACCUMULATION = TERMS * 2.0**-24  # the classic bound for summing TERMS terms in FP32, relative to the sum of |terms|
+FP32_ACCUMULATION = (
+    TERMS * 2.0**-24
+)  # the classic bound for summing TERMS terms in FP32, relative to the sum of |terms|
 
 
 def ulp(reference: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -49,7 +51,9 @@ class Evaluation:
     bound: torch.Tensor
 
 
-def against_float64(fn: Callable[..., torch.Tensor], inputs: list[torch.Tensor], dtype: torch.dtype, arithmetic: Any) -> Evaluation:
+def against_float64(
+    fn: Callable[..., torch.Tensor], inputs: list[torch.Tensor], dtype: torch.dtype, arithmetic: Any
+) -> Evaluation:
     """fn forward and backward on `inputs` rounded to dtype, inside `arithmetic` (a context
     manager: the emulation, or a null context for torch's own kernels), and in float64."""
     low = [x.to(dtype).requires_grad_() for x in inputs]

@@ -65,16 +65,19 @@ def validate(mode: DictConfig) -> None:
             raise ConfigError(f"precision.products.backward={p.backward}: needs precision.products.forward too")
         if p.fused_cell is not None:
             raise ConfigError(
-                f"precision.products.fused_cell={p.fused_cell}: only the quantized LSTM of an FP8 or MX mode has a cell of its own; "
+                f"precision.products.fused_cell={p.fused_cell}: "
+                "only the quantized LSTM of an FP8 or MX mode has a cell of its own; "
                 "set precision.products.forward, or leave fused_cell null"
             )
         return
     if p.fused_cell is not None:
         from torch._dynamo import list_backends  # only when asked for
 
-        if p.fused_cell not in list_backends(exclude_tags=()):
+        known = list_backends(exclude_tags=())
+        if p.fused_cell not in known:
             raise ConfigError(
-                f"precision.products.fused_cell={p.fused_cell}: no such torch.compile backend; choose one of {', '.join(list_backends(exclude_tags=()))}"
+                f"precision.products.fused_cell={p.fused_cell}: no such torch.compile backend; "
+                f"choose one of {', '.join(known)}"
             )
     for key in ("forward", "backward"):
         name = p[key]
@@ -86,14 +89,20 @@ def validate(mode: DictConfig) -> None:
     if (p.scaling == "block") != all(blocks) or any(blocks) != all(blocks):
         kinds = "MX block formats" if p.scaling == "block" else "scalar formats"
         raise ConfigError(
-            f"precision.products: scaling={p.scaling} needs {kinds} for both operands (got forward={p.forward}, backward={p.backward}); block scaling goes with mx* formats only"
+            f"precision.products: scaling={p.scaling} needs {kinds} for both operands "
+            f"(got forward={p.forward}, backward={p.backward}); block scaling goes with mx* formats only"
         )
     if p.amax_history < 1:
         raise ConfigError(f"precision.products.amax_history={p.amax_history}: must be at least 1")
     if p.amax_reduction not in REDUCTIONS:
-        raise ConfigError(f"precision.products.amax_reduction={p.amax_reduction}: choose one of {', '.join(REDUCTIONS)}")
+        raise ConfigError(
+            f"precision.products.amax_reduction={p.amax_reduction}: choose one of {', '.join(REDUCTIONS)}"
+        )
     if mode.param_dtype.name != "float32":
-        raise ConfigError(f"precision {mode.name}: quantized products need FP32 weights (the master copy); got param_dtype={mode.param_dtype.name}")
+        raise ConfigError(
+            f"precision {mode.name}: quantized products need FP32 weights (the master copy); "
+            f"got param_dtype={mode.param_dtype.name}"
+        )
 
 
 # torch's own FP8 dtypes, for torch._scaled_mm on a GPU. On a CPU their casts are slow (decoding
@@ -194,7 +203,9 @@ class Site:
     def __init__(self, name: str, recipe: Recipe, device: torch.device):
         self.name = name
         self.recipe = recipe
-        self.delayed = {role: DelayedScale(recipe.history, device) for role in self.ROLES} if recipe.scaling == "delayed" else {}
+        self.delayed = (
+            {role: DelayedScale(recipe.history, device) for role in self.ROLES} if recipe.scaling == "delayed" else {}
+        )
         self.observing = True  # off while a step is run again (the overflow trace)
         self.paths: set[str] = set()  # the arithmetic its products took, as they ran
 

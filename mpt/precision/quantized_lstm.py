@@ -34,7 +34,9 @@ def _repack(out: torch.Tensor, like: PackedSequence) -> PackedSequence:
     return PackedSequence(data, like.batch_sizes, like.sorted_indices, like.unsorted_indices)
 
 
-def _cell(pre: torch.Tensor, rec: torch.Tensor, c: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _cell(
+    pre: torch.Tensor, rec: torch.Tensor, c: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One step's cell from its two products' results: the gates, activations and update in FP32,
     h and c stored in `dtype`."""
     gates = pre.float() + rec.float()
@@ -88,7 +90,9 @@ class QuantizedLSTM(nn.LSTM):
             h0, c0 = hx
         valid = None
         if lengths is not None:  # (T, B, 1); the lengths copied without waiting for the device
-            valid = (torch.arange(steps, device=x.device).unsqueeze(1) < lengths.to(x.device, non_blocking=True).unsqueeze(0)).unsqueeze(-1)
+            valid = (
+                torch.arange(steps, device=x.device).unsqueeze(1) < lengths.to(x.device, non_blocking=True).unsqueeze(0)
+            ).unsqueeze(-1)
         observe = observing(self)
         layer_input, hs, cs = x, [], []
         for layer in range(self.num_layers):
@@ -115,7 +119,9 @@ class QuantizedLSTM(nn.LSTM):
         w = lambda name: getattr(self, f"{name}{sfx}")  # noqa: E731
         sites = self.products_sites
         bias = (w("bias_ih") + w("bias_hh")) if self.bias else None
-        pre = linear(x, w("weight_ih"), bias, sites[f"ih{sfx}"], observe)  # (B, T, 4H): every step's input product at once
+        pre = linear(
+            x, w("weight_ih"), bias, sites[f"ih{sfx}"], observe
+        )  # (B, T, 4H): every step's input product at once
         h, c = h.to(dtype), c.to(dtype)
         # The recurrent weights' operands, quantized once for all the steps' products, and their
         # gradients, each one product over all the steps' rows

@@ -23,12 +23,20 @@ from .quantized_products import CONVOLUTIONS, BatchMatmul, QuantizedBatchMatmul,
 def _quantized_class(cls: type) -> type:
     """The class a module of class `cls` becomes: the same module, its products quantized. A
     subclass with a forward of its own is refused: replacing it would change what it computes."""
-    for base, quantized in ((nn.Linear, QuantizedLinear), (BatchMatmul, QuantizedBatchMatmul), (nn.LSTM, QuantizedLSTM), *((c, None) for c in CONVOLUTIONS)):
+    for base, quantized in (
+        (nn.Linear, QuantizedLinear),
+        (BatchMatmul, QuantizedBatchMatmul),
+        (nn.LSTM, QuantizedLSTM),
+        *((c, None) for c in CONVOLUTIONS),
+    ):
         if not issubclass(cls, base):
             continue
         own = next(c for c in cls.__mro__ if "forward" in vars(c))
         if own not in (base, nn.modules.conv._ConvNd) and not (base is nn.LSTM and own is nn.RNNBase):
-            raise ConfigError(f"quantized products: {cls.__name__} has a forward of its own; only {base.__name__} itself can be quantized")
+            raise ConfigError(
+                f"quantized products: {cls.__name__} has a forward of its own; "
+                f"only {base.__name__} itself can be quantized"
+            )
         if quantized is None:
             return type(f"Quantized{cls.__name__}", (_QuantizedConv, cls), {})
         return quantized if cls is base else type(f"Quantized{cls.__name__}", (quantized, cls), {})
@@ -42,7 +50,9 @@ class QuantizedProducts:
     """One network's quantized products: its sites by module name, their state and their path."""
 
     def __init__(self, model: nn.Module, recipe: Recipe, fused_cell: Optional[str] = None):
-        if fused_cell is not None:  # before this run's networks compile anything (the runner resets again for compile.backend)
+        if (
+            fused_cell is not None
+        ):  # before this run's networks compile anything (the runner resets again for compile.backend)
             fresh_cells()
         self.recipe = recipe
         self.sites: dict[str, Site] = {}
@@ -52,7 +62,8 @@ class QuantizedProducts:
                 continue
             if isinstance(module, CONVOLUTIONS) and (module.padding_mode != "zeros" or isinstance(module.padding, str)):
                 raise ConfigError(
-                    f"quantized products: convolution {name or 'model'} pads with {module.padding_mode}/{module.padding}; only explicit zero padding is supported"
+                    f"quantized products: convolution {name or 'model'} "
+                    f"pads with {module.padding_mode}/{module.padding}; only explicit zero padding is supported"
                 )
             cls = _quantized_class(type(module))  # type: ignore[arg-type]  # mypy: a union of classes is not Hashable
             if isinstance(module, nn.LSTM):  # a site per weight: ih_l0, hh_l0, hr_l0, ih_l0_reverse, ...
@@ -102,7 +113,11 @@ class QuantizedProducts:
         return {name: "+".join(sorted(site.paths)) for name, site in self.sites.items() if site.paths}
 
     def state_dict(self) -> dict:
-        return {name: {role: s.state_dict() for role, s in site.delayed.items()} for name, site in self.sites.items() if site.delayed}
+        return {
+            name: {role: s.state_dict() for role, s in site.delayed.items()}
+            for name, site in self.sites.items()
+            if site.delayed
+        }
 
     def load_state_dict(self, state: dict) -> None:
         for name, roles in state.items():

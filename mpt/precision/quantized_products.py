@@ -68,13 +68,25 @@ def _on_scaled_mm(site: Site, device: torch.device, *dims: int) -> bool:
     )
 
 
-def _fp8_mm(qa: torch.Tensor, sa: torch.Tensor, qb_t: torch.Tensor, sb: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _fp8_mm(
+    qa: torch.Tensor, sa: torch.Tensor, qb_t: torch.Tensor, sb: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
     """qa (M, K) @ qb_t (N, K)^T on torch._scaled_mm, both already FP8 under scales sa and sb:
     products accumulated in FP32, the scales divided out of the result."""
-    return torch._scaled_mm(qa, qb_t.t(), scale_a=sa.reciprocal().float(), scale_b=sb.reciprocal().float(), out_dtype=dtype)
+    return torch._scaled_mm(
+        qa, qb_t.t(), scale_a=sa.reciprocal().float(), scale_b=sb.reciprocal().float(), out_dtype=dtype
+    )
 
 
-def _scaled_gemm(a: torch.Tensor, sa: torch.Tensor, fa: FloatFormat, b_t: torch.Tensor, sb: torch.Tensor, fb: FloatFormat, dtype: torch.dtype) -> torch.Tensor:
+def _scaled_gemm(
+    a: torch.Tensor,
+    sa: torch.Tensor,
+    fa: FloatFormat,
+    b_t: torch.Tensor,
+    sb: torch.Tensor,
+    fb: FloatFormat,
+    dtype: torch.dtype,
+) -> torch.Tensor:
     """a (M, K) @ b_t (N, K)^T on torch._scaled_mm: each operand cast to FP8 under its scale (as
     `scaled` rounds it), products accumulated in FP32, the scales divided out of the result."""
     qa = to_fp8(a.float() * sa, fa).contiguous()
@@ -148,7 +160,9 @@ def sequence_weight(w: torch.Tensor, grads: SequenceWeightGrad) -> torch.Tensor:
 
 class _Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, b, site: Site, observe: bool, weights: Optional[ReusedWeight], sequence: Optional[SequenceWeightGrad]):
+    def forward(
+        ctx, x, w, b, site: Site, observe: bool, weights: Optional[ReusedWeight], sequence: Optional[SequenceWeightGrad]
+    ):
         dtype = out_dtype(x)
         operands = weights or site
         x2 = x.reshape(-1, x.shape[-1])
@@ -168,7 +182,14 @@ class _Linear(torch.autograd.Function):
             if b is not None:
                 out = out + b.to(dtype)
         ctx.save_for_backward(x, w)
-        ctx.site, ctx.weights, ctx.scales, ctx.has_bias, ctx.dtype, ctx.fast = site, operands, (sx, sw), b is not None, dtype, fast
+        ctx.site, ctx.weights, ctx.scales, ctx.has_bias, ctx.dtype, ctx.fast = (
+            site,
+            operands,
+            (sx, sw),
+            b is not None,
+            dtype,
+            fast,
+        )
         ctx.sequence = sequence
         if sequence is not None:
             sequence.dtype = dtype
@@ -180,7 +201,9 @@ class _Linear(torch.autograd.Function):
         site, (sx, sw) = ctx.site, ctx.scales
         gx = gw = gb = None
         g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
-        if ctx.sequence is not None and ctx.needs_input_grad[1]:  # the weight's gradient: one product after the last step
+        if (
+            ctx.sequence is not None and ctx.needs_input_grad[1]
+        ):  # the weight's gradient: one product after the last step
             ctx.sequence.rows.append((g2, x2))
         own_weight_grad = ctx.sequence is None and ctx.needs_input_grad[1]
         with _fp32(g.device):
@@ -189,7 +212,13 @@ class _Linear(torch.autograd.Function):
                 sg = site.scale(g, "grad_output", observe=True)
                 if ctx.needs_input_grad[0]:
                     qw8_t, _ = ctx.weights.fp8(w, "weight", transposed=True, scale=sw)  # a reused weight: once per pass
-                    gx = _through(_fp8_mm(site.fp8(g2, "grad_output", transposed=False, scale=sg)[0], sg, qw8_t, sw, ctx.dtype).reshape(x.shape), ctx.dtype, x)
+                    gx = _through(
+                        _fp8_mm(
+                            site.fp8(g2, "grad_output", transposed=False, scale=sg)[0], sg, qw8_t, sw, ctx.dtype
+                        ).reshape(x.shape),
+                        ctx.dtype,
+                        x,
+                    )
                 if own_weight_grad:
                     gw = _through(_scaled_gemm(g2.t(), sg, fg, x2.t(), sx, f, ctx.dtype), ctx.dtype, w)
             else:
@@ -198,7 +227,9 @@ class _Linear(torch.autograd.Function):
                     gx = _through(qg @ ctx.weights.operand(w, "weight", 0, scale=sw)[0], ctx.dtype, x)
                 if own_weight_grad:
                     qg2 = site.operand(g2, "grad_output", 0, scale=sg)[0] if sg is None else qg.reshape(g2.shape)
-                    gw = _through(qg2.t() @ site.operand(x2, "input", 0, scale=sx)[0], ctx.dtype, w)  # the weight gradient reduces over rows
+                    gw = _through(
+                        qg2.t() @ site.operand(x2, "input", 0, scale=sx)[0], ctx.dtype, w
+                    )  # the weight gradient reduces over rows
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 gb = _through(g2.float().sum(0), ctx.dtype, w)
         return gx, gw, gb, None, None, None, None
@@ -308,11 +339,23 @@ class _QuantizedConv:
         transposed = isinstance(self, nn.modules.conv._ConvTransposeNd)
         dims = x.dim() - 2
         if transposed:
-            output_padding = self._output_padding(x, output_size, self.stride, self.padding, self.kernel_size, dims, self.dilation)
+            output_padding = self._output_padding(
+                x, output_size, self.stride, self.padding, self.kernel_size, dims, self.dilation
+            )
         else:
             output_padding = (0,) * dims
         return _Convolution.apply(
-            x, self.weight, self.bias, self.products_site, observing(self), self.stride, self.padding, self.dilation, transposed, output_padding, self.groups
+            x,
+            self.weight,
+            self.bias,
+            self.products_site,
+            observing(self),
+            self.stride,
+            self.padding,
+            self.dilation,
+            transposed,
+            output_padding,
+            self.groups,
         )
 
 

@@ -40,9 +40,15 @@ def why_not(cfg: DictConfig, device: torch.device) -> str | None:
     """Why this run's scale cannot live on the device; None where it can."""
     o, p = cfg.optim, cfg.precision
     if Update(p.update_rule) != Update.optimizer:
-        return f"precision={p.name} updates FP16 weights with this project's own update, which cannot skip a step on the device"
+        return (
+            f"precision={p.name} updates FP16 weights with this project's own update, "
+            "which cannot skip a step on the device"
+        )
     if o.implementation != "fused":
-        return f"optim.implementation={o.implementation}: only the fused optimizers skip an overflowing step on the device; set optim.implementation=fused"
+        return (
+            f"optim.implementation={o.implementation}: "
+            "only the fused optimizers skip an overflowing step on the device; set optim.implementation=fused"
+        )
     if device.type not in FUSED_SKIPS.get(o.name, ()):
         return f"optim.name={o.name} has no fused kernel on {device.type} that skips a step on the device"
     if o.lookahead.start_epoch is not None:
@@ -58,7 +64,10 @@ def _drifting_scale(cfg: DictConfig) -> str | None:
     elif s.name == "dynamic":
         for key in ("growth", "backoff"):
             if math.frexp(s[key])[0] != 0.5:
-                return f"scale.{key}={s[key]} is not a power of two: the device's FP32 scale would drift from the host scaler's"
+                return (
+                    f"scale.{key}={s[key]} is not a power of two: "
+                    "the device's FP32 scale would drift from the host scaler's"
+                )
         exact = {k: s[k] for k in ("init", "min", "max")}
     else:
         return None
@@ -74,7 +83,9 @@ def resolve(cfg: DictConfig, device: torch.device) -> bool:
     scale=auto reads the largest gradient on the host every step."""
     if cfg.scale.name not in ("static", "dynamic"):
         if cfg.scale.on_device:
-            raise ConfigError(f"scale.on_device=true: scale={cfg.scale.name} has no device path (static or dynamic have)")
+            raise ConfigError(
+                f"scale.on_device=true: scale={cfg.scale.name} has no device path (static or dynamic have)"
+            )
         return False
     why = why_not(cfg, device)
     if cfg.scale.on_device is None:
@@ -100,7 +111,9 @@ class ResidentScale:
     stepped once per applied step, so its state is the host path's. `window`: the most steps between
     read-backs (the log's interval); a step past it reads back first."""
 
-    def __init__(self, host: LossScaler, optimizer: torch.optim.Optimizer, scheduler, device: torch.device, window: int):
+    def __init__(
+        self, host: LossScaler, optimizer: torch.optim.Optimizer, scheduler, device: torch.device, window: int
+    ):
         if not isinstance(host, (StaticScaler, DynamicScaler)):
             raise TypeError(f"a device-resident scale follows a static or dynamic scaler, not {type(host).__name__}")
         self.host, self.optimizer, self.scheduler, self.device = host, optimizer, scheduler, device
@@ -150,7 +163,9 @@ class ResidentScale:
         """What the loss is multiplied by: the scale, and the control's 2^-k."""
         return self.scale * shift
 
-    def check_and_unscale(self, grads: list[torch.Tensor], shift: float, reduce_max: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    def check_and_unscale(
+        self, grads: list[torch.Tensor], shift: float, reduce_max: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
         """Unscale the gradients in place; the step's overflow flag (1.0: some gradient is not finite)."""
         found = torch.zeros((), dtype=torch.float32, device=self.device)
         # As GradScaler does: the reciprocal in float64, rounded once to FP32, as the host path's 1/S
@@ -195,7 +210,9 @@ class ResidentScale:
         if not self.pending:
             return []
         entries, self.pending = self.pending, []
-        values = torch.stack([torch.stack([s, f]) for _, s, f in entries] + [torch.stack([self.scale, self.scale])]).tolist()
+        values = torch.stack(
+            [torch.stack([s, f]) for _, s, f in entries] + [torch.stack([self.scale, self.scale])]
+        ).tolist()
         outcome: list[tuple[int | None, bool]] = []
         try:
             for (step, _, _), (scale, found) in zip(entries, values):
@@ -219,4 +236,6 @@ class ResidentScale:
         # Both follow one rule from one start: any difference is a bug in this file, not a run's fate.
         if np.float32(self.host.scale) != np.float32(device_scale):
             where = f"at step {step}" if step is not None else "after the last step"
-            raise RuntimeError(f"the device's loss scale {device_scale:g} left the host scaler's {self.host.scale:g} {where}")
+            raise RuntimeError(
+                f"the device's loss scale {device_scale:g} left the host scaler's {self.host.scale:g} {where}"
+            )

@@ -75,13 +75,18 @@ class LossScaler:
         h = self.history
         if not h.overflows or not all(h.overflows):
             return None
-        return f"skipped every one of its {len(h.overflows)} steps: the gradients overflowed FP16 {self._scales_tried()}"
+        return (
+            f"skipped every one of its {len(h.overflows)} steps: the gradients overflowed FP16 {self._scales_tried()}"
+        )
 
     def _scales_tried(self) -> str:
         return f"at every scale it tried, {self.history.scales[0]:g} down to {min(self.history.scales):g}"
 
     def full_state_dict(self) -> dict:
-        return {**self.state_dict(), "history": {"scales": list(self.history.scales), "overflows": list(self.history.overflows)}}
+        return {
+            **self.state_dict(),
+            "history": {"scales": list(self.history.scales), "overflows": list(self.history.overflows)},
+        }
 
     def load_full_state_dict(self, state: dict) -> None:
         self.load_state_dict(state)
@@ -171,10 +176,17 @@ class AutoScaler(LossScaler):
     checks_overflow = True
     observes_grad_max = True
 
-    def __init__(self, init: float, min: float, max: float, beta1: float, beta2: float, std_devs: float, margin_bits: float):
+    def __init__(
+        self, init: float, min: float, max: float, beta1: float, beta2: float, std_devs: float, margin_bits: float
+    ):
         super().__init__(init)
         self.min, self.max = float(min), float(max)
-        self.beta1, self.beta2, self.std_devs, self.margin_bits = float(beta1), float(beta2), float(std_devs), float(margin_bits)
+        self.beta1, self.beta2, self.std_devs, self.margin_bits = (
+            float(beta1),
+            float(beta2),
+            float(std_devs),
+            float(margin_bits),
+        )
         self.fast_mean = self.slow_mean = self.slow_square = 0.0  # uncorrected exponential averages of x
         self.observations = 0
 
@@ -217,7 +229,9 @@ class AutoScaler(LossScaler):
 
     def load_state_dict(self, state: dict) -> None:
         self.scale = float(state["scale"])
-        self.fast_mean, self.slow_mean, self.slow_square = (float(state[k]) for k in ("fast_mean", "slow_mean", "slow_square"))
+        self.fast_mean, self.slow_mean, self.slow_square = (
+            float(state[k]) for k in ("fast_mean", "slow_mean", "slow_square")
+        )
         self.observations = int(state["observations"])
 
 
@@ -227,16 +241,24 @@ def validate(cfg: DictConfig) -> None:
     if scale.name not in SCALE_NAMES:
         raise ConfigError(f"scale.name={scale.name}: expected one of {', '.join(SCALE_NAMES)}")
     if not 0 <= scale.shift_down <= MAX_SHIFT_DOWN:
-        raise ConfigError(f"scale.shift_down={scale.shift_down}: must be an integer from 0 to {MAX_SHIFT_DOWN} (2^-k a normal FP32 number)")
+        raise ConfigError(
+            f"scale.shift_down={scale.shift_down}: must be an integer from 0 to {MAX_SHIFT_DOWN} "
+            "(2^-k a normal FP32 number)"
+        )
     if scale.name == "static":
         value = static_scale_value(cfg)
         if not (value >= 1 and math.isfinite(value)):
             raise ConfigError(f"scale.value={value}: a static loss scale must be a finite number >= 1")
         if scale.max_consecutive_skips < 1:
-            raise ConfigError(f"scale.max_consecutive_skips={scale.max_consecutive_skips}: must be a positive number of steps")
+            raise ConfigError(
+                f"scale.max_consecutive_skips={scale.max_consecutive_skips}: must be a positive number of steps"
+            )
     if scale.name == "dynamic":
         if not (1 <= scale.min <= scale.init <= scale.max and math.isfinite(scale.max)):
-            raise ConfigError(f"scale: need 1 <= scale.min <= scale.init <= scale.max (got min={scale.min}, init={scale.init}, max={scale.max})")
+            raise ConfigError(
+                "scale: need 1 <= scale.min <= scale.init <= scale.max "
+                f"(got min={scale.min}, init={scale.init}, max={scale.max})"
+            )
         if not scale.growth > 1:
             raise ConfigError(f"scale.growth={scale.growth}: must be > 1")
         if not 0 < scale.backoff < 1:
@@ -245,7 +267,10 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"scale.interval={scale.interval}: must be a positive integer")
     if scale.name == "auto":
         if not (0 < scale.min <= scale.init <= scale.max and math.isfinite(scale.max)):
-            raise ConfigError(f"scale: need 0 < scale.min <= scale.init <= scale.max (got min={scale.min}, init={scale.init}, max={scale.max})")
+            raise ConfigError(
+                "scale: need 0 < scale.min <= scale.init <= scale.max "
+                f"(got min={scale.min}, init={scale.init}, max={scale.max})"
+            )
         for key in ("beta1", "beta2"):
             if not 0 < scale[key] < 1:
                 raise ConfigError(f"scale.{key}={scale[key]}: must be between 0 and 1")

@@ -73,7 +73,10 @@ def build_report(
     shifted = tables.shift_control(runs)
     sections = [
         (
-            "Comparisons (each cell against its baseline, paired by seed: Δ and its 95% Student-t interval, the verdict by the margin the experiment declared)",
+            (
+                "Comparisons (each cell against its baseline, paired by seed: Δ and its 95% Student-t interval, the "
+                "verdict by the margin the experiment declared)"
+            ),
             "comparisons",
             verdicts,
             comparisons.render(verdicts),
@@ -86,7 +89,11 @@ def build_report(
             tables.render_relative(tp, "throughput", "speedup_vs_fp32", lambda v: f"{v:.4g}", "throughput_unit"),
         ),
         (
-            "Time to result (median seconds from the first step to the end of the final evaluation, device synchronized, earlier evaluations, checkpoints and statistics steps left out; ratio to fp32; the metric's mean)",
+            (
+                "Time to result (median seconds from the first step to the end of the final evaluation, device "
+                "synchronized, earlier evaluations, checkpoints and statistics steps left out; ratio to fp32; the "
+                "metric's mean)"
+            ),
             "time_to_result",
             ttr,
             tables.render_time_to_result(ttr),
@@ -100,7 +107,10 @@ def build_report(
             ),
         ),
         (
-            "Peak memory after the warm-up (MiB; ratio to fp32): without what only the first steps allocated, such as cuDNN's benchmark workspaces",
+            (
+                "Peak memory after the warm-up (MiB; ratio to fp32): without what only the first steps allocated, such "
+                "as cuDNN's benchmark workspaces"
+            ),
             "memory_steady",
             steady,
             tables.render_relative(
@@ -108,38 +118,56 @@ def build_report(
             ),
         ),
         (
-            "Model FLOPs utilization (model FLOPs per sample x samples/s over the GPU's dense peak for the mode's math)",
+            (
+                "Model FLOPs utilization (model FLOPs per sample x samples/s over the GPU's dense peak for the mode's "
+                "math)"
+            ),
             "mfu",
             util,
             tables.render_mfu(util),
         ),
         ("Loss scaling", "loss_scaling", ls, tables.render_loss_scaling(ls)),
         (
-            "The loss-scaling control (the loss times 2^-k before the backward, the gradients times 2^k before the update)",
+            (
+                "The loss-scaling control (the loss times 2^-k before the backward, the gradients times 2^k before the "
+                "update)"
+            ),
             "shift_control",
             shifted,
             tables.render_shift_control(shifted),
         ),
         (
-            "Where skipped steps overflowed first (per run: the module and tensor whose values became non-finite first, and how many skips each caused)",
+            (
+                "Where skipped steps overflowed first (per run: the module and tensor whose values became non-finite "
+                "first, and how many skips each caused)"
+            ),
             "overflow_origins",
             origins,
             tables.render_overflow_origins(origins),
         ),
         (
-            "Gradients against FP16's range (shares of non-zero values; % zero of all; unscaled; sampled steps' cost against a plain step)",
+            (
+                "Gradients against FP16's range (shares of non-zero values; % zero of all; unscaled; sampled steps' "
+                "cost against a plain step)"
+            ),
             "gradient_stats",
             gs,
             tables.render_gradient_stats(gs),
         ),
         (
-            "Updates lost in FP16 (of the weight elements the sampled steps updated: lost by FP16 weights updated in place, or that an FP16 weight would lose, counted on FP32 masters or weights)",
+            (
+                "Updates lost in FP16 (of the weight elements the sampled steps updated: lost by FP16 weights updated "
+                "in place, or that an FP16 weight would lose, counted on FP32 masters or weights)"
+            ),
             "lost_updates",
             lu,
             tables.render_lost_updates(lu),
         ),
         (
-            "Numerics atlas (network totals over the sampled steps: % of non-zero values each format loses or holds as subnormals as they are; SQNR as they are and scaled; power-of-two scales)",
+            (
+                "Numerics atlas (network totals over the sampled steps: % of non-zero values each format loses or "
+                "holds as subnormals as they are; SQNR as they are and scaled; power-of-two scales)"
+            ),
             "atlas",
             at,
             tables.render_atlas(at),
@@ -208,7 +236,10 @@ def main(argv: list[str] | None = None) -> None:
         action="append",
         default=[],
         metavar="FILE",
-        help="an experiment declaration (a preset, or its experiment: node) applied to the runs whose records declare none; the table says it came after the runs (repeatable)",
+        help=(
+            "an experiment declaration (a preset, or its experiment: node) applied to the runs whose records declare "
+            "none; the table says it came after the runs (repeatable)"
+        ),
     )
     ap.add_argument(
         "--published", type=Path, default=None, help="published values CSV (default: results/paper/published.csv)"

@@ -79,7 +79,8 @@ class Declared:
                 )
             if c.get("expect") not in (None, *(v.value for v in Verdict)):
                 raise DeclarationError(
-                    f"experiment {node['name']}: expect={c.get('expect')}: must be one of {', '.join(v.value for v in Verdict)}"
+                    f"experiment {node['name']}: expect={c.get('expect')}: must be one of "
+                    f"{', '.join(v.value for v in Verdict)}"
                 )
         return cls(
             str(node["name"]),
@@ -116,7 +117,8 @@ def direction(declared: Declared, run: pd.Series) -> bool:
     if declared.metric.endswith(("loss", "ppl")):
         return False
     raise DeclarationError(
-        f"experiment {declared.name}: metric={declared.metric} is not the task's own ({run['primary_metric']}); declare experiment.higher_is_better for it"
+        f"experiment {declared.name}: metric={declared.metric} is not the task's own ({run['primary_metric']}); "
+        "declare experiment.higher_is_better for it"
     )
 
 
@@ -164,12 +166,14 @@ def declarations(runs: pd.DataFrame, extra: Iterable[Declared] = ()) -> list[Dec
             (a, a_dir), (b, b_dir) = list(seen.values())[:2]
             raise DeclarationError(
                 f"experiment {name} is declared differently by {a_dir} and {b_dir} (margin {a.margin} and {b.margin}, "
-                f"{len(a.comparisons)} and {len(b.comparisons)} comparisons): its verdicts need one declaration made before its runs"
+                f"{len(a.comparisons)} and {len(b.comparisons)} comparisons): its verdicts need one declaration made "
+                "before its runs"
             )
         if len(planned) > 1:
             (a_seeds, a_dir), (b_seeds, b_dir) = list(planned.items())[:2]
             raise DeclarationError(
-                f"experiment {name} plans seeds {list(a_seeds)} in {a_dir} and {list(b_seeds)} in {b_dir}: its pairs are planned once, before its runs"
+                f"experiment {name} plans seeds {list(a_seeds)} in {a_dir} and {list(b_seeds)} in {b_dir}: its pairs "
+                "are planned once, before its runs"
             )
         ((declared, _),) = seen.values()
         found.append(_covering(replace(declared, seeds=next(iter(planned), None)), group))
@@ -261,8 +265,9 @@ def finding(found: Verdict, expect: str | None, converged: bool) -> str:
 
 
 COLUMNS = [
-    "experiment", "device_type", "model", "data", "schedule", "variant", "cell", "against", "against_variant", "metric", "n", "diverged",
-    "cell_mean", "against_mean", "delta", "ci_low", "ci_high", "margin", "verdict", "expect", "finding",
+    "experiment", "device_type", "model", "data", "schedule", "variant", "cell", "against", "against_variant", "metric",
+    "n", "diverged", "cell_mean", "against_mean", "delta", "ci_low", "ci_high", "margin", "verdict", "expect",
+    "finding",
     "converged", "declared", "claim", "note", "caveat",
 ]  # fmt: skip
 
@@ -342,7 +347,8 @@ def _row(declared: Declared, spec: dict, metric: str, cell: pd.DataFrame, bases:
         if len(twice):
             a, b = twice["run_dir"].iloc[:2]
             raise DeclarationError(
-                f"experiment {declared.name}: {a} and {b} are one cell's seed {twice['seed'].iloc[0]} twice; report one of them"
+                f"experiment {declared.name}: {a} and {b} are one cell's seed {twice['seed'].iloc[0]} twice; "
+                "report one of them"
             )
     finished_base = results(base).set_index("seed")
     diffs, cell_values, base_values, diverged = [], [], [], 0
@@ -388,7 +394,8 @@ def _row(declared: Declared, spec: dict, metric: str, cell: pd.DataFrame, bases:
         says = ", ".join(f"{s} ({ended[s]})" if s in ended.index and ended[s] else str(s) for s in unfinished)
         finished = len(declared.seeds) - len(unfinished)
         notes.append(
-            f"{finished} of {len(declared.seeds)} planned pairs finished; seed{'s' * (len(unfinished) > 1)} {says} not yet"
+            f"{finished} of {len(declared.seeds)} planned pairs finished; "
+            f"seed{'s' * (len(unfinished) > 1)} {says} not yet"
         )
     notes += latched(pd.concat([cell, base]), declared.metric)
     row["note"] = "; ".join(notes)
@@ -481,7 +488,8 @@ def render(table: pd.DataFrame) -> str:
         else []
     )
     missing = [
-        f"{r.cell} ({r.model}{f', variant {identity.tag(r.variant)}' if r.variant else ''}; {r.experiment}): {r.note}, {r.finding}"
+        f"{r.cell} ({r.model}{f', variant {identity.tag(r.variant)}' if r.variant else ''}; {r.experiment}): "
+        f"{r.note}, {r.finding}"
         for r in unpaired.itertuples()
     ]
     text = _md(shown) if len(table) else "(no compared cell has its baseline among these runs)"

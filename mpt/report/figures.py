@@ -385,7 +385,8 @@ def gradient_histograms(runs: pd.DataFrame, out: Path, index: FigureIndex | None
                 axes[1].legend(fontsize=7, loc="upper right")
                 where = f"{net}, " if len(kinds) and len(stats["networks"]) > 1 else ""
                 fig.suptitle(
-                    f"{kind} gradients ({FIGURE_OF_KIND[kind]}), {where}{run['mode']}, seed {run['seed']}, {len(stats['sampled_steps'])} sampled steps;"
+                    f"{kind} gradients ({FIGURE_OF_KIND[kind]}), {where}{run['mode']}, seed {run['seed']}, "
+                    f"{len(stats['sampled_steps'])} sampled steps;"
                     f" {t['share_zero'] * 100:.1f}% zeros\n{title}",
                     fontsize=9,
                 )
@@ -468,14 +469,16 @@ def gradient_histograms_over_training(runs: pd.DataFrame, out: Path, index: Figu
                 for ax, s, bins in zip(axes[0], shown, all_bins):
                     _histogram_panel(ax, bins, s["zeros"], 0, span)
                     ax.set_title(
-                        f"step {s['step']}: {s['share_zero'] * 100:.1f}% zeros; of the rest {s['share_lost_fp16'] * 100:.2f}% become 0 in FP16,"
+                        f"step {s['step']}: {s['share_zero'] * 100:.1f}% zeros; "
+                        f"of the rest {s['share_lost_fp16'] * 100:.2f}% become 0 in FP16,"
                         f" {s['share_subnormal_fp16'] * 100:.1f}% subnormal",
                         fontsize=8,
                     )
                 axes[0][-1].legend(fontsize=7, loc="upper right")
                 where = f"{net}, " if len(stats["networks"]) > 1 else ""
                 fig.suptitle(
-                    f"{kind} gradients over training ({FIGURE_OF_KIND[kind]}), {where}{run['mode']}, seed {run['seed']}, unscaled\n{title}",
+                    f"{kind} gradients over training ({FIGURE_OF_KIND[kind]}), {where}{run['mode']}, "
+                    f"seed {run['seed']}, unscaled\n{title}",
                     fontsize=9,
                 )
                 _save(fig, out, _run_figure(f"grads_over_training_{kind}", run, net), written, index)
@@ -560,13 +563,15 @@ def atlas_histograms(runs: pd.DataFrame, out: Path, index: FigureIndex | None = 
                     _histogram_panel(ax, bins, t["zeros"], 0, span, r, what=role.replace("_", " "))
                     f = t["formats"][fmt]
                     ax.set_title(
-                        f"{fmt}: {f['share_underflow'] * 100:.3g}% become 0, {f['share_subnormal'] * 100:.3g}% subnormal, {f['share_overflow'] * 100:.3g}% overflow",
+                        f"{fmt}: {f['share_underflow'] * 100:.3g}% become 0, "
+                        f"{f['share_subnormal'] * 100:.3g}% subnormal, {f['share_overflow'] * 100:.3g}% overflow",
                         fontsize=8,
                     )
                     ax.legend(fontsize=6, loc="upper right")
                 where = f"{net}, " if len(atlas["networks"]) > 1 else ""
                 fig.suptitle(
-                    f"{role.replace('_', ' ')}, all layers, {where}{run['mode']}, seed {run['seed']}, {len(stats['sampled_steps'])} sampled steps\n{title}",
+                    f"{role.replace('_', ' ')}, all layers, {where}{run['mode']}, seed {run['seed']}, "
+                    f"{len(stats['sampled_steps'])} sampled steps\n{title}",
                     fontsize=9,
                 )
                 _save(fig, out, _run_figure(f"atlas_hist_{role}", run, net), written, index)

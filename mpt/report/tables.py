@@ -523,7 +523,8 @@ def _atlas_fit(rows: pd.DataFrame, pct, scale) -> str:
     index = ["mode", "seed", "sampled_steps", "network", "role"]
     wide = rows.assign(cell=cell).pivot_table(index=index, columns="format", values="cell", aggfunc="first", sort=False)
     wide = wide.reindex(columns=list(dict.fromkeys(rows["format"]))).reset_index()
-    note = "% lost as it is (underflow + overflow); in brackets, a per-tensor format's recommended scale where it is not 2^0"
+    note = "% lost as it is (underflow + overflow); in brackets, a per-tensor format's recommended scale"
+    note += " where it is not 2^0"
     return f"{note}:\n\n" + _md(wide.rename(columns={"sampled_steps": "step"}))
 
 

@@ -33,7 +33,9 @@ REQUIRED = {"config": dict, "step": int, "engines": dict, "rng": dict, "data": d
 # Older checkpoints kept numpy's RNG state as an ndarray of uint32: these rebuild exactly that, and
 # name no callable beyond numpy's own array constructor.
 _NUMPY_GLOBALS = [
-    importlib.import_module("numpy._core.multiarray" if hasattr(np, "_core") else "numpy.core.multiarray")._reconstruct,  # numpy 1: core
+    importlib.import_module(
+        "numpy._core.multiarray" if hasattr(np, "_core") else "numpy.core.multiarray"
+    )._reconstruct,  # numpy 1: core
     np.ndarray,
     np.dtype,
     type(np.dtype(np.uint32)),
@@ -45,7 +47,13 @@ def rng_state() -> dict:
     kind, keys, pos, has_gauss, cached = cast("tuple[str, np.ndarray, int, int, float]", np.random.get_state())
     state = {
         "python": random.getstate(),
-        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": pos, "has_gauss": has_gauss, "cached_gaussian": cached},
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": pos,
+            "has_gauss": has_gauss,
+            "cached_gaussian": cached,
+        },
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -57,7 +65,13 @@ def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     saved = state["numpy"]
     if isinstance(saved, dict):
-        saved = (saved["kind"], saved["keys"].numpy().astype(np.uint32), saved["pos"], saved["has_gauss"], saved["cached_gaussian"])
+        saved = (
+            saved["kind"],
+            saved["keys"].numpy().astype(np.uint32),
+            saved["pos"],
+            saved["has_gauss"],
+            saved["cached_gaussian"],
+        )
     np.random.set_state(saved)
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
@@ -97,10 +111,14 @@ def load(run_dir: Path) -> dict | None:
                 f"{path} would call {what} when read, which no mpt checkpoint does: refused, nothing in it was run; "
                 "remove it (or resume=false moves it aside) to start the run over"
             ) from None
-        raise CorruptCheckpoint(f"{path} cannot be read ({type(e).__name__}: {first}); resume=false starts the run over") from e
+        raise CorruptCheckpoint(
+            f"{path} cannot be read ({type(e).__name__}: {first}); resume=false starts the run over"
+        ) from e
     except Exception as e:  # torch.load raises whatever the unpickler or the zip reader met
         first = (str(e).strip().splitlines() or [""])[0]
-        raise CorruptCheckpoint(f"{path} cannot be read ({type(e).__name__}: {first}); resume=false starts the run over") from e
+        raise CorruptCheckpoint(
+            f"{path} cannot be read ({type(e).__name__}: {first}); resume=false starts the run over"
+        ) from e
     check(saved, path)
     return upgrade.checkpoint(saved)
 
@@ -108,7 +126,9 @@ def load(run_dir: Path) -> dict | None:
 def check(saved: object, path: Path) -> None:
     """Raises CorruptCheckpoint unless `saved` has the shape of a checkpoint a run wrote."""
     if not isinstance(saved, dict):
-        raise CorruptCheckpoint(f"{path} holds a {type(saved).__name__}, not an mpt checkpoint; resume=false moves it aside")
+        raise CorruptCheckpoint(
+            f"{path} holds a {type(saved).__name__}, not an mpt checkpoint; resume=false moves it aside"
+        )
     missing = [k for k in REQUIRED if k not in saved]
     wrong = [k for k, kind in REQUIRED.items() if k in saved and not isinstance(saved[k], kind)]
     if missing or wrong:

@@ -54,12 +54,20 @@ def run_name(seed: int, device: str) -> str:
     """The run folder's name (identity.folder_name), from Hydra's view of the command line."""
     choices = HydraConfig.get().runtime.choices
     world = int(os.environ.get("WORLD_SIZE", 1))
-    return identity.folder_name((choices[g] for g in GROUPS), device_type(device), world, seed, identity.variant(overrides()))
+    return identity.folder_name(
+        (choices[g] for g in GROUPS), device_type(device), world, seed, identity.variant(overrides())
+    )
 
 
 def group_options(group: str) -> str:
     """A config group's options as installed, for `--help`."""
-    return ", ".join(sorted(p.name.removesuffix(".yaml") for p in resources.files("mpt.configs").joinpath(group).iterdir() if p.name.endswith(".yaml")))
+    return ", ".join(
+        sorted(
+            p.name.removesuffix(".yaml")
+            for p in resources.files("mpt.configs").joinpath(group).iterdir()
+            if p.name.endswith(".yaml")
+        )
+    )
 
 
 OmegaConf.register_new_resolver("mpt_run_name", run_name, use_cache=False)
@@ -93,7 +101,11 @@ def explain_skips(s: dict) -> str:
         return f": every one; the gradients never fit FP16 at {s['initial']:g}"
     later = s["skipped_steps"] - initial
     falls = s["min"] < s["initial"]
-    how = f"the scale falling from {s['initial']:g} until the gradients fit FP16" if falls else "until the gradients fit FP16 at this scale"
+    how = (
+        f"the scale falling from {s['initial']:g} until the gradients fit FP16"
+        if falls
+        else "until the gradients fit FP16 at this scale"
+    )
     parts = [f"the first {initial}, {how}"] if initial else []
     parts += [f"{later} later, each an overflow at the scale of its step"] if later else []
     return ": " + "; ".join(parts)
@@ -102,28 +114,44 @@ def explain_skips(s: dict) -> str:
 def summary_lines(rec: RunRecord) -> list[str]:
     assert rec.environment is not None and rec.run_dir is not None  # a record this process's run made
     c = rec.choices
-    lines = [f"mpt-run {c['model']} precision={c['precision']} scale={c['scale']} data={c['data']} schedule={c['schedule']}: {rec.status}"]
+    lines = [
+        f"mpt-run {c['model']} precision={c['precision']} scale={c['scale']} data={c['data']} "
+        f"schedule={c['schedule']}: {rec.status}"
+    ]
     if rec.message:
         lines.append(f"  message:    {rec.message}")
     # Per-class APs stay in the record; the summary keeps to the means.
     metrics = {k: v for k, v in rec.metrics.items() if k != "step" and not k.startswith("ap_")}
     if metrics:
-        lines.append("  metrics:    " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()) + f" (step {rec.metrics['step']})")
+        lines.append(
+            "  metrics:    " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()) + f" (step {rec.metrics['step']})"
+        )
     if rec.final_train_loss is not None:
         lines.append(f"  train loss: {rec.final_train_loss:.4g} after {rec.steps} steps")
     tp = rec.throughput or {}  # none for a run that failed before measuring
     if tp.get("pipeline") is not None:
-        lines.append(f"  throughput: {tp['pipeline']:.4g} {tp['unit']} (compute only {tp['compute']:.4g}; median of {tp['windows']} windows)")
+        lines.append(
+            f"  throughput: {tp['pipeline']:.4g} {tp['unit']} "
+            f"(compute only {tp['compute']:.4g}; median of {tp['windows']} windows)"
+        )
     if rec.mfu and rec.mfu.get("value") is not None:
         assert rec.flops is not None  # an MFU value is computed from the FLOP count
+        sample = rec.flops["sample_unit"].removesuffix("s")
         lines.append(
-            f"  mfu:        {rec.mfu['value'] * 100:.1f}% of {rec.mfu['peak_tflops']:g} TFLOP/s ({rec.mfu['math']}; {rec.flops['per_sample'] / 1e9:.4g} GFLOP per {rec.flops['sample_unit'].removesuffix('s')})"
+            f"  mfu:        {rec.mfu['value'] * 100:.1f}% of {rec.mfu['peak_tflops']:g} TFLOP/s "
+            f"({rec.mfu['math']}; {rec.flops['per_sample'] / 1e9:.4g} GFLOP per {sample})"
         )
     mem = rec.memory or {}
     steady = f", {_fmt_bytes(mem['steady_peak_bytes'])} after the warm-up" if mem.get("steady_peak_bytes") else ""
-    lines.append(f"  memory:     {_fmt_bytes(mem.get('peak_bytes'))} peak{steady} ({mem.get('kind')}) on {rec.environment['device_name']}")
+    lines.append(
+        f"  memory:     {_fmt_bytes(mem.get('peak_bytes'))} peak{steady} "
+        f"({mem.get('kind')}) on {rec.environment['device_name']}"
+    )
     for name, s in (rec.loss_scale or {}).items():
-        lines.append(f"  loss scale: [{name}] final {s['final']:g}, min {s['min']:g}, skipped {s['skipped_steps']}/{s['steps']} steps{explain_skips(s)}")
+        lines.append(
+            f"  loss scale: [{name}] final {s['final']:g}, min {s['min']:g}, "
+            f"skipped {s['skipped_steps']}/{s['steps']} steps{explain_skips(s)}"
+        )
     lines.append(f"  record:     {Path(rec.run_dir) / 'result.json'}")
     return lines
 
@@ -168,7 +196,11 @@ def _cannot_write(e: OSError, where: Path) -> None:
     """One line for a run folder that cannot be written before the run starts (a full disk): the
     record, checkpoint and log already there stay as they were."""
     cause = e.strerror or str(e)
-    text = str(e) if str(e).startswith("could not write") else f"could not write {getattr(e, 'filename', None) or where}: {cause}"
+    text = (
+        str(e)
+        if str(e).startswith("could not write")
+        else f"could not write {getattr(e, 'filename', None) or where}: {cause}"
+    )
     print(f"mpt-run: error: {text}; the run folder's files are as they were", file=sys.stderr, flush=True)
     sys.exit(1)
 
@@ -202,14 +234,24 @@ def _run_locked(cfg: DictConfig, run_dir: Path, multirun: bool, owner: bool) -> 
     from .validation import validate
 
     previous = previous_record(run_dir)
-    final = previous is not None and previous.status in ("ok", "diverged")  # results; a failed, preempted or unfinished run is redone
+    final = previous is not None and previous.status in (
+        "ok",
+        "diverged",
+    )  # results; a failed, preempted or unfinished run is redone
     if final and not cfg.force:
         assert previous is not None  # final: there is a record
         if identity.same_computation(previous.config or {}, as_plain(cfg)):
-            print(f"{said()}{run_dir} already has a record with status {previous.status}; skipped (force=true runs it again)", flush=True)
+            print(
+                f"{said()}{run_dir} already has a record with status {previous.status}; "
+                "skipped (force=true runs it again)",
+                flush=True,
+            )
             return "skipped", False
         changed = ", ".join(identity.differences(previous.config or {}, as_plain(cfg))[:4])
-        print(f"{said()}{run_dir} has a {previous.status} record of a different config ({changed}); running again", flush=True)
+        print(
+            f"{said()}{run_dir} has a {previous.status} record of a different config ({changed}); running again",
+            flush=True,
+        )
     if owner:
         try:
             _save_hydra_files(cfg, run_dir)
@@ -225,13 +267,17 @@ def _run_locked(cfg: DictConfig, run_dir: Path, multirun: bool, owner: bool) -> 
         if multirun:
             return "invalid", False
         sys.exit(2)
-    except Exception as e:  # setting up failed (out of memory moving the model, an unreadable checkpoint): still a record
+    except (
+        Exception
+    ) as e:  # setting up failed (out of memory moving the model, an unreadable checkpoint): still a record
         if isinstance(e, CorruptCheckpoint):  # a file to look into, not a bug: its one line says all
             log.error("setting up the run failed: %s", e)
         else:
             log.exception("setting up the run failed")
         status, message = failure(e, cfg.schedule.batch_size)
-        rec = RunRecord.partial(status, message, str(run_dir), {g: cfg[g].name for g in GROUPS}, cfg.seed, as_plain(cfg))
+        rec = RunRecord.partial(
+            status, message, str(run_dir), {g: cfg[g].name for g in GROUPS}, cfg.seed, as_plain(cfg)
+        )
         if from_env().is_main:  # the lock's holder
             try:
                 rec.write(run_dir / "result.json")
@@ -346,7 +392,9 @@ def _preset_params(words: list[str], parsed: list) -> list[str]:
 
     plain = [w for w, o in zip(words, parsed) if not o.is_sweep_override() and not o.key_or_group.startswith("hydra")]
     with initialize_config_module(config_module="mpt.configs", version_base="1.3"):
-        params = compose(config_name="config", overrides=plain, return_hydra_config=True).hydra.sweeper.get("params") or {}
+        params = (
+            compose(config_name="config", overrides=plain, return_hydra_config=True).hydra.sweeper.get("params") or {}
+        )
     return [f"{k}={v}" for k, v in params.items()]
 
 
@@ -361,7 +409,9 @@ def sweep_size(args: list[str]) -> int | None:
     counts = {}
     plain = [w for w, o in zip(words, parsed) if not o.is_sweep_override() and not o.key_or_group.startswith("hydra")]
     with initialize_config_module(config_module="mpt.configs", version_base="1.3"):
-        preset = compose(config_name="config", overrides=plain, return_hydra_config=True).hydra.sweeper.get("params") or {}
+        preset = (
+            compose(config_name="config", overrides=plain, return_hydra_config=True).hydra.sweeper.get("params") or {}
+        )
     # Later overrides of a key replace earlier ones, the preset's first: a plain model=alexnet narrows it.
     for o in [*parser.parse_overrides([f"{k}={v}" for k, v in preset.items()]), *parsed]:
         counts[o.get_key_element()] = len(list(o.sweep_string_iterator())) if o.is_sweep_override() else 1

@@ -23,7 +23,10 @@ def wrap(cfg: DictConfig, task: Task, engines: dict[str, PrecisionEngine], devic
     """The task trains through each wrapper, whose backward all-reduces (averages) the gradients;
     the engine keeps the network itself."""
     if cfg.distributed.sync_batchnorm and device.type != "cuda":
-        raise ConfigError("distributed.sync_batchnorm=true: torch's SyncBatchNorm runs on CUDA only; on CPU processes each rank normalizes its own slice")
+        raise ConfigError(
+            "distributed.sync_batchnorm=true: torch's SyncBatchNorm runs on CUDA only; "
+            "on CPU processes each rank normalizes its own slice"
+        )
     allreduce = cfg.precision.allreduce_dtype
     for name, engine in engines.items():
         if cfg.distributed.sync_batchnorm:  # BN modules swapped in place: the parameters stay the engine's

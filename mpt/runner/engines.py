@@ -33,7 +33,9 @@ class Plan:
         return cls(total, [to_steps(m) for m in s.lr_milestones], every)
 
 
-def build_engines(cfg: DictConfig, task: Task, plan: Plan, device: torch.device, dist: Dist, channels_last: bool) -> dict[str, PrecisionEngine]:
+def build_engines(
+    cfg: DictConfig, task: Task, plan: Plan, device: torch.device, dist: Dist, channels_last: bool
+) -> dict[str, PrecisionEngine]:
     return {
         name: PrecisionEngine(
             net,

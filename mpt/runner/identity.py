@@ -36,7 +36,11 @@ NOT_SETTINGS = ("hydra", "experiment")
 # Keys added after records were first written, with the value that reproduces how those runs
 # computed. A key missing from an old config and not listed here takes the current value: its default
 # reproduces the old behaviour. (A bench record without count_flops has no MFU: relaunching redoes it.)
-LEGACY_VALUES = {("emulate_tensor_cores",): False, ("schedule", "count_flops"): False, ("emulate_lstm_gate_rounding",): False}
+LEGACY_VALUES = {
+    ("emulate_tensor_cores",): False,
+    ("schedule", "count_flops"): False,
+    ("emulate_lstm_gate_rounding",): False,
+}
 # Settings an older version had under another meaning. emulate_cpu_fp16_conv=true emulated FP16
 # convolutions only, an arithmetic no current setting gives; false was torch's own kernels.
 RENAMED = {"emulate_cpu_fp16_conv": ("emulate_tensor_cores", {False: False, True: "convolutions only"})}
@@ -65,7 +69,10 @@ def computational(plain: dict) -> dict:
         if isinstance(node, dict):
             node.pop(last, None)
     p = out.get("precision", {})
-    if not {"float16", "bfloat16"} & {p.get("param_dtype"), p.get("autocast")}:  # the flags change FP16/BF16 products only
+    if not {"float16", "bfloat16"} & {
+        p.get("param_dtype"),
+        p.get("autocast"),
+    }:  # the flags change FP16/BF16 products only
         out.pop("emulate_tensor_cores", None)
     if out.get("emulate_tensor_cores") is not True or out.get("model", {}).get("task") not in LSTM_TASKS:
         out.pop("emulate_lstm_gate_rounding", None)  # it changes emulated LSTMs only
@@ -113,7 +120,11 @@ def _with_missing_keys(old: Any, new: Any, path: tuple = ()) -> Any:
         return old
     out = dict(old)
     for key, value in new.items():
-        out[key] = _with_missing_keys(old[key], value, path + (key,)) if key in old else LEGACY_VALUES.get(path + (key,), value)
+        out[key] = (
+            _with_missing_keys(old[key], value, path + (key,))
+            if key in old
+            else LEGACY_VALUES.get(path + (key,), value)
+        )
     return out
 
 
@@ -130,7 +141,9 @@ def variant(overrides: Iterable[tuple[str, str | None]]) -> str:
     joined by commas: what sets a run apart from the others of its model, mode, data and schedule.
     `overrides` holds (key, value) with values as Hydra parses them (1e-1 and 0.1 are one variant);
     a deletion has the value None."""
-    return ",".join(sorted(key if value is None else f"{key}={value}" for key, value in overrides if computational_key(key)))
+    return ",".join(
+        sorted(key if value is None else f"{key}={value}" for key, value in overrides if computational_key(key))
+    )
 
 
 def variant_parts(variant: str) -> list[str]:
@@ -202,5 +215,7 @@ def named(base: str, variant: str) -> str:
 def folder_name(choices: Iterable[str], device_type: str, world_size: int, seed: int, variant: str) -> str:
     """`<model>_<precision>_<scale>_<data>_<schedule>_<device>_seed<N>`, then the variant as
     `named` writes it. Deterministic, so relaunching a sweep finds each run's earlier record."""
-    device = device_type + (f"x{world_size}" if world_size > 1 else "")  # a torchrun job: its process count names it too
+    device = device_type + (
+        f"x{world_size}" if world_size > 1 else ""
+    )  # a torchrun job: its process count names it too
     return named("_".join([*choices, device, f"seed{seed}"]), variant)

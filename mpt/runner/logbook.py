@@ -30,7 +30,14 @@ log = logging.getLogger("mpt")
 
 
 class Logbook:
-    def __init__(self, engines: dict[str, PrecisionEngine], dist: Dist, device: torch.device, meter: ThroughputMeter, grad_stats: GradStatsCollector):
+    def __init__(
+        self,
+        engines: dict[str, PrecisionEngine],
+        dist: Dist,
+        device: torch.device,
+        meter: ThroughputMeter,
+        grad_stats: GradStatsCollector,
+    ):
         self.engines, self.dist, self.device, self.meter, self.grad_stats = engines, dist, device, meter, grad_stats
         self.pending: list[dict[str, Any]] = []  # per-step rows whose tensors are not yet on the host
         self.last_loss: float | None = None
@@ -70,7 +77,9 @@ class Logbook:
         flags = {(id(r), k) for r, k in slots if r[k].dtype == torch.bool}  # written back as booleans
         values = [r[k].double().reshape(()) for r, k in slots]  # exact for FP32 values and a float64 lr
         if self.dist.enabled:  # the preemption flag rides along: positive if any rank got a signal
-            values.append(torch.tensor(float(preemption.requested() is not None), dtype=torch.float64, device=self.device))
+            values.append(
+                torch.tensor(float(preemption.requested() is not None), dtype=torch.float64, device=self.device)
+            )
         if values:
             # Under torchrun, each value is the mean over ranks: the global batch's loss, and one
             # divergence decision for all of them.

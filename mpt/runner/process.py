@@ -28,7 +28,10 @@ def resolve_device(name: str, dist: Dist = Dist()) -> torch.device:
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
         device = torch.device("cuda", dist.local_rank)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device={name}: no CUDA device is available here (torch.cuda.is_available() is False); use device=cpu or auto")
+        raise ConfigError(
+            f"device={name}: no CUDA device is available here (torch.cuda.is_available() is False); "
+            "use device=cpu or auto"
+        )
     if device.type not in ("cpu", "cuda"):
         raise ConfigError(f"device={name}: expected auto, cpu, cuda or cuda:N")
     return device
@@ -46,7 +49,10 @@ def prepare(cfg: DictConfig, dist: Dist) -> tuple[torch.device, dict]:
     device = resolve_device(cfg.device, dist)
     check_device_support(cfg.precision, device)
     if cfg.schedule.batch_size % dist.world_size:
-        raise ConfigError(f"schedule.batch_size={cfg.schedule.batch_size} is the global batch: it does not divide among {dist.world_size} processes")
+        raise ConfigError(
+            f"schedule.batch_size={cfg.schedule.batch_size} is the global batch: "
+            f"it does not divide among {dist.world_size} processes"
+        )
     setup_distributed(dist, device)
     seed_everything(cfg.seed)
     if cfg.deterministic:

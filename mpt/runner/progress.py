@@ -43,7 +43,9 @@ class Progress:
             from tqdm import tqdm
             from tqdm.contrib.logging import logging_redirect_tqdm
 
-            self.bar = tqdm(total=total, initial=start, desc=label, unit="step", file=sys.stderr, dynamic_ncols=True, leave=True)
+            self.bar = tqdm(
+                total=total, initial=start, desc=label, unit="step", file=sys.stderr, dynamic_ncols=True, leave=True
+            )
             # The console log shares the terminal with the bar: a line logged mid-bar (an evaluation,
             # a divergence) would be glued to the bar's text. tqdm clears the bar around it instead.
             self._redirect.enter_context(logging_redirect_tqdm())
@@ -65,7 +67,11 @@ class Progress:
         if now - self.printed_at >= self.every_s or step == self.total:
             self.printed_at = now
             done = step - self.start_step
-            eta = f", ETA {_duration((now - self.t0) / done * (self.total - step))}" if 0 < done and step < self.total else ""
+            eta = (
+                f", ETA {_duration((now - self.t0) / done * (self.total - step))}"
+                if 0 < done and step < self.total
+                else ""
+            )
             print(f"{self.label}: step {step}/{self.total} ({100 * step / self.total:.0f}%){eta}, {status}", flush=True)
 
     def _status(self, rate: float | None) -> str:

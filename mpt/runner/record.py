@@ -109,13 +109,20 @@ class RunRecord:
             raise RecordError(f"{source}: not a JSON object")
         schema = data.get("schema", SCHEMA_VERSION)
         if not isinstance(schema, int) or schema > SCHEMA_VERSION:
-            raise RecordError(f"{source}: record schema {schema!r}; this mpt reads schema {SCHEMA_VERSION} and older (update mpt to read it)")
+            raise RecordError(
+                f"{source}: record schema {schema!r}; "
+                f"this mpt reads schema {SCHEMA_VERSION} and older (update mpt to read it)"
+            )
         names = [f.name for f in fields(cls) if f.name not in ("extra", "absent")]
         missing = [k for k in ("status", "choices") if k not in data]
         if missing:
             raise RecordError(f"{source}: no {', '.join(missing)}: not a result record")
         known = {k: v for k, v in data.items() if k in names}
-        return cls(**known, extra={k: v for k, v in data.items() if k not in names}, absent=frozenset(n for n in names if n not in data))
+        return cls(
+            **known,
+            extra={k: v for k, v in data.items() if k not in names},
+            absent=frozenset(n for n in names if n not in data),
+        )
 
     @classmethod
     def load(cls, path: Path) -> RunRecord:
@@ -130,7 +137,9 @@ class RunRecord:
         """The record of a run that failed while being set up: what it was asked to run, and why it did not."""
         kept = {"schema", "status", "message", "run_dir", "choices", "seed", "config"}
         absent = frozenset(f.name for f in fields(cls) if f.name not in kept)
-        return cls(status=status, message=message, run_dir=run_dir, choices=choices, seed=seed, config=config, absent=absent)
+        return cls(
+            status=status, message=message, run_dir=run_dir, choices=choices, seed=seed, config=config, absent=absent
+        )
 
     def put(self, name: str, value: object) -> None:
         """A section by name: a field of the record, or (a section this class does not declare, such
@@ -159,9 +168,15 @@ class RunRecord:
             self.sample_grids = saved["sample_grids"]
         self.started_at, self.resumed_at = saved["started_at"], now_iso()
         if self.nondeterministic_ops is not None:
-            self.nondeterministic_ops.extend(op for op in saved["nondeterministic_ops"] if op not in self.nondeterministic_ops)
+            self.nondeterministic_ops.extend(
+                op for op in saved["nondeterministic_ops"] if op not in self.nondeterministic_ops
+            )
         if saved["git"] != self.git:
-            print(f"mpt-run: warning: the checkpoint was written by {describe_code(saved['git'])}; this is {describe_code(self.git)}", flush=True)
+            print(
+                f"mpt-run: warning: the checkpoint was written by {describe_code(saved['git'])}; "
+                f"this is {describe_code(self.git)}",
+                flush=True,
+            )
         assert self.segments is not None  # the initial record's
         self.segments = [*saved["segments"], *self.segments]
         self.segments[-1]["from_step"] = self.segments[-1]["to_step"] = step
@@ -224,7 +239,9 @@ class RunRecord:
                 "tf32_active": bool(cfg.precision.tf32 and device.type == "cuda"),  # TF32 exists only on CUDA
                 "channels_last": channels_last,
                 # FP16/BF16 products and LSTMs on a CPU: as a GPU's (cpu_tensor_cores.py) or torch's own kernels
-                "cpu_arithmetic": ("emulated" if cfg.emulate_tensor_cores else "native") if computes_low_precision_on_cpu(cfg.precision, device) else None,
+                "cpu_arithmetic": ("emulated" if cfg.emulate_tensor_cores else "native")
+                if computes_low_precision_on_cpu(cfg.precision, device)
+                else None,
                 "autocast_lists": "cuda" if cfg.precision.autocast else None,  # on a CPU too (cuda_autocast.py)
                 "products": products,
             },
@@ -245,7 +262,9 @@ class RunRecord:
                 "backend": backend(device) if dist.enabled else None,
                 "global_batch_size": cfg.schedule.batch_size,
                 "per_process_batch_size": cfg.schedule.batch_size // dist.world_size,
-                "allreduce_dtype": cfg.precision.allreduce_dtype.name if cfg.precision.allreduce_dtype else "the gradients' own",
+                "allreduce_dtype": cfg.precision.allreduce_dtype.name
+                if cfg.precision.allreduce_dtype
+                else "the gradients' own",
                 "sync_batchnorm": cfg.distributed.sync_batchnorm,
             },
             data={k: v for k, v in data_info.items() if isinstance(v, (str, int, float, bool, type(None)))},

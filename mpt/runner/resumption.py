@@ -53,7 +53,10 @@ class Resumption:
 
     def _set_aside(self, why: str) -> None:
         aside = checkpoint.set_aside(self.run_dir)
-        print(f"mpt-run: {why}: moved the checkpoint aside to {aside.name if aside else '(gone)'}; starting over", flush=True)
+        print(
+            f"mpt-run: {why}: moved the checkpoint aside to {aside.name if aside else '(gone)'}; starting over",
+            flush=True,
+        )
 
     def _why_not_resumable(self, saved: dict) -> str | None:
         """None if `saved` continues this run's computation."""
@@ -78,7 +81,9 @@ class Resumption:
             return saved  # the same schedule, ended (its record was not written): nothing to redo
         self.dist.barrier()
         if self.dist.is_main:
-            self._set_aside(f"the checkpoint is at step {saved['step']}, not before this schedule's end at step {total_steps}")
+            self._set_aside(
+                f"the checkpoint is at step {saved['step']}, not before this schedule's end at step {total_steps}"
+            )
         return None
 
     def _same_data(self, saved: dict) -> bool:

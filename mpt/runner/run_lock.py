@@ -56,7 +56,11 @@ class RunLock:
                 os.close(fd)
                 raise AlreadyRunning(_describe(text)) from None
             os.close(fd)
-            print(f"mpt-run: warning: cannot lock {self.path} ({e.strerror}); running without a lock", file=sys.stderr, flush=True)
+            print(
+                f"mpt-run: warning: cannot lock {self.path} ({e.strerror}); running without a lock",
+                file=sys.stderr,
+                flush=True,
+            )
             return None
         previous = os.pread(fd, 4096, 0).decode(errors="replace")
         os.ftruncate(fd, 0)

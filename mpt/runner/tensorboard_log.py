@@ -44,7 +44,9 @@ class TensorBoardLog:
         self.failed = False
         # What a resumed run restored was logged before the kill.
         self.windows = len(meter.pipeline)
-        self.grad_steps = {(net, kind): len(steps) for net, kinds in grad_stats.step_hists.items() for kind, steps in kinds.items()}
+        self.grad_steps = {
+            (net, kind): len(steps) for net, kinds in grad_stats.step_hists.items() for kind, steps in kinds.items()
+        }
         self.lost_steps = {net: len(steps) for net, steps in grad_stats.lost_steps.items()}
 
     def write(self, rows: list[dict]) -> None:
@@ -68,7 +70,11 @@ class TensorBoardLog:
             fn(*args)
         except Exception as e:  # the writer's thread re-raises a failed write on the next call
             self.failed = True
-            print(f"mpt-run: warning: TensorBoard event files: {e}; no more events for this run (metrics.jsonl goes on)", file=sys.stderr, flush=True)
+            print(
+                f"mpt-run: warning: TensorBoard event files: {e}; no more events for this run (metrics.jsonl goes on)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _write(self, rows: list[dict]) -> None:
         for row in rows:
@@ -103,7 +109,9 @@ class TensorBoardLog:
 
     def _histogram(self, tag: str, step: int, summary: dict) -> None:
         self.writer.add_scalar(f"grad_zero_share/{tag}", summary["share_zero"], step)
-        self.writer.add_scalar(f"grad_lost_in_fp16_share/{tag}", summary["share_lost_fp16"], step)  # of the non-zero values
+        self.writer.add_scalar(
+            f"grad_lost_in_fp16_share/{tag}", summary["share_lost_fp16"], step
+        )  # of the non-zero values
         bins = sorted((int(e), c) for e, c in summary["log2_bins"].items())
         if not bins:
             return
@@ -121,5 +129,9 @@ class TensorBoardLog:
         )
 
 
-def open_board(logger: str | None, run_dir: Path, resumed_at: int | None, meter, grad_stats, per_process: bool = False) -> TensorBoardLog | NullBoard:
-    return TensorBoardLog(run_dir, resumed_at, meter, grad_stats, per_process) if logger == "tensorboard" else NullBoard()
+def open_board(
+    logger: str | None, run_dir: Path, resumed_at: int | None, meter, grad_stats, per_process: bool = False
+) -> TensorBoardLog | NullBoard:
+    return (
+        TensorBoardLog(run_dir, resumed_at, meter, grad_stats, per_process) if logger == "tensorboard" else NullBoard()
+    )

@@ -67,27 +67,45 @@ class Run:
         s = cfg.schedule
         plan = Plan.of(s, self.data.steps_per_epoch)
         self.total_steps, self.eval_every = plan.total_steps, plan.eval_every
-        self.channels_last = cfg.channels_last if cfg.channels_last is not None else default_channels_last(cfg.precision, self.device)
+        self.channels_last = (
+            cfg.channels_last if cfg.channels_last is not None else default_channels_last(cfg.precision, self.device)
+        )
         self.engines = build_engines(cfg, self.task, plan, self.device, self.dist, self.channels_last)
         if self.dist.enabled:
             data_parallel.wrap(cfg, self.task, self.engines, self.device)
         if cfg.compile.backend is not None:
             compile_networks(self.task, cfg.compile)
         self.forward_context = lambda: forward_context(cfg, self.device)
-        self.grad_stats = GradStatsCollector(cfg.stats, {name: e.model for name, e in self.engines.items()}, self.device, s.throughput_warmup)
+        self.grad_stats = GradStatsCollector(
+            cfg.stats, {name: e.model for name, e in self.engines.items()}, self.device, s.throughput_warmup
+        )
         # Not under torchrun: a re-run's backward would enter data parallelism's collectives alone;
         # nor for compiled networks, whose leaves run inside their graphs, out of the hooks' reach.
         tracing = cfg.stats.trace_overflow and not self.dist.enabled and cfg.compile.backend is None
         tracing = tracing and any(e.scaler.checks_overflow for e in self.engines.values())
-        self.on_device = any(e.on_device for e in self.engines.values())  # a scale kept on the device (resident_scale.py)
-        self.tracer = OverflowTracer({name: e.model for name, e in self.engines.items()}, tracing, sampled_only=self.on_device)
-        self.meter = ThroughputMeter(self.device, s.throughput_warmup, s.throughput_window, self.task.sample_unit, self.dist)
+        self.on_device = any(
+            e.on_device for e in self.engines.values()
+        )  # a scale kept on the device (resident_scale.py)
+        self.tracer = OverflowTracer(
+            {name: e.model for name, e in self.engines.items()}, tracing, sampled_only=self.on_device
+        )
+        self.meter = ThroughputMeter(
+            self.device, s.throughput_warmup, s.throughput_window, self.task.sample_unit, self.dist
+        )
         self.clock = TimeToResult(self.device)
         self.peaks = MemoryPeaks(self.device, s.throughput_warmup, self.dist)
         networks = [e.model for e in self.engines.values()]
         self.flops = FlopCount(networks, cfg.schedule.count_flops, self.meter.unit)
         # Entered around a step in this order: the statistics' timing holds the rest.
-        self.instruments: list[Instrument] = [self.grad_stats, self.flops, self.tracer, self.meter, self.peaks, self.clock, *self.own_instruments()]
+        self.instruments: list[Instrument] = [
+            self.grad_stats,
+            self.flops,
+            self.tracer,
+            self.meter,
+            self.peaks,
+            self.clock,
+            *self.own_instruments(),
+        ]
         self.step = 0
         self.samples, self.samples_before_resume = 0, 0  # this process's since it started; the whole run's before it
         self.epoch, self.batch_in_epoch = 0, 0  # the data position
@@ -110,13 +128,24 @@ class Run:
         saved = self.resumption.within_schedule(saved, self.total_steps)
         self.logbook = Logbook(self.engines, self.dist, self.device, self.meter, self.grad_stats)
         if self.dist.is_main:  # rank 0 writes everything; the other ranks compute the same rows and drop them
-            self.logbook.metrics = MetricsLog(run_dir / "metrics.jsonl", keep_before_step=saved["step"] if saved else None)
+            self.logbook.metrics = MetricsLog(
+                run_dir / "metrics.jsonl", keep_before_step=saved["step"] if saved else None
+            )
         if saved is not None:
             self._restore(saved)
         if self.dist.is_main:
-            board = open_board(cfg.logger, run_dir, saved["step"] if saved else None, self.meter, self.grad_stats, per_process=self.dist.enabled)
+            board = open_board(
+                cfg.logger,
+                run_dir,
+                saved["step"] if saved else None,
+                self.meter,
+                self.grad_stats,
+                per_process=self.dist.enabled,
+            )
             self.logbook.board = board
-            if saved is not None and (self.record.metrics or {}).get("step") == saved["step"]:  # purged with the steps past the checkpoint
+            if (
+                saved is not None and (self.record.metrics or {}).get("step") == saved["step"]
+            ):  # purged with the steps past the checkpoint
                 board.write([{"kind": "eval", **self.record.metrics}])
 
     def own_instruments(self) -> list[Instrument]:
@@ -133,17 +162,24 @@ class Run:
             "epoch": self.epoch,
             "batch_in_epoch": self.batch_in_epoch,
             "data": self.data.state_dict(),
-            "engines": {name: {"model": data_parallel.model_state(self.task, self.dist, name, e.model), **e.state_dict()} for name, e in self.engines.items()},
+            "engines": {
+                name: {"model": data_parallel.model_state(self.task, self.dist, name, e.model), **e.state_dict()}
+                for name, e in self.engines.items()
+            },
             "rng": checkpoint.rng_state(),
             # Every rank's own GPU generator advances alike (the same draws): rank 0's stands for all.
             "device_rng": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
-            "data_fingerprint": self.resumption.data_fingerprint() if self.dist.is_main else None,  # only rank 0's is saved
+            "data_fingerprint": self.resumption.data_fingerprint()
+            if self.dist.is_main
+            else None,  # only rank 0's is saved
             **{i.key: i.state_dict() for i in self.instruments},
         }
 
     def _restore(self, saved: dict) -> None:
         for name, engine in self.engines.items():
-            engine.model.load_state_dict(data_parallel.own_rows(self.task, self.dist, name, engine.model, saved["engines"][name]["model"]))
+            engine.model.load_state_dict(
+                data_parallel.own_rows(self.task, self.dist, name, engine.model, saved["engines"][name]["model"])
+            )
             engine.load_state_dict(saved["engines"][name])
         self.data.load_state_dict(saved["data"])
         self.step, self.samples_before_resume = saved["step"], saved["samples"]
@@ -160,7 +196,11 @@ class Run:
         log.info("resuming %s from its checkpoint at step %d of %d", self.run_dir, self.step, self.total_steps)
         length = saved["segments"][-1].get("total_steps")
         longer = f", extending the run from {length} steps" if length is not None and length != self.total_steps else ""
-        print(f"mpt-run: resuming from the checkpoint at step {self.step} of {self.total_steps}{longer} (resume=false starts over)", flush=True)
+        print(
+            f"mpt-run: resuming from the checkpoint at step {self.step} of {self.total_steps}{longer} "
+            "(resume=false starts over)",
+            flush=True,
+        )
 
     def _global_samples(self, together: bool = True) -> int:
         """Samples the whole run has trained on: the processes' counts summed (collective unless
@@ -214,7 +254,11 @@ class Run:
             together = True
             # A scale kept on the device: the other network's read-back may find an earlier divergence
             e = outcomes.earliest(e, self.logbook.flush(self.step, check=False, diverged_at=e.step)) or e
-            rec.status, rec.message, rec.diverged_at_step = "diverged", str(e), e.step if e.step is not None else self.step
+            rec.status, rec.message, rec.diverged_at_step = (
+                "diverged",
+                str(e),
+                e.step if e.step is not None else self.step,
+            )
             log.warning("diverged at step %s: %s", rec.diverged_at_step, e)
         except preemption.Preempted as e:  # resumable, like `running`
             together = True
@@ -222,18 +266,27 @@ class Run:
             log.warning("%s", e)
         except KeyboardInterrupt:  # a second Ctrl-C: stopped mid-step; the last checkpoint resumes
             rec.status, rec.preempted_at_step = "preempted", self.step
-            kept = f"the checkpoint at step {self.checkpointed_at} resumes" if self.checkpointed_at is not None else "no checkpoint was written"
+            kept = (
+                f"the checkpoint at step {self.checkpointed_at} resumes"
+                if self.checkpointed_at is not None
+                else "no checkpoint was written"
+            )
             rec.message = f"SIGINT twice at step {self.step}: stopped at once; {kept}"
             interrupted = True
         finally:
             together = together or not self.dist.enabled
-            rec.steps, rec.samples, rec.epochs = self.step, self._global_samples(together), self.step / self.data.steps_per_epoch
+            rec.steps, rec.samples, rec.epochs = (
+                self.step,
+                self._global_samples(together),
+                self.step / self.data.steps_per_epoch,
+            )
             rec.segments[-1]["to_step"] = self.step
             rec.final_train_loss = self.logbook.last_loss
             rec.last_finite_train_loss = self.logbook.last_finite_loss
             for instrument in self.instruments:
                 instrument.stop()
-            self.logbook.read_back_quietly()  # stopped between read-backs (interrupted, failed): the steps since the last
+            # stopped between read-backs (interrupted, failed): the steps since the last
+            self.logbook.read_back_quietly()
             end = RunEnd(finished=rec.status == "ok", together=together)
             for instrument in self.instruments:
                 rec.put(instrument.field, instrument.summary(end))
@@ -243,7 +296,9 @@ class Run:
             if self.cfg.compile.backend is not None:
                 rec.compile = compile_summary(self.cfg.compile)
             rec.mfu = mfu(rec.flops, rec.throughput, self.cfg.precision, self.device, rec.environment["device_name"])
-            rec.loss_scale = {name: {**e.scaler.summary(), "on_device": e.on_device} for name, e in self.engines.items()}
+            rec.loss_scale = {
+                name: {**e.scaler.summary(), "on_device": e.on_device} for name, e in self.engines.items()
+            }
             rec.precision["products"] = products_record(self.cfg, self.engines)  # the paths its products took
             rec.finished_at = now_iso()
             rec.duration_s = time.perf_counter() - t_start
@@ -293,7 +348,15 @@ class Run:
                 self.logbook.pending.extend(self._train_step(self.step, batch))
             n = self.task.count_samples(batch)
             sampled = self.grad_stats.current
-            done = StepDone(self.step, n, wait, sampled["sampled"], sampled["seconds"], sampled["overhead"], self.tracer.step_seconds)
+            done = StepDone(
+                self.step,
+                n,
+                wait,
+                sampled["sampled"],
+                sampled["seconds"],
+                sampled["overhead"],
+                self.tracer.step_seconds,
+            )
             self.step += 1
             if self.batch_in_epoch == self.data.steps_per_epoch or self.step == self.total_steps:
                 for engine in self.engines.values():  # optim.lookahead: the weights become the average
@@ -307,14 +370,18 @@ class Run:
                 with self.clock.final() if self.step == self.total_steps else self.clock.leaving_out():
                     self._evaluate(self.step)
                 self.meter.interrupt()
-            if self.cfg.checkpoint and ((self.checkpoint_every and self.step % self.checkpoint_every == 0) or self.step == self.total_steps):
+            if self.cfg.checkpoint and (
+                (self.checkpoint_every and self.step % self.checkpoint_every == 0) or self.step == self.total_steps
+            ):
                 with self.clock.leaving_out():
                     self.save_checkpoint()
                 self.meter.interrupt()
             if self.step < self.total_steps and self._preempted():
                 if self.cfg.checkpoint and self.checkpointed_at != self.step:
                     self.save_checkpoint()
-                raise preemption.Preempted(preemption.requested() or signal.SIGTERM, self.step, checkpointed=self.cfg.checkpoint)
+                raise preemption.Preempted(
+                    preemption.requested() or signal.SIGTERM, self.step, checkpointed=self.cfg.checkpoint
+                )
             yield self.step
 
     def _begin_epoch(self) -> None:
@@ -387,7 +454,14 @@ class Run:
             found = self.tracer.trace(step, group, scale, rerun)
         engine.zero_grad()
         self.tracer.spent(time.perf_counter() - t0)
-        log.info("step %d: %s overflowed at loss scale %g and was skipped; first non-finite: %s (%s)", step, group, scale, found["module"], found["role"])
+        log.info(
+            "step %d: %s overflowed at loss scale %g and was skipped; first non-finite: %s (%s)",
+            step,
+            group,
+            scale,
+            found["module"],
+            found["role"],
+        )
 
     def _evaluate(self, step: int) -> None:
         # Weights are checked here, off the timed path: between evaluations a non-finite weight
@@ -399,7 +473,12 @@ class Run:
         metrics = self.task.evaluate(batches, self.forward_context, final=final)
         test = self.data.test() if final else None
         if test is not None:  # a held-out split the source was given, scored once, at the end, in full
-            metrics.update({f"test_{k.removeprefix('val_')}": v for k, v in self.task.evaluate(test, self.forward_context, final=True).items()})
+            metrics.update(
+                {
+                    f"test_{k.removeprefix('val_')}": v
+                    for k, v in self.task.evaluate(test, self.forward_context, final=True).items()
+                }
+            )
         self.record.metrics = {**metrics, "step": step}
         self.logbook.write_eval({"kind": "eval", "step": step, **metrics})
         if self.record.sample_grids is not None and self.dist.is_main:

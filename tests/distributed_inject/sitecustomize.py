@@ -10,7 +10,9 @@ if os.environ.get("MPT_TEST_OUT") and "RANK" in os.environ:
 
     import torch
 
-    atexit.register(lambda: open(os.path.join(os.environ["MPT_TEST_OUT"], f"finalized_rank{os.environ['RANK']}"), "w").close())
+    atexit.register(
+        lambda: open(os.path.join(os.environ["MPT_TEST_OUT"], f"finalized_rank{os.environ['RANK']}"), "w").close()
+    )
 
     from mpt.precision import engine as precision
     from mpt.runner import train
@@ -28,7 +30,10 @@ if os.environ.get("MPT_TEST_OUT") and "RANK" in os.environ:
 
     def train_and_save(self):
         rec = _train(self)
-        state = {name: {"model": e.model.state_dict(), "scaler": e.scaler.full_state_dict(), "masters": e.master_weights()} for name, e in self.engines.items()}
+        state = {
+            name: {"model": e.model.state_dict(), "scaler": e.scaler.full_state_dict(), "masters": e.master_weights()}
+            for name, e in self.engines.items()
+        }
         torch.save(state, os.path.join(os.environ["MPT_TEST_OUT"], f"rank{self.dist.rank}.pt"))
         return rec
 

@@ -34,7 +34,10 @@ from . import Instrument, RunEnd, StepDone
 PEAK_TFLOPS: list[tuple[str, dict[str, Optional[float]]]] = [
     ("H100 PCIe", {"fp32": 51, "tf32": 756 / 2, "fp16": 1513 / 2, "bf16": 1513 / 2, "fp8": 3026 / 2}),
     ("H100 NVL", {"fp32": 60, "tf32": 835 / 2, "fp16": 1671 / 2, "bf16": 1671 / 2, "fp8": 3341 / 2}),
-    ("H100", {"fp32": 67, "tf32": 989 / 2, "fp16": 1979 / 2, "bf16": 1979 / 2, "fp8": 3958 / 2}),  # SXM5 ("NVIDIA H100 80GB HBM3")
+    (
+        "H100",
+        {"fp32": 67, "tf32": 989 / 2, "fp16": 1979 / 2, "bf16": 1979 / 2, "fp8": 3958 / 2},
+    ),  # SXM5 ("NVIDIA H100 80GB HBM3")
     ("H200 NVL", {"fp32": 60, "tf32": 835 / 2, "fp16": 1671 / 2, "bf16": 1671 / 2, "fp8": 3341 / 2}),
     ("H200", {"fp32": 67, "tf32": 989 / 2, "fp16": 1979 / 2, "bf16": 1979 / 2, "fp8": 3958 / 2}),  # SXM
     ("A100", {"fp32": 19.5, "tf32": 156, "fp16": 312, "bf16": 312, "fp8": None}),
@@ -67,7 +70,8 @@ def peak_tflops(device_name: str, math: str) -> tuple[Optional[float], str]:
             if peaks.get(math) is None:
                 return None, f"{device_name} has no {math} tensor-core peak"
             return peaks[math], f"{key} {math}: {PEAK_SOURCE}"
-    return None, f"no peak for {device_name!r} in the table of mpt/runner/instruments/flops.py (known: {', '.join(k for k, _ in PEAK_TFLOPS)})"
+    known = ", ".join(k for k, _ in PEAK_TFLOPS)
+    return None, f"no peak for {device_name!r} in the table of mpt/runner/instruments/flops.py (known: {known})"
 
 
 @contextlib.contextmanager

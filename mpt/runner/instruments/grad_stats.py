@@ -44,7 +44,9 @@ from .throughput import synchronize
 KINDS = ("activation", "weight")
 ROLES = {
     "input": "the input of the layer's matrix product (an LSTM's input sequence; its recurrent state is not seen)",
-    "weight": "the layer's weights (an LSTM's input, recurrent and projection weights), after the backward, before the update",
+    "weight": (
+        "the layer's weights (an LSTM's input, recurrent and projection weights), after the backward, before the update"
+    ),
     "activation_grad": "the gradient of the loss with respect to the layer's output, unscaled",
     "weight_grad": "the gradient of the loss with respect to the layer's weights, unscaled",
 }
@@ -69,14 +71,20 @@ def block_axes(module: nn.Module) -> dict[str, int]:
 
 def parameterized_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The modules that own parameters directly, by qualified name (the root as "(root)")."""
-    return [(name or "(root)", m) for name, m in model.named_modules() if next(m.parameters(recurse=False), None) is not None]
+    return [
+        (name or "(root)", m)
+        for name, m in model.named_modules()
+        if next(m.parameters(recurse=False), None) is not None
+    ]
 
 
 class GradStatsCollector(Instrument):
     """One per run, over every network of the task. Disabled (stats.grad_hist and
     stats.lost_updates false), every method returns at once and `summary()` is None."""
 
-    MEMORY_NOTE = f"includes the sampled steps' histogram temporaries: {CHUNK} values at a time, some tens of bytes each"
+    MEMORY_NOTE = (
+        f"includes the sampled steps' histogram temporaries: {CHUNK} values at a time, some tens of bytes each"
+    )
 
     key = field = "grad_stats"
 
@@ -84,19 +92,32 @@ class GradStatsCollector(Instrument):
         self.hist_on, self.updates_on = bool(stats.grad_hist), bool(stats.get("lost_updates", False))
         self.formats = [get_format(name) for name in stats.get("formats", [])]
         self.atlas_on = bool(self.formats)
-        self.enabled, self.every, self.keep = self.hist_on or self.updates_on or self.atlas_on, int(stats.every), float(stats.keep)
+        self.enabled, self.every, self.keep = (
+            self.hist_on or self.updates_on or self.atlas_on,
+            int(stats.every),
+            float(stats.keep),
+        )
         self.device = device
         self.warmup = warmup  # steps of this process not timed: the first ones are slow for reasons of their own
         self._steps_seen = 0  # in this process: a resumed run warms up again
         self.layers = {net: parameterized_layers(model) for net, model in networks.items()}
         self.matmuls = {net: matmul_layers(model) for net, model in networks.items()}
-        self.atlas: dict[str, dict[str, dict[str, FormatAtlas]]] = {net: {} for net in networks}  # network -> layer -> role
+        self.atlas: dict[str, dict[str, dict[str, FormatAtlas]]] = {
+            net: {} for net in networks
+        }  # network -> layer -> role
         self.hists: dict[str, dict[str, dict[str, GradHistogram]]] = {net: {k: {} for k in KINDS} for net in networks}
         # The sampled step's own counts, per layer, merged into `hists` when it ends; and each
         # sampled step's total per network and kind, so the record shows how the gradients move.
-        self._this_step: dict[str, dict[str, dict[str, GradHistogram]]] = {net: {k: {} for k in KINDS} for net in networks}
-        self.step_hists: dict[str, dict[str, list[tuple[int, GradHistogram]]]] = {net: {k: [] for k in KINDS} for net in networks}
-        self.layer_of = {net: {id(p): name for name, m in layers for p in m.parameters(recurse=False)} for net, layers in self.layers.items()}
+        self._this_step: dict[str, dict[str, dict[str, GradHistogram]]] = {
+            net: {k: {} for k in KINDS} for net in networks
+        }
+        self.step_hists: dict[str, dict[str, list[tuple[int, GradHistogram]]]] = {
+            net: {k: [] for k in KINDS} for net in networks
+        }
+        self.layer_of = {
+            net: {id(p): name for name, m in layers for p in m.parameters(recurse=False)}
+            for net, layers in self.layers.items()
+        }
         self.lost: dict[str, dict[str, LostUpdates]] = {net: {} for net in networks}
         self.lost_steps: dict[str, list[dict]] = {net: [] for net in networks}  # per sampled step: step, lr, counts
         self.lost_counted: dict[str, str] = {}  # per network: "lost" (FP16 weights updated in place) or "would_be_lost"
@@ -107,7 +128,11 @@ class GradStatsCollector(Instrument):
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._backward_of: tuple[str, float] | None = None  # the network whose loss is in backward, and its scale
         self._paused = False
-        self.current: dict = {"sampled": False, "seconds": None, "overhead": None}  # the last step's, as step() yields it
+        self.current: dict = {
+            "sampled": False,
+            "seconds": None,
+            "overhead": None,
+        }  # the last step's, as step() yields it
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -202,7 +227,9 @@ class GradStatsCollector(Instrument):
             yield
         step = LostUpdates(self.device)
         for p, c in counts.items():
-            self.lost[network].setdefault(self.layer_of[network].get(id(p), "(other)"), LostUpdates(self.device)).merge(c)
+            self.lost[network].setdefault(self.layer_of[network].get(id(p), "(other)"), LostUpdates(self.device)).merge(
+                c
+            )
             step.merge(c)
         self.lost_steps[network].append({"step": self._sampled_step, "lr": lr, **step.summary()})
 
@@ -211,11 +238,17 @@ class GradStatsCollector(Instrument):
         if self.hist_on:
             for net, layers in self.layers.items():
                 for name, module in layers:
-                    self._handles.append(module.register_forward_hook(functools.partial(self._on_forward, net, name), prepend=True))
+                    self._handles.append(
+                        module.register_forward_hook(functools.partial(self._on_forward, net, name), prepend=True)
+                    )
         if self.atlas_on:
             for net, layers in self.matmuls.items():
                 for name, module in layers:
-                    self._handles.append(module.register_forward_hook(functools.partial(self._on_atlas_forward, net, name, block_axes(module)), prepend=True))
+                    self._handles.append(
+                        module.register_forward_hook(
+                            functools.partial(self._on_atlas_forward, net, name, block_axes(module)), prepend=True
+                        )
+                    )
 
     def _remove(self) -> None:
         for h in self._handles:
@@ -243,7 +276,9 @@ class GradStatsCollector(Instrument):
             self._atlas(net, name, "input").add(inputs[0], 1.0, axes["input"] if inputs[0].dim() > 1 else -1)
         for t in tree_leaves(output):
             if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(functools.partial(self._on_atlas_grad, net, name, axes["activation_grad"] if t.dim() > 1 else -1))
+                t.register_hook(
+                    functools.partial(self._on_atlas_grad, net, name, axes["activation_grad"] if t.dim() > 1 else -1)
+                )
 
     def _on_atlas_grad(self, net: str, name: str, axis: int, grad: torch.Tensor) -> None:
         if self._backward_of is not None and self._backward_of[0] == net:
@@ -317,7 +352,10 @@ class GradStatsCollector(Instrument):
             "atlas": self._atlas_summary() if self.atlas_on else None,
             "sampled_steps": list(self.sampled_steps),
             "loss_scales": {net: list(v) for net, v in self.loss_scales.items()},
-            "values": "unscaled: divided by the loss scale of their step's backward; values a scaled FP16 backward had already flushed count as zeros",
+            "values": (
+                "unscaled: divided by the loss scale of their step's backward; "
+                "values a scaled FP16 backward had already flushed count as zeros"
+            ),
             "activation": "gradient of the loss with respect to the output of each module that owns parameters",
             "cost": self._cost(),
             "networks": networks if self.hist_on else {},
@@ -332,7 +370,10 @@ class GradStatsCollector(Instrument):
                     totals.setdefault(role, FormatAtlas(self.formats, self.device)).merge(a)
             networks[net] = {
                 "total": {role: totals[role].summary(self.keep, with_bins=True) for role in ROLES if role in totals},
-                "layers": {layer: {role: roles[role].summary(self.keep) for role in ROLES if role in roles} for layer, roles in layers.items()},
+                "layers": {
+                    layer: {role: roles[role].summary(self.keep) for role in ROLES if role in roles}
+                    for layer, roles in layers.items()
+                },
             }
         return {
             "formats": [f.name for f in self.formats],
@@ -351,12 +392,24 @@ class GradStatsCollector(Instrument):
             "sampled_steps_timed": len(sampled),
             "plain_steps_timed": len(plain),
             "method": "docs/record.md#what-the-statistics-cost",
-            **({"note": "every step was sampled (stats.every=1): no plain step to compare with, and no step left for throughput"} if self.every == 1 else {}),
+            **(
+                {
+                    "note": (
+                        "every step was sampled (stats.every=1): "
+                        "no plain step to compare with, and no step left for throughput"
+                    )
+                }
+                if self.every == 1
+                else {}
+            ),
         }
 
     def state_dict(self) -> dict:
         return {
-            "hists": {net: {kind: {name: h.state_dict() for name, h in layers.items()} for kind, layers in kinds.items()} for net, kinds in self.hists.items()},
+            "hists": {
+                net: {kind: {name: h.state_dict() for name, h in layers.items()} for kind, layers in kinds.items()}
+                for net, kinds in self.hists.items()
+            },
             "sampled_steps": list(self.sampled_steps),
             "loss_scales": {net: list(v) for net, v in self.loss_scales.items()},
             "step_seconds": {k: list(v) for k, v in self.step_seconds.items()},
@@ -364,10 +417,12 @@ class GradStatsCollector(Instrument):
             "lost_steps": {net: list(v) for net, v in self.lost_steps.items()},
             "lost_counted": dict(self.lost_counted),
             "atlas": {
-                net: {layer: {role: a.state_dict() for role, a in roles.items()} for layer, roles in layers.items()} for net, layers in self.atlas.items()
+                net: {layer: {role: a.state_dict() for role, a in roles.items()} for layer, roles in layers.items()}
+                for net, layers in self.atlas.items()
             },
             "step_hists": {
-                net: {kind: [(step, h.state_dict()) for step, h in steps] for kind, steps in kinds.items()} for net, kinds in self.step_hists.items()
+                net: {kind: [(step, h.state_dict()) for step, h in steps] for kind, steps in kinds.items()}
+                for net, kinds in self.step_hists.items()
             },
         }
 

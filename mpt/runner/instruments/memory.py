@@ -106,4 +106,7 @@ class MemoryPeaks(Instrument):
         return {k: int(self.dist.largest(s.get(k, 0), self.device)) for k in ("peak_bytes", "steady_peak_bytes")}
 
     def load_state_dict(self, state: dict) -> None:
-        self.before = {"peak_bytes": int(state["peak_bytes"]), "steady_peak_bytes": int(state.get("steady_peak_bytes", 0))}
+        self.before = {
+            "peak_bytes": int(state["peak_bytes"]),
+            "steady_peak_bytes": int(state.get("steady_peak_bytes", 0)),
+        }

@@ -38,7 +38,10 @@ class _Watch:
         # Every network's leaves: a GAN's generator loss overflows in the discriminator it flows through.
         prefix = (lambda net: f"{net}.") if len(networks) > 1 else (lambda net: "")
         self.leaves = [
-            (prefix(net) + (name or "(root)"), m) for net, model in networks.items() for name, m in model.named_modules() if next(m.children(), None) is None
+            (prefix(net) + (name or "(root)"), m)
+            for net, model in networks.items()
+            for name, m in model.named_modules()
+            if next(m.children(), None) is None
         ]
         self.handles = [m.register_forward_hook(functools.partial(self._on_forward, name)) for name, m in self.leaves]
 
@@ -100,7 +103,13 @@ class OverflowTracer(Instrument):
         The re-run gets copies of the buffers, so the originals are neither changed nor marked as
         changed (a GAN's next term backpropagates through a graph that saved them)."""
         rng = rng_state()
-        originals = [(m, name, b) for net in self.networks.values() for m in net.modules() for name, b in m._buffers.items() if b is not None]
+        originals = [
+            (m, name, b)
+            for net in self.networks.values()
+            for m in net.modules()
+            for name, b in m._buffers.items()
+            if b is not None
+        ]
         for m, name, b in originals:
             m._buffers[name] = b.clone()
         try:
@@ -110,7 +119,9 @@ class OverflowTracer(Instrument):
                 m._buffers[name] = b
             set_rng_state(rng)
 
-    def trace(self, step: int, network: str, scale: float, rerun: Callable[[Callable[[torch.Tensor], None]], None]) -> dict:
+    def trace(
+        self, step: int, network: str, scale: float, rerun: Callable[[Callable[[torch.Tensor], None]], None]
+    ) -> dict:
         watch = _Watch(self.networks)
 
         def on_loss(loss: torch.Tensor) -> None:
@@ -122,7 +133,10 @@ class OverflowTracer(Instrument):
             watch.after_backward()
         finally:
             watch.remove()
-        found = watch.found or {"module": "(not found)", "role": "none"}  # e.g. a compiled network: its leaves run inside its graph
+        found = watch.found or {
+            "module": "(not found)",
+            "role": "none",
+        }  # e.g. a compiled network: its leaves run inside its graph
         entry = {"step": step, "scale": scale, **found}
         key = f"{found['module']} {found['role']}"
         self.counts[network][key] = self.counts[network].get(key, 0) + 1
@@ -135,12 +149,15 @@ class OverflowTracer(Instrument):
             return None
         return {
             "what": "docs/record.md#overflow-origins",
-            "steps_traced": "the skipped steps among those stats.every samples (the scale lived on the device)" if self.sampled_only else "every skipped step",
+            "steps_traced": "the skipped steps among those stats.every samples (the scale lived on the device)"
+            if self.sampled_only
+            else "every skipped step",
             "networks": {
                 net: {
                     "skips_traced": sum(counts.values()),
                     "by_module": [
-                        {"module": k.rpartition(" ")[0], "role": k.rpartition(" ")[2], "skips": n} for k, n in sorted(counts.items(), key=lambda kv: -kv[1])
+                        {"module": k.rpartition(" ")[0], "role": k.rpartition(" ")[2], "skips": n}
+                        for k, n in sorted(counts.items(), key=lambda kv: -kv[1])
                     ],
                     "first": list(self.first[net]),
                 }
@@ -150,7 +167,10 @@ class OverflowTracer(Instrument):
         }
 
     def state_dict(self) -> dict:
-        return {"counts": {n: dict(c) for n, c in self.counts.items()}, "first": {n: list(f) for n, f in self.first.items()}}
+        return {
+            "counts": {n: dict(c) for n, c in self.counts.items()},
+            "first": {n: list(f) for n, f in self.first.items()},
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.counts.update({n: dict(c) for n, c in state["counts"].items()})

@@ -77,7 +77,9 @@ class ThroughputMeter(Instrument):
         self.steps_seen += 1
         begin, self._begin = self._begin, None
         if self._events and begin is None:
-            raise RuntimeError("ThroughputMeter.step on CUDA without batch_ready() before it: the step's device time has no start")
+            raise RuntimeError(
+                "ThroughputMeter.step on CUDA without batch_ready() before it: the step's device time has no start"
+            )
         if self.steps_seen < self.warmup:
             return
         if not self._open:
@@ -133,7 +135,9 @@ class ThroughputMeter(Instrument):
             "window_steps": self.window,
             "warmup_steps": self.warmup,
             "method": "steady state, warm-up excluded, device synchronized at window edges, median over windows",
-            "compute_method": "device time per step (CUDA events)" if self._events else "wall time less the waits for batches",
+            "compute_method": "device time per step (CUDA events)"
+            if self._events
+            else "wall time less the waits for batches",
         }
         if not self.pipeline:
             out.update(pipeline=None, compute=None, note="the run had no complete timing window after warm-up")

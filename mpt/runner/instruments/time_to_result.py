@@ -81,7 +81,11 @@ class TimeToResult(Instrument):
 
     def state_dict(self) -> dict:
         now = time.perf_counter()
-        running = 0.0 if self._started is None else now - self._started - (0.0 if self._out_since is None else now - self._out_since)
+        running = (
+            0.0
+            if self._started is None
+            else now - self._started - (0.0 if self._out_since is None else now - self._out_since)
+        )
         return {"seconds": self.seconds + running, "left_out": self.left_out, "final_evaluation": self.final_evaluation}
 
     def load_state_dict(self, state: dict) -> None:
