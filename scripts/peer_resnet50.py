@@ -13,7 +13,7 @@ Both figures are images/s in steady state, the first `warmup` steps excluded, me
 side times a step differs, and both differences favour DLE. DLE times every iteration from the end
 of its previous one (it reads the loss each step, a host sync) and logs it as train.total_ips, so
 its own logging between iterations is outside the timing; we time windows of steps synchronized at
-their edges, with everything in them (mpt/runner/throughput.py). And each side runs its own best
+their edges, with everything in them (mpt/runner/instruments/throughput.py). And each side runs its own best
 layout: DLE's TF32 recipe is NCHW, ours uses channels-last on CUDA. DLE's epoch figure (its mean
 over all iterations, warm-up included) is kept beside it.
 

@@ -1,4 +1,4 @@
-"""Throughput.
+"""Throughput: samples per second in steady state, the median over synchronized windows.
 
 Throughput is samples per second in steady state: the first `warmup` steps are excluded, the
 device is synchronized at the edges of each window of `window` steps, and the figure is the median
