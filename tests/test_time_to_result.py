@@ -102,21 +102,24 @@ def test_a_run_that_did_not_finish_ok_has_no_time_to_result_though_it_evaluated(
     with watch.final():
         clock["t"] += 1.0
     watch.stop()
-    assert watch.summary(RunEnd(finished=False, together=True))["seconds"] is None and watch.summary()[
-        "seconds"
-    ] == pytest.approx(1.0)
+    assert watch.summary(RunEnd(finished=False, together=True))["seconds"] is None
+    assert watch.summary()["seconds"] == pytest.approx(1.0)
 
 
-def test_a_run_extended_past_its_old_end_counts_that_end_as_an_evaluation_along_the_way(clock):
+def checkpoint_at_the_end(clock) -> dict:
+    """The state a run's checkpoint holds at its end: 5 s of training, then a final evaluation of 2 s."""
     first = time_to_result.TimeToResult(torch.device("cpu"))
     first.start()
     clock["t"] += 5.0
     with first.final():
         clock["t"] += 2.0
     with first.leaving_out():
-        state = first.state_dict()  # the checkpoint at the old end
+        return first.state_dict()
+
+
+def test_a_run_extended_past_its_old_end_counts_that_end_as_an_evaluation_along_the_way(clock):
     longer = time_to_result.TimeToResult(torch.device("cpu"))
-    longer.load_state_dict(state)
+    longer.load_state_dict(checkpoint_at_the_end(clock))
     longer.start()
     clock["t"] += 3.0
     longer.after_step(
@@ -129,15 +132,8 @@ def test_a_run_extended_past_its_old_end_counts_that_end_as_an_evaluation_along_
 
 
 def test_a_checkpoint_at_the_end_that_trains_no_further_does_not_leave_its_evaluation_out(clock):
-    first = time_to_result.TimeToResult(torch.device("cpu"))
-    first.start()
-    clock["t"] += 5.0
-    with first.final():
-        clock["t"] += 2.0
-    with first.leaving_out():
-        state = first.state_dict()
     again = time_to_result.TimeToResult(torch.device("cpu"))
-    again.load_state_dict(state)
+    again.load_state_dict(checkpoint_at_the_end(clock))
     again.start()
     again.stop()
     assert again.summary()["left_out_s"] == pytest.approx(0.0)
