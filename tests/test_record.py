@@ -207,6 +207,7 @@ def test_records_of_an_older_version_match_the_config_that_computes_the_same(nam
     assert (
         "emulate_tensor_cores" not in saved and "emulate_cpu_fp16_conv" not in saved and "short" not in saved["model"]
     )
+    saved = upgrade.config(saved)  # as a record or checkpoint is read
     then = [
         *overrides,
         "schedule.batch_size=8",
@@ -228,11 +229,13 @@ def test_a_config_from_before_the_tensor_core_arithmetic_is_judged_by_what_it_ra
     emulated convolutions only, which no current setting reproduces."""
     current = as_plain(compose_cfg("precision=mixed", "emulate_tensor_cores=false"))
     saved = {k: v for k, v in current.items() if k != "emulate_tensor_cores"} | {"emulate_cpu_fp16_conv": old}
+    saved = upgrade.config(saved)  # as a record or checkpoint is read
     assert same_computation(saved, current) == same_as_false
     assert not same_computation(saved, as_plain(compose_cfg("precision=mixed")))
     fp32 = as_plain(compose_cfg("precision=fp32"))  # a mode without FP16 products: the flag never mattered
     assert same_computation(
-        {k: v for k, v in fp32.items() if k != "emulate_tensor_cores"} | {"emulate_cpu_fp16_conv": old}, fp32
+        upgrade.config({k: v for k, v in fp32.items() if k != "emulate_tensor_cores"} | {"emulate_cpu_fp16_conv": old}),
+        fp32,
     )
 
 
@@ -243,16 +246,20 @@ def test_an_lstm_models_config_from_before_the_gate_rounding_is_judged_by_what_i
     for model in ("gnmt", "biglstm_tiny"):
         for precision, matters in (("mixed", True), ("bf16", True), ("fp32", False)):
             current = as_plain(compose_cfg(f"model={model}", f"precision={precision}"))
-            saved = {k: v for k, v in current.items() if k != "emulate_lstm_gate_rounding"}
+            saved = upgrade.config({k: v for k, v in current.items() if k != "emulate_lstm_gate_rounding"})
             assert same_computation(saved, current) == (not matters), (model, precision)
             assert same_computation(
                 saved,
                 as_plain(compose_cfg(f"model={model}", f"precision={precision}", "emulate_lstm_gate_rounding=false")),
             )
         native = as_plain(compose_cfg(f"model={model}", "precision=mixed", "emulate_tensor_cores=false"))
-        assert same_computation({k: v for k, v in native.items() if k != "emulate_lstm_gate_rounding"}, native)
+        assert same_computation(
+            upgrade.config({k: v for k, v in native.items() if k != "emulate_lstm_gate_rounding"}), native
+        )
     resnet = as_plain(compose_cfg("model=resnet50", "precision=mixed"))
-    assert same_computation({k: v for k, v in resnet.items() if k != "emulate_lstm_gate_rounding"}, resnet)
+    assert same_computation(
+        upgrade.config({k: v for k, v in resnet.items() if k != "emulate_lstm_gate_rounding"}), resnet
+    )
 
 
 def test_a_tree_copied_without_git_names_the_commit_it_was_packed_from(tmp_path, monkeypatch):

@@ -80,10 +80,12 @@ def test_an_unknown_compile_backend_in_a_sweep_stops_it_before_any_run(tmp_path)
 
 def test_an_older_bench_record_without_flops_counts_as_another_computation():
     from mpt.config import as_plain
+    from mpt.runner import upgrade
     from mpt.runner.identity import same_computation
 
     current = as_plain(compose_cfg("schedule=bench"))
     old = {**current, "schedule": {k: v for k, v in current["schedule"].items() if k != "count_flops"}}
+    old = upgrade.config(old)  # as a record is read
     assert not same_computation(old, current)  # relaunching the sweep redoes it, with FLOPs
     assert same_computation(current, current)
 

@@ -67,3 +67,18 @@ def test_an_older_checkpoint_reads_in_todays_schema(has_memory):
     assert new["nondeterministic_ops"] == [] and new["device_rng"] is None and new["data_fingerprint"] is None
     assert new["grad_stats"]["atlas"] == {} and new["grad_stats"]["lost"] == {} and new["grad_stats"]["hists"] == {}
     assert "peak_memory_bytes" in old or has_memory  # the dict read is not changed
+
+
+def test_an_older_config_reads_with_its_renamed_settings_legacy_values_and_own_data_source_only():
+    old = {
+        "emulate_cpu_fp16_conv": True,
+        "schedule": {"steps": 3},
+        "data": {"name": "synthetic", "train_samples": 64, "root": "/from/another/source"},
+    }
+    new = upgrade.config(old)
+    assert new["emulate_tensor_cores"] == "convolutions only" and "emulate_cpu_fp16_conv" not in new
+    assert new["schedule"] == {"steps": 3, "count_flops": False} and new["emulate_lstm_gate_rounding"] is False
+    assert new["data"] == {"name": "synthetic", "train_samples": 64}  # root is no setting of data=synthetic
+    assert old["schedule"] == {"steps": 3} and "emulate_cpu_fp16_conv" in old  # the dict read is not changed
+    today = {"emulate_tensor_cores": True, "emulate_lstm_gate_rounding": True, "schedule": {"count_flops": True}}
+    assert upgrade.config(today) == today  # a setting a config holds is never replaced

@@ -33,18 +33,6 @@ NOT_COMPUTATIONAL = (
 # reach the run through the settings it sets, each of which is judged by its own path).
 NOT_SETTINGS = ("hydra", "experiment")
 
-# Keys added after records were first written, with the value that reproduces how those runs
-# computed. A key missing from an old config and not listed here takes the current value: its default
-# reproduces the old behaviour. (A bench record without count_flops has no MFU: relaunching redoes it.)
-LEGACY_VALUES = {
-    ("emulate_tensor_cores",): False,
-    ("schedule", "count_flops"): False,
-    ("emulate_lstm_gate_rounding",): False,
-}
-# Settings an older version had under another meaning. emulate_cpu_fp16_conv=true emulated FP16
-# convolutions only, an arithmetic no current setting gives; false was torch's own kernels.
-RENAMED = {"emulate_cpu_fp16_conv": ("emulate_tensor_cores", {False: False, True: "convolutions only"})}
-
 LSTM_TASKS = ("translation", "language_model")  # GNMT's and bigLSTM's
 
 MAX_NAME = 119  # characters: short enough to read, paste and list; far below file systems' 255 bytes
@@ -86,8 +74,9 @@ LENGTH = ("schedule.steps", "schedule.epochs")
 
 def differences(saved: dict, current: dict) -> list[str]:
     """The dotted paths whose computational values differ between a config saved by a record or
-    checkpoint (maybe by an older version) and `current`, in `current`'s order."""
-    old = computational(_with_missing_keys(_without_other_sources(_renamed(saved), current), current))
+    checkpoint (read through upgrade.py) and `current`, in `current`'s order. A key the saved config
+    lacks, one added since with a default that reproduces how runs computed before, takes `current`'s."""
+    old = computational(_with_missing_keys(saved, current))
     return _diff(old, computational(current))
 
 
@@ -102,38 +91,15 @@ def _diff(old: Any, new: Any, path: str = "") -> list[str]:
 
 
 def same_computation(saved: dict, current: dict) -> bool:
-    """Whether a config saved by a record or checkpoint (maybe by an older version) computes what
+    """Whether a config saved by a record or checkpoint (read through upgrade.py) computes what
     `current` does."""
     return not differences(saved, current)
 
 
-def _renamed(saved: dict) -> dict:
-    out = dict(saved)
-    for old, (new, values) in RENAMED.items():
-        if old in out:
-            out[new] = values[out.pop(old)]
-    return out
-
-
-def _with_missing_keys(old: Any, new: Any, path: tuple = ()) -> Any:
+def _with_missing_keys(old: Any, new: Any) -> Any:
     if not (isinstance(old, dict) and isinstance(new, dict)):
         return old
-    out = dict(old)
-    for key, value in new.items():
-        out[key] = (
-            _with_missing_keys(old[key], value, path + (key,))
-            if key in old
-            else LEGACY_VALUES.get(path + (key,), value)
-        )
-    return out
-
-
-def _without_other_sources(saved: dict, current: dict) -> dict:
-    """A config saved before each data source had its own schema held every source's settings in
-    `data`; those of other sources never reached the run, so they are not part of what it computed."""
-    if not (isinstance(saved.get("data"), dict) and isinstance(current.get("data"), dict)):
-        return saved
-    return {**saved, "data": {k: v for k, v in saved["data"].items() if k in current["data"]}}
+    return {**old, **{key: _with_missing_keys(old[key], value) if key in old else value for key, value in new.items()}}
 
 
 def variant(overrides: Iterable[tuple[str, str | None]]) -> str:
