@@ -384,7 +384,7 @@ def load_lost_update_steps(runs: pd.DataFrame, curves: pd.DataFrame) -> pd.DataF
                             ]
                         },
                         "network": net,
-                        "counted": lost.get("counted", "would_be_lost"),
+                        "counted": lost["counted"],
                         "step": s["step"],
                         "share_lost_fp16": s["share_lost_fp16"],
                     }
