@@ -21,26 +21,8 @@ from .test_resume import SMALL_GAN
 
 # Steps whose gradients overflow: the first (before any update, where torch's fused SGD would
 # leave its momentum unwritten), a run of three, and single ones between growths.
-OVERFLOWS = [
-    True,
-    False,
-    False,
-    True,
-    False,
-    False,
-    False,
-    True,
-    True,
-    True,
-    False,
-    False,
-    False,
-    False,
-    True,
-    False,
-    False,
-    False,
-]
+OVERFLOWS = [True, False, False, True, False, False, False, True, True, True,
+             False, False, False, False, True, False, False, False]  # fmt: skip
 
 
 class Net(nn.Module):
