@@ -263,7 +263,10 @@ def test_every_precision_mode_trains_end_to_end_and_the_report_shows_their_grids
     written = build_report([sweep], tmp_path / "report", None)
     grids = [p for p in written if p.name.startswith("samples_")]
     assert len(grids) == 2  # one figure per cell: the ten modes' variant, and the SGD one
-    with Image.open(next(p for p in grids if "init-8192" in p.name)) as fig:
+    # figures.md says which grid is which: the variant (scale.init=8192) is in its row, not in the name
+    rows = [row for row in (tmp_path / "report" / "figures.md").read_text().splitlines() if "samples_" in row]
+    ten_modes = next(p for p in grids if any(p.name in row and "8192" in row for row in rows))
+    with Image.open(ten_modes) as fig:
         assert fig.format == "PNG" and fig.size[0] > 4 * fig.size[1]  # the modes side by side
     assert "n/a" in (tmp_path / "report" / "tables" / "accuracy.md").read_text()  # no FID without weights
 
