@@ -136,18 +136,40 @@ def test_on_scaled_mm_each_recurrent_weight_is_quantized_once_per_pass(monkeypat
 
 
 @pytest.mark.parametrize("name", ["tensor", "delayed"])
-def test_the_scaled_mm_path_agrees_with_the_emulation(monkeypatch, name):
-    """The same quantized operands on torch._scaled_mm (its CPU kernel) and in the emulation: the
-    outputs, states and input gradients within BF16 rounding, over two steps."""
-    results = {}
-    for fast in (True, False):
-        with monkeypatch.context() as m:
-            m.setattr(qp, "_on_scaled_mm", _on_cpu_scaled_mm if fast else (lambda *a: False))
-            lstm, products = lstm_with(RECIPES[name], proj_size=16)
-            first = train_step(lstm, products)
-            results[fast] = [*first, *train_step(lstm, products, seed=2), *(p.grad for p in lstm.parameters())]
-    for a, b in zip(results[True], results[False], strict=True):
-        torch.testing.assert_close(a.float(), b.float(), rtol=2**-6, atol=1e-3)
+def test_the_scaled_mm_path_computes_each_product_of_the_emulations_operands(monkeypatch, name):
+    """Every product the quantized LSTM runs on torch._scaled_mm (its CPU kernel standing in for
+    cuBLAS's) over two training steps: its FP8 operands are the bit-level reference's, and its result
+    is their float64 product within BF16 rounding. Product by product, not the LSTM's outputs: each
+    time step's state is quantized again for the next, so a last-bit difference of one kernel's sums
+    moves a later operand by a whole FP8 ulp, on one CPU and not on another."""
+    recipe = RECIPES[name]
+    operands, products_run = [], []
+    fp8, fp8_mm = ops.Site.fp8, qp._fp8_mm
+
+    def spy_fp8(self, t, role, transposed, scale=None, observe=False):
+        q, s = fp8(self, t, role, transposed, scale=scale, observe=observe)
+        operands.append((t.t() if transposed else t, recipe.format(role), s, q))
+        return q, s
+
+    def spy_mm(qa, sa, qb_t, sb, dtype):
+        out = fp8_mm(qa, sa, qb_t, sb, dtype)
+        products_run.append((qa, sa, qb_t, sb, out))
+        return out
+
+    monkeypatch.setattr(ops.Site, "fp8", spy_fp8)
+    monkeypatch.setattr(qp, "_fp8_mm", spy_mm)
+    monkeypatch.setattr(qp, "_on_scaled_mm", _on_cpu_scaled_mm)
+    lstm, products = lstm_with(recipe, proj_size=16)
+    train_step(lstm, products)
+    train_step(lstm, products, seed=2)
+    assert set(products.paths().values()) == {"scaled_mm"} and operands and products_run
+    for t, fmt, scale, q in operands:
+        assert torch.equal(q.double() / scale.double(), oracle_operand(t, fmt, scale))
+    for qa, sa, qb_t, sb, out in products_run:
+        a, b = qa.double() / sa.double(), qb_t.double() / sb.double()
+        exact, magnitude = a @ b.t(), a.abs() @ b.abs().t()
+        # the result's rounding to BF16, and FP32 sums of at most a few hundred terms
+        assert ((out.double() - exact).abs() <= exact.abs() * 2.0**-8 + magnitude * 2.0**-16).all()
 
 
 @pytest.mark.parametrize("name", list(RECIPES))
