@@ -182,7 +182,9 @@ def test_a_training_step_of_each_model_casts_what_cuda_casts(model, precision, t
         with forward(), kernels:
             yield
 
-    run.forward_context = lambda: contextlib.contextmanager(observed)()
+    # every forward the run takes: its steps', its evaluations' and its sample grids'
+    wrapped = contextlib.contextmanager(observed)
+    run.forward_context = run.stepper.forward_context = run.evaluation.forward_context = wrapped
     rec = run.execute()
     assert rec.status == "ok", rec.message
     assert kernels.violations() == set()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ from .instruments.throughput import ThroughputMeter
 from .outcomes import earliest
 from .progress import Progress
 from .record import MetricsLog, NullLog
-from .tensorboard_log import NullBoard, TensorBoardLog
+from .tensorboard_log import NullBoard, TensorBoardLog, open_board
 
 log = logging.getLogger("mpt")
 
@@ -47,6 +48,15 @@ class Logbook:
         self.metrics: MetricsLog | NullLog = NullLog()
         self.board: TensorBoardLog | NullBoard = NullBoard()
         self.progress: Progress | None = None  # shown while a run trains, not while a benchmark drives its steps
+
+    def open(self, run_dir: Path, logger: str | None, resumed_at: int | None, metrics: dict | None) -> None:
+        """Rank 0's files: metrics.jsonl, its rows past `resumed_at` (the checkpoint's step) dropped, and
+        TensorBoard's. The evaluation at a resumed checkpoint is written to the board again: it was
+        purged with the steps past it."""
+        self.metrics = MetricsLog(run_dir / "metrics.jsonl", keep_before_step=resumed_at)
+        self.board = open_board(logger, run_dir, resumed_at, self.meter, self.grad_stats, self.dist.enabled)
+        if resumed_at is not None and metrics is not None and metrics.get("step") == resumed_at:
+            self.board.write([{"kind": "eval", **metrics}])
 
     def show_progress(self, label: str, total_steps: int, step: int) -> None:
         """The progress line, from `step` of `total_steps` (what a resumed run skipped so far counted)."""

@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-import functools
-import itertools
 import logging
 import signal
 import sys
 import time
-from itertools import islice
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -20,28 +17,19 @@ from .. import preemption
 from ..datasets import build_data
 from ..distributed import from_env
 from ..models import build_task
-from ..precision.engine import (
-    PrecisionEngine,
-    default_channels_last,
-    forward_context,
-    held_for_the_run,
-)
+from ..precision.engine import default_channels_last, forward_context, held_for_the_run
 from ..precision.scaler import Diverged
 from ..provenance import now_iso
 from . import checkpoint, data_parallel, determinism, outcomes, process
 from .compiling import compile_networks, compile_summary
 from .engines import Plan, build_engines, products_record
-from .instruments import Instrument, RunEnd, StepDone
-from .instruments.flops import FlopCount, mfu
-from .instruments.grad_stats import GradStatsCollector
-from .instruments.memory import MemoryPeaks
-from .instruments.overflow_trace import OverflowTracer
-from .instruments.throughput import ThroughputMeter
-from .instruments.time_to_result import TimeToResult
+from .evaluation import Evaluation
+from .instruments import Instrument, RunEnd, StepDone, standard
+from .instruments.flops import mfu
 from .logbook import Logbook
-from .record import MetricsLog, RunRecord
+from .record import RunRecord
 from .resumption import Resumption
-from .tensorboard_log import open_board
+from .stepping import Stepper
 
 log = logging.getLogger("mpt")
 
@@ -76,40 +64,18 @@ class Run:
         if cfg.compile.backend is not None:
             compile_networks(self.task, cfg.compile)
         self.forward_context = lambda: forward_context(cfg, self.device)
-        self.grad_stats = GradStatsCollector(
-            cfg.stats, {name: e.model for name, e in self.engines.items()}, self.device, s.throughput_warmup
+        tools = standard.build(cfg, self.engines, self.device, self.dist, self.task.sample_unit)
+        self.grad_stats, self.tracer, self.meter, self.clock = tools.grad_stats, tools.tracer, tools.meter, tools.clock
+        self.instruments: list[Instrument] = [*tools.all(), *self.own_instruments()]
+        self.stepper = Stepper(
+            self.task, self.engines, self.grad_stats, self.tracer, self.forward_context, self.device, cfg.deterministic
         )
-        # Not under torchrun: a re-run's backward would enter data parallelism's collectives alone;
-        # nor for compiled networks, whose leaves run inside their graphs, out of the hooks' reach.
-        tracing = cfg.stats.trace_overflow and not self.dist.enabled and cfg.compile.backend is None
-        tracing = tracing and any(e.scaler.checks_overflow for e in self.engines.values())
-        self.on_device = any(
-            e.on_device for e in self.engines.values()
-        )  # a scale kept on the device (resident_scale.py)
-        self.tracer = OverflowTracer(
-            {name: e.model for name, e in self.engines.items()}, tracing, sampled_only=self.on_device
+        self.evaluation = Evaluation(
+            self.task, self.data, self.engines, self.dist, self.forward_context, s.eval_batches
         )
-        self.meter = ThroughputMeter(
-            self.device, s.throughput_warmup, s.throughput_window, self.task.sample_unit, self.dist
-        )
-        self.clock = TimeToResult(self.device)
-        self.peaks = MemoryPeaks(self.device, s.throughput_warmup, self.dist)
-        networks = [e.model for e in self.engines.values()]
-        self.flops = FlopCount(networks, cfg.schedule.count_flops, self.meter.unit)
-        # Entered around a step in this order: the statistics' timing holds the rest.
-        self.instruments: list[Instrument] = [
-            self.grad_stats,
-            self.flops,
-            self.tracer,
-            self.meter,
-            self.peaks,
-            self.clock,
-            *self.own_instruments(),
-        ]
         self.step = 0
         self.samples, self.samples_before_resume = 0, 0  # this process's since it started; the whole run's before it
         self.epoch, self.batch_in_epoch = 0, 0  # the data position
-        self.steps_before: dict[str, int] = {}  # each engine's steps_taken as the current step began
         self.checkpoint_every = s.checkpoint_every
         self.checkpointed_at: int | None = None
         self.record = RunRecord.starting(
@@ -127,26 +93,10 @@ class Run:
         )
         saved = self.resumption.within_schedule(saved, self.total_steps)
         self.logbook = Logbook(self.engines, self.dist, self.device, self.meter, self.grad_stats)
-        if self.dist.is_main:  # rank 0 writes everything; the other ranks compute the same rows and drop them
-            self.logbook.metrics = MetricsLog(
-                run_dir / "metrics.jsonl", keep_before_step=saved["step"] if saved else None
-            )
         if saved is not None:
             self._restore(saved)
-        if self.dist.is_main:
-            board = open_board(
-                cfg.logger,
-                run_dir,
-                saved["step"] if saved else None,
-                self.meter,
-                self.grad_stats,
-                per_process=self.dist.enabled,
-            )
-            self.logbook.board = board
-            if (
-                saved is not None and (self.record.metrics or {}).get("step") == saved["step"]
-            ):  # purged with the steps past the checkpoint
-                board.write([{"kind": "eval", **self.record.metrics}])
+        if self.dist.is_main:  # rank 0 writes everything; the other ranks compute the same rows and drop them
+            self.logbook.open(run_dir, cfg.logger, saved["step"] if saved else None, self.record.metrics)
 
     def own_instruments(self) -> list[Instrument]:
         """A subclass's statistics besides the run's own, each checkpointed and summarized like them."""
@@ -396,89 +346,10 @@ class Run:
         return self.logbook.peers_preempted if self.dist.enabled else preemption.requested() is not None
 
     def _train_step(self, step: int, batch: Any) -> list[dict]:
-        rows: list[dict] = []
-        if self.cfg.deterministic and self.device.type == "cuda":
-            determinism.reseed_cudnn_dropout(self.device)
-        # Where a traced re-run starts. A scale kept on the device tells the host of an overflow only
-        # at the next read-back, too late to run the step again: there, only sampled steps (which
-        # read back at once) are traced.
-        traced = self.tracer.enabled and (not self.on_device or self.grad_stats.sampling(step))
-        rng = checkpoint.rng_state() if traced else None
-        self.steps_before = {g: e.steps_taken for g, e in self.engines.items()}  # which engines step during it
-        losses = self.task.train_losses(batch)
-        for index in itertools.count():
-            with self.forward_context():  # only the forward runs under autocast; backward is outside
-                term = next(losses, None)
-            if term is None:
-                return rows
-            engine = self.engines[term.group]
-            row: dict[str, Any]
-            row = {"kind": "train", "step": step, "group": term.group, **engine.logged()}
-            with self.grad_stats.backward(term.group, functools.partial(_backward_scale, engine)):
-                engine.backward(term.loss)
-            try:
-                with self.grad_stats.update(term.group, engine):
-                    applied = engine.step(at=step, know=rng is not None)
-                if applied:
-                    engine.average(step + 1, self.epoch)
-            except Diverged as e:  # an overflow at the scaler's smallest scale: trace it too
-                # (a read-back within the step may find an earlier step's: that one is past tracing)
-                if rng is not None and engine.scaler.checks_overflow and e.step in (None, step):
-                    self._trace_overflow(step, batch, index, term.group, float(row["scale"]), rng)
-                raise
-            if applied is False and rng is not None:
-                self._trace_overflow(step, batch, index, term.group, float(row["scale"]), rng)
-            row["overflow"] = engine.logged_overflow(applied)
-            row["loss"] = term.loss.detach()
-            row.update({k: v.detach() for k, v in term.parts.items()})
-            rows.append(row)
-        return rows  # unreachable: the loop ends when the terms do
-
-    def _trace_overflow(self, step: int, batch: Any, index: int, group: str, scale: float, rng: dict) -> None:
-        """Runs the step's term `index` again from the step's start, as it ran, for the tracer."""
-        t0 = time.perf_counter()
-        engine = self.engines[group]
-
-        def rerun(on_loss) -> None:
-            checkpoint.set_rng_state(rng)
-            losses = self.task.train_losses(batch)
-            with self.forward_context():
-                for _ in range(index + 1):  # an earlier network's term (a GAN's) only as far as its forward
-                    term = next(losses)
-            on_loss(term.loss)
-            engine.backward(term.loss, scale=scale)
-
-        with self.grad_stats.paused(), self.tracer.restoring(), contextlib.ExitStack() as replaying:
-            for g, e in self.engines.items():  # a GAN's traced term runs the other network's forward too
-                replaying.enter_context(e.replaying(stepped=e.steps_taken > self.steps_before[g]))
-            found = self.tracer.trace(step, group, scale, rerun)
-        engine.zero_grad()
-        self.tracer.spent(time.perf_counter() - t0)
-        log.info(
-            "step %d: %s overflowed at loss scale %g and was skipped; first non-finite: %s (%s)",
-            step,
-            group,
-            scale,
-            found["module"],
-            found["role"],
-        )
+        return self.stepper.step(step, batch, self.epoch)
 
     def _evaluate(self, step: int) -> None:
-        # Weights are checked here, off the timed path: between evaluations a non-finite weight
-        # shows up as a non-finite loss at the next step anyway.
-        outcomes.check_weights(self.engines, self.dist, step - 1)
-        cap = self.cfg.schedule.eval_batches
-        batches = islice(self.data.val(), cap) if cap else self.data.val()
-        final = step == self.total_steps
-        metrics = self.task.evaluate(batches, self.forward_context, final=final)
-        test = self.data.test() if final else None
-        if test is not None:  # a held-out split the source was given, scored once, at the end, in full
-            metrics.update(
-                {
-                    f"test_{k.removeprefix('val_')}": v
-                    for k, v in self.task.evaluate(test, self.forward_context, final=True).items()
-                }
-            )
+        metrics = self.evaluation(step, final=step == self.total_steps)
         self.record.metrics = {**metrics, "step": step}
         self.logbook.write_eval({"kind": "eval", "step": step, **metrics})
         if self.record.sample_grids is not None and self.dist.is_main:
@@ -489,7 +360,3 @@ class Run:
                 {"step": step, "path": path.relative_to(self.run_dir).as_posix()},
             ]
         log.info("step %d/%d eval %s", step, self.total_steps, {k: round(v, 4) for k, v in metrics.items()})
-
-
-def _backward_scale(engine: PrecisionEngine) -> float:
-    return engine.backward_scale
