@@ -132,6 +132,11 @@ class ModelConfig:
     loss_reduction: str = "mean"
     tta: int = 0
     whiten_bias_epochs: Optional[int] = None  # airbench94: epochs its whitening layer's bias trains (null: all)
+    # A classifier from outside the zoo (models/builders.py): a user's function (`package.module:function`
+    # or `path/to/file.py:function`), or a library's model by name (library: timm); kwargs go to either.
+    builder: Optional[str] = None
+    library: Optional[str] = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
     recipe: PaperRecipe = field(default_factory=PaperRecipe)
     short: ShortRun = field(default_factory=ShortRun)
 
@@ -555,8 +560,15 @@ def _pow2(exponent: float, plus: float = 0) -> float:
     return 2.0 ** (float(exponent) + float(plus))
 
 
+def _builder_name(spec: str) -> str:
+    """model=custom's name: its builder function's (`package.module:function` -> `function`)."""
+    return str(spec).rpartition(":")[2] or "custom"
+
+
 if not OmegaConf.has_resolver("mpt_pow2"):
     OmegaConf.register_new_resolver("mpt_pow2", _pow2)
+if not OmegaConf.has_resolver("mpt_builder_name"):
+    OmegaConf.register_new_resolver("mpt_builder_name", _builder_name)
 
 
 def register_configs() -> None:
@@ -639,10 +651,22 @@ MAX_SHIFT_DOWN = 126
 MAX_SEED = 2**32 - 1
 
 
+# What the model options that name no model (custom, timm, torchvision) need from the command line.
+MODEL_REQUIRES = {
+    "builder": "<package.module:function or path/to/file.py:function>",
+    "name": "<a timm model> (timm.list_models() lists them)",
+    "arch": "<a torchvision classifier> (torchvision.models.list_models() lists them)",
+}
+
+
 def validate(cfg: DictConfig) -> None:
     """Range and combination checks of the settings every run has, run before anything is built.
     Raises ConfigError naming the key. Each task and data source checks its own settings beside its
     builder (models.validate, datasets.validate)."""
+    for key in cfg.model:
+        if OmegaConf.is_missing(cfg.model, key):  # an option that leaves it to the command line (model=custom)
+            needed = MODEL_REQUIRES.get(key, "<value>")
+            raise ConfigError(f"model.{key}: not given; this model needs model.{key}={needed}")
     if not 0 <= cfg.seed <= MAX_SEED:  # an int: the schema types it
         # the run seeds random, numpy and torch with it; numpy's is the narrowest range of the three
         raise ConfigError(f"seed={cfg.seed}: must be an integer from 0 to 2**32 - 1 = {MAX_SEED} (numpy's seed range)")

@@ -18,9 +18,9 @@ import torch.nn.functional as F
 import torchvision
 from omegaconf import DictConfig
 
-from ..config import ConfigError
+from ..config import MODEL_REQUIRES, ConfigError
 from ..distributed import Dist
-from . import LossTerm, OneNetwork, validate_image_size
+from . import LossTerm, OneNetwork, builders, validate_image_size
 from .airbench import Airbench94, airbench94
 from .cifar_resnet import resnet20, resnet56
 
@@ -51,9 +51,14 @@ class Classification(OneNetwork):
         if model_cfg.dropout is not None:
             kwargs["dropout"] = model_cfg.dropout
         try:
-            if model_cfg.arch in _OWN_ARCHS:
+            if model_cfg.builder is not None:
+                self.net = builders.build(model_cfg.builder, {**model_cfg.kwargs, **kwargs}, num_classes)
+            elif model_cfg.library == "timm":
+                self.net = builders.timm_model(model_cfg.name, {**model_cfg.kwargs, **kwargs}, num_classes)
+            elif model_cfg.arch in _OWN_ARCHS:
                 self.net = _OWN_ARCHS[model_cfg.arch](num_classes=num_classes, **kwargs)
             else:
+                kwargs = {**model_cfg.kwargs, **kwargs}
                 self.net = torchvision.models.get_model(model_cfg.arch, weights=None, num_classes=num_classes, **kwargs)
         except TypeError as e:
             if "dropout" in str(e):
@@ -148,9 +153,27 @@ class Classification(OneNetwork):
         return self.frozen
 
 
+LIBRARIES = ("timm",)
+
+
 def validate(cfg: DictConfig) -> None:
-    validate_image_size(cfg)
     m = cfg.model
+    if m.arch == "custom" and m.builder is None:
+        raise ConfigError(f"model.builder: not given; model=custom needs model.builder={MODEL_REQUIRES['builder']}")
+    if m.builder is not None:
+        builders.resolve(m.builder)  # importable, and a function: one line now, not a traceback later
+    elif m.library is not None:
+        if m.library not in LIBRARIES:
+            raise ConfigError(f"model.library={m.library}: expected one of {', '.join(LIBRARIES)} (or null)")
+    elif m.arch not in _OWN_ARCHS and m.arch not in torchvision.models.list_models():
+        raise ConfigError(
+            f"model.arch={m.arch}: not a torchvision classifier (torchvision.models.list_models() lists them)"
+        )
+    elif m.name != m.arch:  # a zoo model's name with another architecture: every table would misname it
+        raise ConfigError(
+            f"model.arch={m.arch} under model={m.name}: use model=torchvision model.arch={m.arch} (named after it)"
+        )
+    validate_image_size(cfg)
     if not 0 <= m.label_smoothing < 1:
         raise ConfigError(f"model.label_smoothing={m.label_smoothing}: must be in [0, 1)")
     if m.loss_reduction not in LOSS_REDUCTIONS:

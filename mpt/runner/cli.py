@@ -29,6 +29,9 @@ from .run_lock import AlreadyRunning, RunLock
 log = logging.getLogger("mpt")
 
 
+OPEN = ("model.kwargs.",)  # keys under these take new names (+model.kwargs.width=64)
+
+
 def overrides() -> list[tuple[str, str | None]]:
     """The command line's overrides beyond the group choices and the seed, as (key, value) with
     values as Hydra parses them; a deletion's value is None."""
@@ -50,9 +53,13 @@ def device_type(name: str) -> str:
     return name.split(":")[0]
 
 
-def run_name(seed: int, device: str) -> str:
-    """The run folder's name (identity.folder_name), from Hydra's view of the command line."""
-    choices = HydraConfig.get().runtime.choices
+def run_name(seed: int, device: str, model: str | None = None) -> str:
+    """The run folder's name (identity.folder_name), from Hydra's view of the command line. `model`:
+    the model's name where it is not its option's (model=torchvision's architecture, model=custom's
+    builder, model=timm's name)."""
+    choices = {**HydraConfig.get().runtime.choices}
+    if model is not None:
+        choices["model"] = model
     world = int(os.environ.get("WORLD_SIZE", 1))
     return identity.folder_name(
         (choices[g] for g in GROUPS), device_type(device), world, seed, identity.variant(overrides())
@@ -352,7 +359,8 @@ def preflight(args: list[str]) -> str | None:
     for text, o in zip(words, parsed):
         if o.key_or_group.split(".")[0].split("/")[0] == "hydra":
             continue
-        if o.is_add() and o.key_or_group not in GROUPS + ("experiment",):
+        # an added key only where a config holds free arguments (a model's builder's keyword arguments)
+        if o.is_add() and o.key_or_group not in GROUPS + ("experiment",) and not o.key_or_group.startswith(OPEN):
             return f"{text}: no such config key (mpt-run --cfg job lists them)"
         if o.is_sweep_override():
             sweeps.append((o, [f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()]))

@@ -1,0 +1,90 @@
+"""Networks from outside mpt's zoo: a user's own builder function, named `package.module:function`
+or `path/to/file.py:function`, and timm's models by name.
+
+A builder is called with `num_classes=` when it takes that argument (torchvision's and timm's
+convention), and with the model's `kwargs`; it returns the `nn.Module` to train. A module is
+imported from the directory the command ran in too, as `python -m` would find it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from torch import nn
+
+from ..config import ConfigError
+
+FORM = "package.module:function or path/to/file.py:function"
+
+
+def parse(spec: str) -> tuple[str, str]:
+    """`spec` as (module or file, function), or a one-line error naming it."""
+    where, sep, name = str(spec).rpartition(":")
+    if not sep or not where or not name.isidentifier():
+        raise ConfigError(f"model.builder={spec}: expected {FORM}")
+    return where, name
+
+
+def _module(where: str, spec: str) -> Any:
+    if where.endswith(".py"):
+        path = Path(where).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"model.builder={spec}: no file {path.resolve()}")
+        loaded = importlib.util.spec_from_file_location(f"mpt_user_model_{path.stem}", path)
+        assert loaded is not None and loaded.loader is not None  # a .py file that exists
+        module = importlib.util.module_from_spec(loaded)
+        loaded.loader.exec_module(module)
+        return module
+    if os.getcwd() not in sys.path:  # an installed console script's sys.path lacks the working directory
+        sys.path.append(os.getcwd())
+    try:
+        return importlib.import_module(where)
+    except ModuleNotFoundError as e:
+        raise ConfigError(f"model.builder={spec}: no module named {e.name!r} (expected {FORM})") from None
+
+
+def resolve(spec: str) -> Callable[..., Any]:
+    """The builder function `spec` names."""
+    where, name = parse(spec)
+    function = getattr(_module(where, spec), name, None)
+    if not callable(function):
+        raise ConfigError(f"model.builder={spec}: {where} has no function {name}")
+    return function
+
+
+def _takes(function: Callable[..., Any], argument: str) -> bool:
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):  # a builtin or a C function: no signature to read
+        return False
+    return any(p.name == argument or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
+def build(spec: str, kwargs: dict, num_classes: int | None = None) -> nn.Module:
+    """The network `spec`'s builder makes with `kwargs` (and `num_classes`, where it takes it)."""
+    function = resolve(spec)
+    extra = {"num_classes": num_classes} if num_classes is not None and _takes(function, "num_classes") else {}
+    try:
+        net = function(**extra, **kwargs)
+    except TypeError as e:
+        raise ConfigError(f"model.builder={spec}: calling it with {sorted({**extra, **kwargs})} failed: {e}") from None
+    if not isinstance(net, nn.Module):
+        raise ConfigError(f"model.builder={spec}: returned a {type(net).__name__}, not a torch.nn.Module")
+    return net
+
+
+def timm_model(name: str, kwargs: dict, num_classes: int) -> nn.Module:
+    """timm's `name`, randomly initialized (no download): `pip install "mpt[timm]"`."""
+    try:
+        import timm
+    except ModuleNotFoundError:
+        raise ConfigError(f'model=timm model.name={name}: timm is not installed (pip install "mpt[timm]")') from None
+    if not timm.is_model(name):
+        raise ConfigError(f"model=timm model.name={name}: not a timm model (timm.list_models() lists them)")
+    return timm.create_model(name, pretrained=False, num_classes=num_classes, **kwargs)

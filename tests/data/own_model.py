@@ -1,0 +1,23 @@
+"""A user's own classifier, as a user writes one: plain torch, no mpt import (tests/test_own_model.py)."""
+
+from torch import nn
+
+
+class SmallCNN(nn.Module):
+    def __init__(self, num_classes: int, width: int):
+        super().__init__()
+        self.width = width
+        self.conv = nn.Conv2d(3, width, 3, padding=1)
+        self.bn = nn.BatchNorm2d(width)
+        self.head = nn.Linear(width, num_classes)
+
+    def forward(self, x):
+        return self.head(self.bn(self.conv(x)).relu().mean((2, 3)))
+
+
+def small_cnn(num_classes: int, width: int = 8) -> nn.Module:
+    return SmallCNN(num_classes, width)
+
+
+def not_a_module():
+    return {"weights": []}
