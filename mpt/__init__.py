@@ -1,4 +1,6 @@
-"""mpt: reproduce Mixed Precision Training (Micikevicius et al., ICLR 2018) and what came after it."""
+"""mpt: reproduce Mixed Precision Training (Micikevicius et al., ICLR 2018) and what came after it.
+
+From Python: `mpt.run(overrides)` and `mpt.analyze(model, batch, loss_fn)` (mpt/api.py)."""
 
 import os
 
@@ -36,3 +38,12 @@ def _use_the_checkouts_configs() -> None:
 
 
 _use_the_checkouts_configs()
+
+
+def __getattr__(name: str):
+    """`mpt.run` and `mpt.analyze`, imported at first use: `import mpt` stays light."""
+    if name in ("run", "analyze"):
+        from . import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'mpt' has no attribute {name!r}")

@@ -163,10 +163,14 @@ def summary_lines(rec: RunRecord) -> list[str]:
     return lines
 
 
+LAST_RUN_DIR: Path | None = None  # the folder of the run launch() made last (mpt.run reads its record)
+
+
 @hydra.main(version_base="1.3", config_path="pkg://mpt.configs", config_name="config")
 def launch(cfg: DictConfig) -> str:
+    global LAST_RUN_DIR
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    run_dir = LAST_RUN_DIR = Path(HydraConfig.get().runtime.output_dir)
     # Rank 0 owns the folder under torchrun; the other ranks write nothing into it.
     lock = RunLock(run_dir) if from_env().is_main else None
     try:
