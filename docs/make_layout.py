@@ -44,7 +44,8 @@ INTRO = """\
 This page maps the repository: its folders, then every module of the `mpt` package with the first sentence of its \
 docstring. The package is built in floors, bottom first: configuration, files, processes, preemption and provenance; \
 the precision floor that the paper is about; the data sources; the tasks and their models; the runner that trains one \
-run and leaves its record; the report that reads many records; and `mpt.run` and `mpt.analyze`, mpt from Python. A module imports only its own floor and the ones \
+run and leaves its record; the report that reads many records; and `mpt.run` and `mpt.analyze`, mpt from Python. \
+A module imports only its own floor and the ones \
 below it (tests/test_layers.py checks this). Importing `mpt` turns on transparent huge pages for torch's CPU \
 allocations (`THP_MEM_ALLOC_ENABLE=1` unless already set, see [cpu-arithmetic.md](cpu-arithmetic.md)).
 
