@@ -430,6 +430,41 @@ def sweep_size(args: list[str]) -> int | None:
     return math.prod(counts.values())
 
 
+def sweep_runs(args: list[str]) -> list[tuple[Path, str]]:
+    """The run folders `mpt-run -m` would make of these arguments, in its order, each with what is
+    there: the status of its record, or `to run`. Each job's overrides are Hydra's sweeper's: a
+    preset's sweep (hydra.sweeper.params) narrowed by the command line, the last key varying fastest."""
+    import itertools
+
+    from hydra import compose, initialize_config_module
+
+    words = [a for a in args if not a.startswith("-")]
+    parser = OverridesParser.create()
+    parsed = parser.parse_overrides(words)
+    plain = [w for w, o in zip(words, parsed) if not o.is_sweep_override() and not o.key_or_group.startswith("hydra")]
+    with initialize_config_module(config_module="mpt.configs", version_base="1.3"):
+        preset = compose(config_name="config", overrides=plain, return_hydra_config=True).hydra.sweeper.get("params")
+    texts = [f"{k}={v}" for k, v in (preset or {}).items()] + words
+    by_key: dict[str, list[str]] = {}  # a later override of a key replaces the earlier one, in its place
+    for text, o in zip(texts, parser.parse_overrides(texts)):
+        key = o.get_key_element()
+        by_key[key] = [f"{key}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override() else [text]
+    runs = []
+    for job in itertools.product(*by_key.values()):
+        with initialize_config_module(config_module="mpt.configs", version_base="1.3"):
+            cfg = compose(config_name="config", overrides=list(job), return_hydra_config=True)
+        HydraConfig.instance().set_config(cfg)  # the folder's name reads the job's choices and overrides there
+        folder = Path(cfg.hydra.sweep.dir) / str(cfg.hydra.sweep.subdir)
+        record = previous_record(folder)
+        if record is None:
+            runs.append((folder, "to run"))
+        elif record.status in ("ok", "diverged"):  # results: a relaunch skips them
+            runs.append((folder, f"done ({record.status})"))
+        else:  # failed, preempted or still running: a relaunch runs or resumes it
+            runs.append((folder, f"to run (record: {record.status})"))
+    return runs
+
+
 SWEEP_SIZE: int | None = None  # set by main() for `mpt-run -m`: run i/N
 
 
@@ -452,6 +487,12 @@ def main() -> None:
     if problem:
         print(f"mpt-run: error: {problem}", file=sys.stderr)
         sys.exit(2)
+    if "--dry-run" in sys.argv[1:]:  # the runs a command would make, and which are done; nothing runs
+        runs = sweep_runs([a for a in sys.argv[1:] if a != "--dry-run"])
+        print(f"mpt-run: dry run: {len(runs)} run(s), {sum(s.startswith('done') for _, s in runs)} done", flush=True)
+        for folder, status in runs:
+            print(f"  {status:<26} {folder}", flush=True)
+        return
     if {"-m", "--multirun"} & set(sys.argv[1:]) and not any(a.split("=")[0] in _PASS_THROUGH for a in sys.argv[1:]):
         try:
             SWEEP_SIZE = sweep_size(sys.argv[1:])
