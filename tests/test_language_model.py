@@ -460,3 +460,16 @@ def test_perplexity_falls_toward_the_sources_floor(tmp_path):
     assert (
         evals[-1]["ppl"] < 0.8 * evals[0]["ppl"] and evals[-1]["ppl"] > 0.9 * floor
     )  # learning, and no model beats the source
+
+
+def test_the_train_loss_is_what_its_definition_says(tmp_path, in_process):
+    """The logged loss is the per-word mean times the window's length, as the record's words say."""
+    source = MarkovSource(words=20, end_prob=0.1, seed=1)
+    for split in ("train", "valid"):
+        lines = (" ".join(f"w{t}" for t in source.sentence()) for _ in range(200))
+        (tmp_path / f"{split}.txt").write_text("\n".join(line for line in lines if line) + "\n")
+    run = build_run(tmp_path / "run", *TINY, "data=text_corpus", f"data.root={tmp_path}", "data.train_split=train.txt",
+                    "data.val_split=valid.txt", "data.test_split=null", "checkpoint=false", "logger=none")  # fmt: skip
+    rows = run._train_step(0, next(run.data.epoch(0)))
+    assert float(rows[0]["loss"]) == pytest.approx(5 * float(rows[0]["loss_per_word"]), rel=1e-6)
+    assert run.record.train_loss_definition.startswith("sampled-softmax cross-entropy per word x 5: summed over")

@@ -131,3 +131,17 @@ def test_the_builders_keyword_arguments_are_checked_when_it_is_called(tmp_path, 
 
     with pytest.raises(ConfigError, match=r"calling it with \['depth', 'num_classes'\] failed: .*depth"):
         build_run(tmp_path, *OWN, "+model.kwargs.depth=3")
+
+
+def test_the_summary_says_what_the_train_loss_is_and_it_is_that(tmp_path, in_process):
+    """model.loss_reduction=sum: the logged loss is the batch's summed cross-entropy, and the summary says so."""
+    from mpt.runner.cli import summary_lines
+
+    run = build_run(tmp_path, *OWN, "model.loss_reduction=sum")
+    images, labels = next(run.data.epoch(0))
+    expected = F.cross_entropy(copy.deepcopy(run.task.net)(images), labels, reduction="sum")
+    rows = run._train_step(0, (images, labels))
+    assert float(rows[0]["loss"]) == pytest.approx(float(expected), rel=1e-6)
+    rec = run.execute()
+    line = next(x for x in summary_lines(rec) if x.lstrip().startswith("train loss:"))
+    assert line.endswith("steps (cross-entropy, summed over the batch's images)"), line

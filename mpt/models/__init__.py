@@ -67,6 +67,11 @@ class Task:
     # Whether save_samples draws anything: the record then lists the pictures under "sample_grids".
     saves_samples = False
 
+    @property
+    def loss_definition(self) -> str:
+        """What the training loss the record and summary give is, in words (a sum or a mean, over what)."""
+        return ""
+
     def networks(self) -> dict[str, nn.Module]:
         raise NotImplementedError
 

@@ -144,6 +144,11 @@ class LanguageModel(OneNetwork):
     def stream_buffers(self, name: str) -> dict[str, int]:
         return BigLSTM.STREAM_BUFFERS
 
+    @property
+    def loss_definition(self) -> str:
+        b = self.cfg.bptt
+        return f"sampled-softmax cross-entropy per word x {b}: summed over a window's {b} time steps, mean over streams"
+
     def train_losses(self, batch) -> Iterator[LossTerm]:
         inputs, targets = batch
         candidates = log_uniform_sample(self.num_sampled, self.vocab, inputs.device)

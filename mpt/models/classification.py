@@ -69,6 +69,13 @@ class Classification(OneNetwork):
         self.num_classes = num_classes
         self.base = self.net  # the network as built, while self.net may become a wrapper of it
 
+    @property
+    def loss_definition(self) -> str:
+        over = "mean over" if self.cfg.loss_reduction == "mean" else "summed over"
+        smoothing = f" with label smoothing {self.cfg.label_smoothing:g}" if self.cfg.label_smoothing else ""
+        heads = f", plus {self.cfg.aux_loss_weight:g} x each auxiliary head's" if self.cfg.aux_loss_weight else ""
+        return f"cross-entropy{smoothing}, {over} the batch's images{heads}"
+
     def train_losses(self, batch: Any) -> Iterator[LossTerm]:
         images, labels = batch
         out = self.net(images)

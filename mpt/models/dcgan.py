@@ -168,6 +168,10 @@ class GAN(Task):
         """Train and evaluate through `module` (the network wrapped for data parallelism)."""
         setattr(self, name, module)
 
+    @property
+    def loss_definition(self) -> str:
+        return "the generator's binary cross-entropy, mean over the batch (the discriminator's: metrics.jsonl)"
+
     def train_losses(self, real: torch.Tensor) -> Iterator[LossTerm]:
         G, D = self.generator, self.discriminator
         # The global batch's latents, drawn alike on every rank, and this rank's slice of them:

@@ -141,6 +141,10 @@ class Detection(OneNetwork):
             self._boxes_on[device] = self.default_boxes.to(device)
         return self._boxes_on[device]
 
+    @property
+    def loss_definition(self) -> str:
+        return "the multibox loss: box regression plus classification, each as torchvision's SSD normalizes it"
+
     def train_losses(self, batch: Any) -> Iterator[LossTerm]:
         images, targets = batch
         regression, logits = self.net(images)

@@ -169,6 +169,13 @@ class Translation(OneNetwork):
             logits.flatten(0, 1), target.flatten(), ignore_index=PAD, label_smoothing=smoothing, reduction="sum"
         )
 
+    @property
+    def loss_definition(self) -> str:
+        smoothing = f"label-smoothed ({self.cfg.label_smoothing:g}) " if self.cfg.label_smoothing else ""
+        if self.cfg.loss_reduction == "mean":
+            return f"{smoothing}cross-entropy per target token"
+        return f"{smoothing}cross-entropy summed over each sentence's target tokens, mean over sentences"
+
     def train_losses(self, batch: TranslationBatch) -> Iterator[LossTerm]:
         logits = self.net("train", batch.src, batch.src_len, batch.src_len_cpu, batch.tgt_in)
         total = self._token_losses(logits, batch.tgt_out, self.cfg.label_smoothing)

@@ -134,7 +134,8 @@ def summary_lines(rec: RunRecord) -> list[str]:
             "  metrics:    " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()) + f" (step {rec.metrics['step']})"
         )
     if rec.final_train_loss is not None:
-        lines.append(f"  train loss: {rec.final_train_loss:.4g} after {rec.steps} steps")
+        what = f" ({rec.train_loss_definition})" if rec.train_loss_definition else ""
+        lines.append(f"  train loss: {rec.final_train_loss:.4g} after {rec.steps} steps{what}")
     tp = rec.throughput or {}  # none for a run that failed before measuring
     if tp.get("pipeline") is not None:
         lines.append(

@@ -61,6 +61,7 @@ class RunRecord:
     evaluation: Optional[dict] = None  # how the metric is computed, or why it is not
     sample_grids: Optional[list] = None  # pictures a task draws at each evaluation (DCGAN's grid), by step
     final_train_loss: Optional[float] = None
+    train_loss_definition: Optional[str] = None  # what that loss is, in the task's words (a sum or a mean, over what)
     last_finite_train_loss: Optional[float] = None
     diverged_at_step: Optional[int] = None
     preempted_at_step: Optional[int] = None
@@ -91,6 +92,7 @@ class RunRecord:
             {
                 "sample_grids",
                 "epochs",
+                "train_loss_definition",
                 "diverged_at_step",
                 "preempted_at_step",
                 "resumed_from_step",
@@ -274,6 +276,7 @@ class RunRecord:
             primary_metric=task.primary_metric,
             higher_is_better=task.higher_is_better,
             evaluation=task.evaluation_info,
+            train_loss_definition=task.loss_definition or None,
             sample_grids=[] if task.saves_samples else None,
             environment=environment(device),
             git=code,
