@@ -17,8 +17,8 @@ from mpt.report.cli import build_report
 from mpt.report.cli import main as report_main
 from mpt.report.figures import _cell_name
 from mpt.report.naming import Figure, figure_name
-from mpt.report.records import cell_variant, mode_label
-from mpt.report.tables import accuracy, render_accuracy, sample_std
+from mpt.report.records import cell_variant, load_runs, mode_label
+from mpt.report.tables import accuracy, render_accuracy, render_relative, sample_std, throughput
 from mpt.runner import identity
 
 from .conftest import ROOT, mpt_run
@@ -213,9 +213,24 @@ def test_throughput_speedup_is_over_fp32_on_the_same_device(report, swept):
 
     fp16 = tp[(tp.precision == "fp16") & (tp.scale == "none") & tp.variant.isna()]
     assert fp16.throughput.item() == pytest.approx(median("fp16", "none"))
-    assert fp16.speedup_vs_fp32.item() == pytest.approx(median("fp16", "none") / median("fp32", "none"))
-    assert set(tp.throughput_unit) == {"images/s"}
+    # a CPU emulates FP16: its ratio to FP32 would measure the emulation, so the table gives none
+    assert tp.speedup_vs_fp32.isna().all()
+    assert set(tp.throughput_unit) == {"images/s (CPU: the low-precision arithmetic emulated)"}
     assert not tp.variant.fillna("").str.contains("optim.lr").any()  # the diverged run times nothing
+
+    # The same records as a GPU's: the speedup is the ratio of the medians, where both cells timed
+    # at least 3 windows, and none (the windows counted in the cell) where fp16's timed fewer.
+    for windows, expected in [(3, median("fp16", "none") / median("fp32", "none")), (2, None)]:
+        runs = load_runs([swept]).assign(device_type="cuda")
+        runs["throughput_windows"] = [3 if p == "fp32" else windows for p in runs.precision]
+        table = throughput(runs)
+        row = table[(table.precision == "fp16") & (table.scale == "none") & (table.variant.fillna("") == "")]
+        if expected is None:
+            assert row.speedup_vs_fp32.isna().item() and row.note.item() == "2 windows"
+            rendered = render_relative(table, "throughput", "speedup_vs_fp32", lambda v: f"{v:.4g}", "throughput_unit")
+            assert f"{row.throughput.item():.4g} (2 windows)" in rendered
+        else:
+            assert row.speedup_vs_fp32.item() == pytest.approx(expected) and row.note.item() == ""
 
 
 def test_the_time_to_result_table_holds_each_cells_median_time_and_mean_metric(report, swept):

@@ -83,7 +83,9 @@ def build_report(
         ),
         ("Accuracy", "accuracy", acc, tables.render_accuracy(acc)),
         (
-            "Throughput (median samples/s; speedup over fp32 on the same device, batch and resolution)",
+            "Throughput (median samples/s; speedup over fp32 on the same device, batch and resolution, from at least "
+            f"{tables.MIN_WINDOWS} timing windows on each side; none on a CPU, whose low-precision arithmetic is "
+            "emulated)",
             "throughput",
             tp,
             tables.render_relative(tp, "throughput", "speedup_vs_fp32", lambda v: f"{v:.4g}", "throughput_unit"),

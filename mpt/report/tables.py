@@ -135,11 +135,37 @@ def accuracy_cell(row) -> str:
     return text + (f" ({', '.join(notes)})" if notes else "")
 
 
+MIN_WINDOWS = 3  # a speedup needs the median of at least this many timing windows, in the cell and in fp32's
+CPU_UNIT = " (CPU: the low-precision arithmetic emulated)"
+
+
 def throughput(runs: pd.DataFrame) -> pd.DataFrame:
     """Median samples/s per (setup, mode) of the runs that finished, and the speedup over `fp32`
-    without scaling in the same setup."""
+    without scaling in the same setup. No speedup where either side's runs timed fewer than
+    MIN_WINDOWS windows, or on a CPU, whose FP16, BF16 and FP8 arithmetic is emulated: a ratio there
+    measures the emulation (the unit says so). `windows`: the fewest any of the cell's runs timed."""
     finished = results(runs).dropna(subset=["throughput"])
-    return _relative_to_fp32(finished, "throughput", "speedup_vs_fp32", extra=["throughput_unit"])
+    if finished.empty:
+        return pd.DataFrame()
+    on_cpu = finished.get("device_type", pd.Series("", index=finished.index)).eq("cpu")
+    units = finished.throughput_unit.fillna("").astype(str) + on_cpu.map({True: CPU_UNIT, False: ""})
+    finished = finished.assign(throughput_unit=units, windows=finished.get("throughput_windows", math.nan))
+    table = _relative_to_fp32(finished, "throughput", "speedup_vs_fp32", extra=["throughput_unit"])
+    keys = [k for k in SAME_SETUP if k in finished.columns]
+    group = [*keys, *MODE_KEYS, "precision_order", "scale_order", "throughput_unit"]
+    fewest = finished.groupby(group, dropna=False, sort=False)["windows"].min().reset_index()
+    table = table.merge(fewest, on=group, how="left")
+    base = table[(table.precision == "fp32") & (table.scale == "none")].set_index(keys)["windows"]
+    timed = [
+        row.windows >= MIN_WINDOWS and base.get(tuple(row[k] for k in keys), 0) >= MIN_WINDOWS
+        for _, row in table.iterrows()
+    ]
+    untimed = ~pd.Series(timed, index=table.index) | table.throughput_unit.str.endswith(CPU_UNIT)
+    table.loc[untimed, "speedup_vs_fp32"] = math.nan
+    table["note"] = [
+        f"{int(w)} window{'s' if w != 1 else ''}" if w == w and w < MIN_WINDOWS else "" for w in table.windows
+    ]
+    return table
 
 
 def time_to_result(runs: pd.DataFrame) -> pd.DataFrame:
@@ -558,10 +584,13 @@ def render_accuracy(acc: pd.DataFrame) -> str:
 def render_relative(table: pd.DataFrame, value: str, ratio: str, fmt_value, unit_col: str) -> str:
     if table.empty:
         return "_no runs with this figure_"
+    notes = table["note"] if "note" in table.columns else pd.Series("", index=table.index)
     table = table.assign(
         cell=[
-            f"{fmt_value(r[value])}" + ("" if math.isnan(r[ratio]) else f" ({r[ratio]:.2f}x)")
-            for _, r in table.iterrows()
+            f"{fmt_value(r[value])}"
+            + ("" if math.isnan(r[ratio]) else f" ({r[ratio]:.2f}x)")
+            + (f" ({note})" if note else "")
+            for (_, r), note in zip(table.iterrows(), notes)
         ]
     )
     return render_cells(table, unit_col)
