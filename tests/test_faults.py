@@ -425,6 +425,19 @@ def test_a_static_scale_that_overflows_every_step_ends_the_run_as_diverged(tmp_p
 # --- a relaunch onto a full disk ------------------------------------------------------------------
 
 
+def test_a_static_scale_that_keeps_overflowing_warns_once_before_its_limit(tmp_path, in_process, caplog):
+    args = [TINY, "precision=mixed", "scale=static", "schedule=smoke", "stats.trace_overflow=false"]
+    run = build_run(tmp_path, *args, "scale.value=1e9", "schedule.steps=6", "scale.warn_consecutive_skips=2")
+    with caplog.at_level("WARNING", logger="mpt"):
+        rec = run.execute()
+    warned = [r.getMessage() for r in caplog.records if "overflowed every step for" in r.getMessage()]
+    assert warned == [
+        "static scale 1e+09 overflowed every step for 2 steps, each skipped; lower scale.value "
+        "(the run ends as diverged at 100: scale.max_consecutive_skips)"
+    ]
+    assert rec.loss_scale["model"]["skipped_steps"] == 6  # warned, not stopped
+
+
 def test_a_relaunch_that_cannot_write_its_folder_says_so_in_one_line(tmp_path):
     args = [TINY, "schedule=smoke", "schedule.steps=2", f"hydra.run.dir={tmp_path}"]
     assert mpt_run(*args, "schedule.steps=1", cwd=ROOT).returncode == 0

@@ -6,6 +6,7 @@ and to leave the LR schedule alone), so keeping S on the device would buy nothin
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 
@@ -13,6 +14,8 @@ from omegaconf import DictConfig
 
 from ..config import MAX_SHIFT_DOWN, SCALE_NAMES, ConfigError, static_scale_value
 from .grad_histogram import FP16_MAX
+
+log = logging.getLogger("mpt")
 
 
 class Diverged(RuntimeError):
@@ -100,9 +103,11 @@ class StaticScaler(LossScaler):
 
     checks_overflow = True
 
-    def __init__(self, scale: float, max_consecutive_skips: int = 100):
+    def __init__(self, scale: float, max_consecutive_skips: int = 100, warn_consecutive_skips: int = 20):
         super().__init__(scale)
         self.max_consecutive_skips = int(max_consecutive_skips)
+        self.warn_consecutive_skips = int(warn_consecutive_skips)
+        self.warned = False
 
     def update(self, overflow: bool, grad_max: float | None = None) -> None:
         super().update(overflow)
@@ -110,6 +115,15 @@ class StaticScaler(LossScaler):
         # applied step from the end, so it never reads more than the limit.
         overflows = self.history.overflows
         in_a_row = next((i for i, o in enumerate(reversed(overflows)) if not o), len(overflows))
+        if in_a_row >= self.warn_consecutive_skips and not self.warned and in_a_row < self.max_consecutive_skips:
+            self.warned = True  # once a run: a scale that fits again and overflows again says nothing new
+            log.warning(
+                "static scale %g overflowed every step for %d steps, each skipped; lower scale.value "
+                "(the run ends as diverged at %d: scale.max_consecutive_skips)",
+                self.scale,
+                in_a_row,
+                self.max_consecutive_skips,
+            )
         if in_a_row >= self.max_consecutive_skips:
             raise Diverged(
                 f"static scale {self.scale:g} overflowed every step for {in_a_row} steps; lower scale.value "
@@ -249,10 +263,9 @@ def validate(cfg: DictConfig) -> None:
         value = static_scale_value(cfg)
         if not (value >= 1 and math.isfinite(value)):
             raise ConfigError(f"scale.value={value}: a static loss scale must be a finite number >= 1")
-        if scale.max_consecutive_skips < 1:
-            raise ConfigError(
-                f"scale.max_consecutive_skips={scale.max_consecutive_skips}: must be a positive number of steps"
-            )
+        for key in ("max_consecutive_skips", "warn_consecutive_skips"):
+            if scale[key] < 1:
+                raise ConfigError(f"scale.{key}={scale[key]}: must be a positive number of steps")
     if scale.name == "dynamic":
         if not (1 <= scale.min <= scale.init <= scale.max and math.isfinite(scale.max)):
             raise ConfigError(
@@ -285,7 +298,7 @@ def build_scaler(cfg: DictConfig) -> LossScaler:
     if s.name == "none":
         return LossScaler(1.0)
     if s.name == "static":
-        return StaticScaler(static_scale_value(cfg), s.max_consecutive_skips)
+        return StaticScaler(static_scale_value(cfg), s.max_consecutive_skips, s.warn_consecutive_skips)
     if s.name == "auto":
         return AutoScaler(s.init, s.min, s.max, s.beta1, s.beta2, s.std_devs, s.margin_bits)
     return DynamicScaler(s.init, s.interval, s.growth, s.backoff, s.min, s.max)
