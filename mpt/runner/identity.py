@@ -24,6 +24,7 @@ NOT_COMPUTATIONAL = (
     "schedule.log_every",
     "schedule.throughput_warmup",
     "schedule.throughput_window",
+    "scale.warn_consecutive_skips",  # a warning, not a setting of the arithmetic
     "data.cache_dir",  # where decoded images are kept: the same images from any copy
     "model.static_scale_source",  # citations, not settings
     "model.recipe.source",
