@@ -194,3 +194,16 @@ def test_the_summary_tells_the_scale_search_from_later_overflows():
         explain_skips(falling.summary())
         == ": every one; the gradients never fit FP16, the scale falling from 65536 to 8192"
     )
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_the_summary_gives_the_checkpoints_size_and_says_a_cpus_arithmetic_is_emulated(tmp_path, in_process, keep):
+    from mpt.runner.cli import summary_lines
+
+    rec = build_run(tmp_path, TINY, "data=synthetic", "schedule=smoke", f"checkpoint={str(keep).lower()}").execute()
+    lines = summary_lines(rec)
+    saved = tmp_path / "checkpoint.pt"
+    written = [line for line in lines if line.startswith("  checkpoint: ")]
+    assert written == ([f"  checkpoint: {saved.stat().st_size / 2**20:.0f} MiB at step 3 ({saved})"] if keep else [])
+    throughput = next(x for x in lines if "throughput:" in x)
+    assert throughput.endswith("windows; a CPU's: its low-precision arithmetic emulated)")

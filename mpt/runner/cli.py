@@ -22,6 +22,7 @@ from ..config import GROUPS, ConfigError, as_plain, register_configs
 from ..distributed import from_env, leave, teardown
 from ..files import remove_stale_temporaries, write_text_atomic
 from . import identity
+from .checkpoint import FILENAME as CHECKPOINT
 from .checkpoint import CorruptCheckpoint
 from .record import RecordError, RunRecord
 from .run_lock import AlreadyRunning, RunLock
@@ -138,9 +139,12 @@ def summary_lines(rec: RunRecord) -> list[str]:
         lines.append(f"  train loss: {rec.final_train_loss:.4g} after {rec.steps} steps{what}")
     tp = rec.throughput or {}  # none for a run that failed before measuring
     if tp.get("pipeline") is not None:
+        emulated = (
+            "; a CPU's: its low-precision arithmetic emulated" if rec.environment.get("device_type") == "cpu" else ""
+        )
         lines.append(
             f"  throughput: {tp['pipeline']:.4g} {tp['unit']} "
-            f"(compute only {tp['compute']:.4g}; median of {tp['windows']} windows)"
+            f"(compute only {tp['compute']:.4g}; median of {tp['windows']} windows{emulated})"
         )
     if rec.mfu and rec.mfu.get("value") is not None:
         assert rec.flops is not None  # an MFU value is computed from the FLOP count
@@ -160,6 +164,11 @@ def summary_lines(rec: RunRecord) -> list[str]:
             f"  loss scale: [{name}] final {s['final']:g}, min {s['min']:g}, "
             f"skipped {s['skipped_steps']}/{s['steps']} steps{explain_skips(s)}"
         )
+    saved = Path(rec.run_dir) / CHECKPOINT
+    if (
+        rec.checkpoint_step is not None and saved.exists()
+    ):  # what a run leaves besides its record (checkpoint=false: none)
+        lines.append(f"  checkpoint: {_fmt_bytes(saved.stat().st_size)} at step {rec.checkpoint_step} ({saved})")
     lines.append(f"  record:     {Path(rec.run_dir) / 'result.json'}")
     return lines
 
