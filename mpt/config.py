@@ -552,7 +552,7 @@ class Config:
     resume: bool = True  # continue from the run folder's checkpoint when there is one
     checkpoint: bool = True  # write checkpoints (every schedule.checkpoint_every steps and at the end)
     logger: Optional[str] = (
-        "tensorboard"  # event files in the run's folder beside metrics.jsonl (runner/tensorboard_log.py) | none
+        "tensorboard"  # event files in the run's folder beside metrics.jsonl (runner/tensorboard_log.py) | csv | none
     )
 
 
@@ -648,7 +648,7 @@ def validate_update_extras(cfg: DictConfig) -> None:
         )
 
 
-LOGGERS = ("tensorboard", "none")
+LOGGERS = ("tensorboard", "csv", "none")
 MAX_SHIFT_DOWN = 126
 MAX_SEED = 2**32 - 1
 

@@ -20,6 +20,7 @@ from .. import preemption
 from ..distributed import Dist
 from ..precision.engine import PrecisionEngine
 from ..precision.scaler import Diverged
+from .csv_log import CSVLog
 from .instruments.grad_stats import GradStatsCollector
 from .instruments.throughput import ThroughputMeter
 from .outcomes import earliest
@@ -46,7 +47,7 @@ class Logbook:
         self.peers_preempted = False  # under torchrun: a rank got a preemption signal (as of the last flush)
         # Rank 0 writes everything; the other ranks compute the same rows and drop them.
         self.metrics: MetricsLog | NullLog = NullLog()
-        self.board: TensorBoardLog | NullBoard = NullBoard()
+        self.board: TensorBoardLog | CSVLog | NullBoard = NullBoard()
         self.progress: Progress | None = None  # shown while a run trains, not while a benchmark drives its steps
 
     def open(self, run_dir: Path, logger: str | None, resumed_at: int | None, metrics: dict | None) -> None:
@@ -54,7 +55,10 @@ class Logbook:
         TensorBoard's. The evaluation at a resumed checkpoint is written to the board again: it was
         purged with the steps past it."""
         self.metrics = MetricsLog(run_dir / "metrics.jsonl", keep_before_step=resumed_at)
-        self.board = open_board(logger, run_dir, resumed_at, self.meter, self.grad_stats, self.dist.enabled)
+        if logger == "csv":
+            self.board = CSVLog(run_dir, resumed_at, self.meter)
+        else:
+            self.board = open_board(logger, run_dir, resumed_at, self.meter, self.grad_stats, self.dist.enabled)
         if resumed_at is not None and metrics is not None and metrics.get("step") == resumed_at:
             self.board.write([{"kind": "eval", **metrics}])
 
