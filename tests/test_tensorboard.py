@@ -57,7 +57,7 @@ def test_logger_none_writes_no_event_file_and_a_bad_logger_is_named(tmp_path, in
 
     assert build_run(tmp_path, TINY, "schedule=smoke", "logger=none", "checkpoint=false").execute().status == "ok"
     assert (tmp_path / "result.json").exists() and not list(tmp_path.glob("events.out.tfevents.*"))
-    with pytest.raises(ConfigError, match="^logger=wandb: expected one of tensorboard, none"):
+    with pytest.raises(ConfigError, match="^logger=wandb: expected one of tensorboard, csv, none"):
         build_run(tmp_path / "bad", TINY, "logger=wandb")
 
 
@@ -95,3 +95,22 @@ def test_a_failing_event_writer_warns_once_and_the_run_goes_on(tmp_path, capsys,
     assert job.execute().status == "ok"
     warnings = [line for line in capsys.readouterr().err.splitlines() if "TensorBoard event files" in line]
     assert len(warnings) == 1 and "No space left on device" in warnings[0]
+
+
+def test_the_event_files_hold_the_config_the_hparams_and_a_gans_sample_grids(tmp_path, in_process):
+    from .test_dcgan import TINY as GAN
+
+    rec = build_run(tmp_path, "model=dcgan64", *GAN, "schedule.eval_every=2", "checkpoint=false").execute()
+    assert rec.status == "ok", rec.message
+    acc = events(tmp_path)
+    assert "model:\n  name: dcgan64" in acc.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
+    plugins = acc.PluginTagToContent("hparams")
+    assert "_hparams_/experiment" in plugins and "_hparams_/session_start_info" in plugins
+    started = plugins["_hparams_/session_start_info"].decode("latin-1")
+    assert "dcgan64" in started and "precision" in started
+    grids = acc.Images("samples")
+    assert [g.step for g in grids] == [g["step"] for g in rec.sample_grids]
+    from PIL import Image
+
+    with Image.open(tmp_path / rec.sample_grids[-1]["path"]) as drawn:
+        assert (grids[-1].width, grids[-1].height) == drawn.size

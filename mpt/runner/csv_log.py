@@ -34,6 +34,9 @@ class CSVLog:
     def write(self, rows: list[dict]) -> None:
         self._guarded(self._write, rows)
 
+    def image(self, tag: str, path: Path, step: int) -> None:
+        pass  # pictures stay where the task drew them; the record lists them
+
     def sync(self, step: int, meter, grad_stats) -> None:
         self._guarded(self._sync, step, meter)
 

@@ -26,7 +26,7 @@ from .instruments.throughput import ThroughputMeter
 from .outcomes import earliest
 from .progress import Progress
 from .record import MetricsLog, NullLog
-from .tensorboard_log import NullBoard, TensorBoardLog, open_board
+from .tensorboard_log import NullBoard, RunAbout, TensorBoardLog, open_board
 
 log = logging.getLogger("mpt")
 
@@ -50,7 +50,9 @@ class Logbook:
         self.board: TensorBoardLog | CSVLog | NullBoard = NullBoard()
         self.progress: Progress | None = None  # shown while a run trains, not while a benchmark drives its steps
 
-    def open(self, run_dir: Path, logger: str | None, resumed_at: int | None, metrics: dict | None) -> None:
+    def open(
+        self, run_dir: Path, logger: str | None, resumed_at: int | None, metrics: dict | None, about: RunAbout | None
+    ) -> None:
         """Rank 0's files: metrics.jsonl, its rows past `resumed_at` (the checkpoint's step) dropped, and
         TensorBoard's. The evaluation at a resumed checkpoint is written to the board again: it was
         purged with the steps past it."""
@@ -58,7 +60,7 @@ class Logbook:
         if logger == "csv":
             self.board = CSVLog(run_dir, resumed_at, self.meter)
         else:
-            self.board = open_board(logger, run_dir, resumed_at, self.meter, self.grad_stats, self.dist.enabled)
+            self.board = open_board(logger, run_dir, resumed_at, self.meter, self.grad_stats, self.dist.enabled, about)
         if resumed_at is not None and metrics is not None and metrics.get("step") == resumed_at:
             self.board.write([{"kind": "eval", **metrics}])
 

@@ -6,11 +6,31 @@ windows, and on sampled steps the gradient histograms and the share of updates l
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+
+
+@dataclass(frozen=True)
+class RunAbout:
+    """What a run is, for a logger's overview: its composed config, its settings as HParams and its metric."""
+
+    config_yaml: str
+    hparams: dict[str, str | float | int | bool]
+    metric: str
+
+    @classmethod
+    def of(cls, cfg, choices: dict[str, str], metric: str) -> RunAbout:
+        from omegaconf import OmegaConf
+
+        settings = {"seed": int(cfg.seed), "lr": float(cfg.optim.lr), "batch_size": int(cfg.schedule.batch_size)}
+        return cls(OmegaConf.to_yaml(cfg), {**choices, **settings}, metric)
 
 
 class NullBoard:
     def write(self, rows: list[dict]) -> None:
+        pass
+
+    def image(self, tag: str, path: Path, step: int) -> None:
         pass
 
     def sync(self, step: int, meter, grad_stats) -> None:
@@ -31,7 +51,15 @@ class TensorBoardLog:
     evaluation's the count of steps done. A failing writer (a full disk) warns once and goes quiet:
     the run and its record matter more than this view of them."""
 
-    def __init__(self, run_dir: Path, resumed_at: int | None, meter, grad_stats, per_process: bool = False):
+    def __init__(
+        self,
+        run_dir: Path,
+        resumed_at: int | None,
+        meter,
+        grad_stats,
+        per_process: bool = False,
+        about: RunAbout | None = None,
+    ):
         from torch.utils.tensorboard import SummaryWriter
 
         if resumed_at is None:  # starting over, as metrics.jsonl does: an earlier attempt's events go
@@ -48,6 +76,30 @@ class TensorBoardLog:
             (net, kind): len(steps) for net, kinds in grad_stats.step_hists.items() for kind, steps in kinds.items()
         }
         self.lost_steps = {net: len(steps) for net, steps in grad_stats.lost_steps.items()}
+        if about is not None and resumed_at is None:  # a resumed run's were written by its first launch
+            self._guarded(self._describe, about)
+
+    def image(self, tag: str, path: Path, step: int) -> None:
+        """A picture the task drew (a GAN's sample grid), from its PNG."""
+        self._guarded(self._image, tag, path, step)
+
+    def _image(self, tag: str, path: Path, step: int) -> None:
+        import numpy as np
+        from PIL import Image
+
+        with Image.open(path) as picture:
+            self.writer.add_image(tag, np.asarray(picture.convert("RGB")), step, dataformats="HWC")
+
+    def _describe(self, about: RunAbout) -> None:
+        """The composed config as text, and the run's choices as HParams, against its evaluation metric
+        (the HParams dashboard reads that metric's `eval/` scalars)."""
+        from torch.utils.tensorboard.summary import hparams
+
+        self.writer.add_text("config", "```\n" + about.config_yaml + "\n```", 0)
+        writer = self.writer.file_writer  # the run's own event file, not add_hparams' subfolder
+        assert writer is not None  # add_text opened it
+        for summary in hparams(about.hparams, {f"eval/{about.metric}": 0.0}):
+            writer.add_summary(summary)
 
     def write(self, rows: list[dict]) -> None:
         self._guarded(self._write, rows)
@@ -130,8 +182,14 @@ class TensorBoardLog:
 
 
 def open_board(
-    logger: str | None, run_dir: Path, resumed_at: int | None, meter, grad_stats, per_process: bool = False
+    logger: str | None,
+    run_dir: Path,
+    resumed_at: int | None,
+    meter,
+    grad_stats,
+    per_process: bool = False,
+    about: RunAbout | None = None,
 ) -> TensorBoardLog | NullBoard:
-    return (
-        TensorBoardLog(run_dir, resumed_at, meter, grad_stats, per_process) if logger == "tensorboard" else NullBoard()
-    )
+    if logger != "tensorboard":
+        return NullBoard()
+    return TensorBoardLog(run_dir, resumed_at, meter, grad_stats, per_process, about)

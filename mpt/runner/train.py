@@ -30,6 +30,7 @@ from .logbook import Logbook
 from .record import RunRecord
 from .resumption import Resumption
 from .stepping import Stepper
+from .tensorboard_log import RunAbout
 
 log = logging.getLogger("mpt")
 
@@ -96,7 +97,8 @@ class Run:
         if saved is not None:
             self._restore(saved)
         if self.dist.is_main:  # rank 0 writes everything; the other ranks compute the same rows and drop them
-            self.logbook.open(run_dir, cfg.logger, saved["step"] if saved else None, self.record.metrics)
+            about = RunAbout.of(cfg, self.record.choices, self.task.primary_metric)
+            self.logbook.open(run_dir, cfg.logger, saved["step"] if saved else None, self.record.metrics, about)
 
     def own_instruments(self) -> list[Instrument]:
         """A subclass's statistics besides the run's own, each checkpointed and summarized like them."""
@@ -355,6 +357,7 @@ class Run:
         if self.record.sample_grids is not None and self.dist.is_main:
             path = self.task.save_samples(self.run_dir / "samples" / f"step_{step:06d}.png", self.forward_context)
             assert path is not None  # a task with sample grids saves them
+            self.logbook.board.image("samples", path, step)
             self.record.sample_grids = [
                 *(g for g in self.record.sample_grids if g["step"] != step),
                 {"step": step, "path": path.relative_to(self.run_dir).as_posix()},
