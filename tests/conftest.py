@@ -3,11 +3,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import itertools
 import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -144,6 +147,21 @@ class Vector(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w * x
+
+
+@pytest.fixture(autouse=True)
+def event_files_named_in_opening_order(monkeypatch):
+    """TensorBoard names an event file by the second it opened and a counter of this process, and its
+    reader takes a folder's files in name order: two files a test opens within one second sort wrong
+    once the counter passes a power of ten (".100" before ".99"), which puts a resumed run's events
+    before the killed run's. Here each file opens in a second of its own, so names sort in opening
+    order, as a killed run's and its relaunch's do, seconds apart."""
+    try:
+        from tensorboard.summary.writer import event_file_writer as writer
+    except ImportError:
+        return
+    clock = itertools.count(int(time.time()))
+    monkeypatch.setattr(writer, "time", SimpleNamespace(time=lambda: float(next(clock))))
 
 
 def events(run_dir: Path):
