@@ -325,6 +325,9 @@ class ImageFolderDataConfig(FileDataConfig):
     # where the images are decoded: host (PIL in the loader's workers) | device (the JPEGs' bytes read by
     # the workers and decoded on the run's device, nvJPEG on a GPU; augment imagenet; datasets/device_decode.py)
     decode: str = "host"
+    # decode every image of both splits before training and name each one that cannot be read (a file a
+    # batch would meet mid-run); null: on schedule=smoke only, whose runs are checks of a set-up
+    verify: Optional[bool] = None
     # a resident source's evaluation batch (null: schedule.batch_size): evaluation keeps no activations
     # for a backward, so a GPU fits a larger one (airbench evaluates 2,000 at a time)
     eval_batch_size: Optional[int] = None

@@ -117,6 +117,7 @@ def test_a_corrupt_image_fails_the_run_naming_it_and_the_sweep_goes_on(tmp_path)
         f"data.root={bad},{good}",
         "data=imagefolder",
         "data.num_workers=1",
+        "data.verify=false",  # met mid-run, as in a long run: smoke runs look before they start
         "schedule=smoke",
         "schedule.batch_size=4",
         "schedule.steps=4",
@@ -161,3 +162,19 @@ def test_the_largest_seed_validation_accepts_draws_its_samples():
     largest, small = SeededSamples(Noise(), 2**32 - 1), SeededSamples(Noise(), 7)
     assert torch.equal(largest[(2, 3)], largest[(2, 3)])  # the same key, the same draw
     assert not torch.equal(largest[(2, 3)], small[(2, 3)])
+
+
+def test_a_smoke_run_names_every_unreadable_image_before_it_starts(tmp_path, in_process):
+    root = make_folder(tmp_path / "data", per_class=4, size=32)
+    broken = [root / "train" / "dog" / "2.jpg", root / "val" / "cat" / "1.jpg"]
+    broken[0].write_bytes(b"\xff\xd8\xff\xe0 not a jpeg")
+    broken[1].write_bytes(broken[1].read_bytes()[:100])  # cut short, as an interrupted copy leaves it
+    args = [TINY, "data=imagefolder", f"data.root={root}", "schedule=smoke", "schedule.batch_size=4"]
+    with pytest.raises(ConfigError) as error:
+        build_run(tmp_path / "run", *args)
+    lines = str(error.value).splitlines()
+    assert lines[0] == (
+        "data.verify: 2 of 16 images cannot be read; fix or remove them (data.verify=false skips this check):"
+    )
+    assert [line.split(": ")[0] for line in lines[1:]] == [f"  corrupt image {p}" for p in sorted(broken)]
+    build_run(tmp_path / "unchecked", *args, "data.verify=false")  # unchecked, it builds

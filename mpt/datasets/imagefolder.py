@@ -169,7 +169,15 @@ def plain_images(
 
 
 class ImageFolderData(LoaderData):
-    def __init__(self, data: DictConfig, schedule: DictConfig, seed: int, device: torch.device, shard: Dist = Dist()):
+    def __init__(
+        self,
+        data: DictConfig,
+        schedule: DictConfig,
+        seed: int,
+        device: torch.device,
+        shard: Dist = Dist(),
+        verify: bool = False,
+    ):
         root = folder_root(data)
         size = schedule.image_size
         normalize = transforms.Normalize(
@@ -187,6 +195,8 @@ class ImageFolderData(LoaderData):
         self.train_set = open_split(root, data.train_split, train_tf)
         self.val_set = open_split(root, data.val_split, val_tf)
         check_splits(root, data, self.train_set.classes, self.val_set.classes, len(self.train_set), schedule.batch_size)
+        if verify:
+            verify_images([path for split in (self.train_set, self.val_set) for path, _ in split.samples])
         self.device = device
         workers = default_workers() if data.num_workers == -1 else data.num_workers
         # Loaders get generators of their own, so iterating them never draws from the global RNG
@@ -237,7 +247,24 @@ class ImageFolderData(LoaderData):
         return images.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
 
 
+def verify_images(paths: list[str]) -> None:
+    """Decode each image as training would; a ConfigError naming every one that cannot be read, a line each."""
+    bad = []
+    for path in paths:
+        try:
+            load_image(path)
+        except CorruptImage as e:
+            bad.append(str(e))
+    if bad:
+        lines = "\n  ".join(bad)
+        raise ConfigError(
+            f"data.verify: {len(bad)} of {len(paths)} images cannot be read; fix or remove them "
+            f"(data.verify=false skips this check):\n  {lines}"
+        )
+
+
 def build(
     cfg: DictConfig, device: torch.device, workdir: Optional[Path] = None, resuming: bool = False, shard: Dist = Dist()
 ) -> ImageFolderData:
-    return ImageFolderData(cfg.data, cfg.schedule, seed=cfg.seed, device=device, shard=shard)
+    verify = cfg.data.verify if cfg.data.verify is not None else cfg.schedule.name == "smoke"
+    return ImageFolderData(cfg.data, cfg.schedule, seed=cfg.seed, device=device, shard=shard, verify=verify)

@@ -26,6 +26,7 @@ NOT_COMPUTATIONAL = (
     "schedule.throughput_window",
     "scale.warn_consecutive_skips",  # a warning, not a setting of the arithmetic
     "data.cache_dir",  # where decoded images are kept: the same images from any copy
+    "data.verify",  # a check of the files before training, which changes nothing it trains on
     "model.static_scale_source",  # citations, not settings
     "model.recipe.source",
     "experiment",  # the comparisons a preset declares: a report's business, not the run's

@@ -15,6 +15,7 @@ from omegaconf import DictConfig
 
 from .. import preemption
 from ..datasets import build_data
+from ..datasets.imagefolder import CorruptImage
 from ..distributed import from_env
 from ..models import build_task
 from ..precision.engine import default_channels_last, forward_context, held_for_the_run
@@ -269,8 +270,11 @@ class Run:
         try:
             return self.train()
         except Exception as e:
-            log.exception("run failed")
             self.record.status, self.record.message = outcomes.failure(e, self.cfg.schedule.batch_size)
+            if isinstance(e, CorruptImage):  # a file to fix, not a bug: one line names it
+                log.error("run failed: %s", self.record.message)
+            else:
+                log.exception("run failed")
             try:
                 self.save_record()
             except OSError as write_error:  # a full disk: the record on disk stays as it last was
