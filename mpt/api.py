@@ -18,7 +18,7 @@ from torch import nn
 from .config import ConfigError
 from .distributed import Dist
 from .models import LossTerm, OneNetwork
-from .precision.engine import forward_context
+from .precision.engine import check_device_support, forward_context, set_fp32_math
 from .runner import cli
 from .runner.engines import Plan, build_engines
 from .runner.instruments import RunEnd, StepDone, standard
@@ -38,15 +38,20 @@ def run(overrides: Sequence[str] = ()) -> RunRecord:
     if problem:
         raise ConfigError(problem)
     argv, sys.argv = sys.argv, ["mpt-run", *args]
-    cli.LAST_RUN_DIR = None
+    cli.LAST_RUN_DIR, cli.LAST_REFUSAL = None, None
     try:
         cli.launch()
-    except SystemExit as e:  # mpt-run's exit after a failed set-up or run: its record, where one was written
-        if cli.LAST_RUN_DIR is None or not (cli.LAST_RUN_DIR / "result.json").exists():
-            raise RuntimeError(f"mpt.run: mpt-run {' '.join(args)} exited with {e.code}, writing no record") from None
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+        if code >= 128:  # a preemption signal or a second Ctrl-C: the caller's loop stops too
+            raise
+        if cli.LAST_REFUSAL is not None:  # stopped before running: a bad value, or the folder's run is running
+            raise cli.LAST_REFUSAL from None
+        # a run that failed (`error`, `oom`) wrote its record: returned below, as for mpt-run's exit 1
     finally:
         sys.argv = argv
-    assert cli.LAST_RUN_DIR is not None  # launch() names its folder before anything else
+    if cli.LAST_RUN_DIR is None or not (cli.LAST_RUN_DIR / "result.json").exists():
+        raise RuntimeError(f"mpt.run: mpt-run {' '.join(args)} wrote no record")
     return RunRecord.load(cli.LAST_RUN_DIR / "result.json")
 
 
@@ -92,14 +97,38 @@ def analyze(
     overrides = [
         f"precision={precision}", *scaling, f"stats.formats=[{','.join(formats)}]", "stats.lost_updates=true",
         "stats.every=1", "optim.name=sgd", "optim.momentum=0", "optim.weight_decay=0", f"optim.lr={lr}",
-        "optim.lr_batch=null", "data=synthetic", "schedule=smoke", f"schedule.steps={steps}", "device=cpu",
+        "optim.lr_batch=null", "data=synthetic", "schedule=smoke", f"schedule.steps={steps}",
     ]  # fmt: skip
+    device = next(model.parameters()).device
+    overrides.append(f"device={device}")
     with initialize_config_module(config_module="mpt.configs", version_base="1.3"):
         cfg = compose(config_name="config", overrides=overrides)
     validate(cfg)
-    net = copy.deepcopy(model)
-    device = next(net.parameters()).device
-    task = _Given(net, loss_fn)
+    check_device_support(cfg.precision, device)
+    with _fp32_math(cfg.precision.tf32):  # as mpt-run sets the process: TF32 only where the mode says so
+        return _steps(cfg, _Given(copy.deepcopy(model), loss_fn), batch, steps, device)
+
+
+@contextlib.contextmanager
+def _fp32_math(tf32: bool) -> Iterator[None]:
+    """set_fp32_math(tf32) inside, the caller's flags again after."""
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    if hasattr(matmul, "fp32_precision"):
+        # the ignores: torch >= 2.9's per-backend precision is absent from its stubs
+        places = [(matmul, "fp32_precision"), (cudnn.conv, "fp32_precision"), (cudnn.rnn, "fp32_precision")]  # type: ignore[attr-defined]
+    else:  # torch < 2.9
+        places = [(matmul, "allow_tf32"), (cudnn, "allow_tf32")]
+    before = [getattr(owner, name) for owner, name in places]
+    set_fp32_math(tf32)
+    try:
+        yield
+    finally:
+        for (owner, name), value in zip(places, before):
+            setattr(owner, name, value)
+
+
+def _steps(cfg, task: _Given, batch: Any, steps: int, device: torch.device) -> pd.DataFrame:
+    """The run's loop (runner/train.py), without its data, log or record."""
     plan = Plan(total_steps=steps, milestones=[], eval_every=steps)
     engines = build_engines(cfg, task, plan, device, Dist(), channels_last=False)
     tools = standard.build(cfg, engines, device, Dist(), task.sample_unit)
@@ -109,7 +138,7 @@ def analyze(
     batches = _batches(batch, steps)
     for instrument in instruments:
         instrument.start()
-    for step in range(steps):  # as the run's loop takes a step (runner/train.py), without its data or log
+    for step in range(steps):
         given = next(batches)
         with contextlib.ExitStack() as stepping:
             for instrument in instruments:

@@ -4,6 +4,7 @@ network's numerics against float64 counts of its own tensors."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +26,14 @@ def test_run_returns_the_record_mpt_run_writes(tmp_path, in_process):
 def test_run_raises_mpt_runs_one_line_for_a_bad_value():
     with pytest.raises(ConfigError, match=r"^schedule.steps=-1: must be a positive number"):
         mpt.run([TINY, "schedule=smoke", "schedule.steps=-1"])
+
+
+def test_run_raises_a_value_refused_as_the_run_is_built_even_over_an_earlier_record(tmp_path, in_process):
+    own = f"model.builder={Path(__file__).parent / 'data' / 'own_model.py'}:small_cnn"
+    args = ["model=custom", own, "data=synthetic", "schedule=smoke", "checkpoint=false", f"hydra.run.dir={tmp_path}"]
+    assert mpt.run(args).status == "ok"
+    with pytest.raises(ConfigError, match=r"calling it with \['depth', 'num_classes'\] failed"):
+        mpt.run([*args, "+model.kwargs.depth=3"])
 
 
 def sum_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -26,3 +26,8 @@ def test_a_dry_run_lists_the_folders_the_sweep_makes_and_which_are_done(tmp_path
     assert [r[:2] for r in rows] == [["done", "(ok)"], ["done", "(ok)"], ["to", "run"]]
     assert rows[2][-1].endswith("mobilenet_v3_small_bf16_none_synthetic_smoke_cpu_seed0")
     assert sorted(p.name for p in (tmp_path / "sweep").iterdir()) == before  # nothing was made
+
+    forced = mpt_run("-m", *SWEEP, "precision=fp32", "force=true", "hydra.sweep.dir=sweep", "--dry-run", cwd=tmp_path)
+    assert forced.stdout.strip().splitlines()[1].split()[:3] == ["to", "run", "(force=true)"]
+    single = mpt_run(*SWEEP, "--dry-run", cwd=tmp_path)
+    assert single.returncode == 2 and "--dry-run lists a sweep's runs: use it with -m" in single.stderr

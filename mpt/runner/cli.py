@@ -174,11 +174,12 @@ def summary_lines(rec: RunRecord) -> list[str]:
 
 
 LAST_RUN_DIR: Path | None = None  # the folder of the run launch() made last (mpt.run reads its record)
+LAST_REFUSAL: Exception | None = None  # why launch() last stopped before running (mpt.run raises it)
 
 
 @hydra.main(version_base="1.3", config_path="pkg://mpt.configs", config_name="config")
 def launch(cfg: DictConfig) -> str:
-    global LAST_RUN_DIR
+    global LAST_RUN_DIR, LAST_REFUSAL
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
     run_dir = LAST_RUN_DIR = Path(HydraConfig.get().runtime.output_dir)
     # Rank 0 owns the folder under torchrun; the other ranks write nothing into it.
@@ -186,6 +187,7 @@ def launch(cfg: DictConfig) -> str:
     try:
         took_over = lock.acquire() if lock else None
     except AlreadyRunning as e:
+        LAST_REFUSAL = RuntimeError(f"{run_dir}: already running ({e})")
         print(f"mpt-run: {run_dir}: already running ({e}); skipped", file=sys.stderr, flush=True)
         if multirun and not from_env().enabled:
             return "already running"
@@ -250,6 +252,7 @@ def _save_hydra_files(cfg: DictConfig, run_dir: Path) -> None:
 def _run_locked(cfg: DictConfig, run_dir: Path, multirun: bool, owner: bool) -> tuple[str, bool]:
     """The run's status, and whether a preemption signal asks the process to stop. `owner`: this
     process holds the folder's lock (rank 0)."""
+    global LAST_REFUSAL
     from .outcomes import failure  # torch and torchvision load after Hydra has parsed the command line
     from .train import Run
     from .validation import validate
@@ -284,6 +287,7 @@ def _run_locked(cfg: DictConfig, run_dir: Path, multirun: bool, owner: bool) -> 
         if multirun and job.dist.is_main:
             print(f"mpt-run: {run_label()}: {run_dir.name}", flush=True)
     except ConfigError as e:  # before any training: one line, no record
+        LAST_REFUSAL = e
         print(f"mpt-run: error: {e}", file=sys.stderr)
         if multirun:
             return "invalid", False
@@ -466,12 +470,17 @@ def sweep_runs(args: list[str]) -> list[tuple[Path, str]]:
         HydraConfig.instance().set_config(cfg)  # the folder's name reads the job's choices and overrides there
         folder = Path(cfg.hydra.sweep.dir) / str(cfg.hydra.sweep.subdir)
         record = previous_record(folder)
+        job_cfg = OmegaConf.masked_copy(cfg, [str(k) for k in cfg if k != "hydra"])  # the config launch() gets
         if record is None:
             runs.append((folder, "to run"))
-        elif record.status in ("ok", "diverged"):  # results: a relaunch skips them
-            runs.append((folder, f"done ({record.status})"))
-        else:  # failed, preempted or still running: a relaunch runs or resumes it
+        elif record.status not in ("ok", "diverged"):  # failed, preempted or still running: run or resumed again
             runs.append((folder, f"to run (record: {record.status})"))
+        elif job_cfg.force:
+            runs.append((folder, "to run (force=true)"))
+        elif not identity.same_computation(record.config or {}, as_plain(job_cfg)):
+            runs.append((folder, "to run (config changed)"))
+        else:  # a result of this config: the sweep skips it, as _run_locked decides
+            runs.append((folder, f"done ({record.status})"))
     return runs
 
 
@@ -496,6 +505,9 @@ def main() -> None:
     problem = preflight(sys.argv[1:])
     if problem:
         print(f"mpt-run: error: {problem}", file=sys.stderr)
+        sys.exit(2)
+    if "--dry-run" in sys.argv[1:] and not {"-m", "--multirun"} & set(sys.argv[1:]):
+        print("mpt-run: error: --dry-run lists a sweep's runs: use it with -m", file=sys.stderr)
         sys.exit(2)
     if "--dry-run" in sys.argv[1:]:  # the runs a command would make, and which are done; nothing runs
         runs = sweep_runs([a for a in sys.argv[1:] if a != "--dry-run"])

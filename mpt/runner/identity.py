@@ -98,10 +98,19 @@ def same_computation(saved: dict, current: dict) -> bool:
     return not differences(saved, current)
 
 
-def _with_missing_keys(old: Any, new: Any) -> Any:
-    if not (isinstance(old, dict) and isinstance(new, dict)):
+# Dicts of free keys (a model's builder's keyword arguments): a key one config has and the other
+# lacks is a difference there, never a setting added since.
+OPEN_DICTS = ("model.kwargs",)
+
+
+def _with_missing_keys(old: Any, new: Any, path: str = "") -> Any:
+    if not (isinstance(old, dict) and isinstance(new, dict)) or path in OPEN_DICTS:
         return old
-    return {**old, **{key: _with_missing_keys(old[key], value) if key in old else value for key, value in new.items()}}
+    filled = dict(old)
+    for key, value in new.items():
+        inner = f"{path}.{key}" if path else str(key)
+        filled[key] = _with_missing_keys(old[key], value, inner) if key in old else value
+    return filled
 
 
 def variant(overrides: Iterable[tuple[str, str | None]]) -> str:
