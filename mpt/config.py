@@ -247,7 +247,8 @@ class ScaleConfig:
     # static: this many skipped steps in a row end the run as diverged: a scale that overflows every
     # step would otherwise spend the whole schedule training nothing, and end `ok`
     max_consecutive_skips: int = 100
-    # static: this many skipped steps in a row warn once, before the run goes on to the limit above
+    # static: this many skipped steps in a row warn once, before the run goes on to the limit above (a
+    # limit at or below it ends the run first, its message saying what the warning would)
     warn_consecutive_skips: int = 20
     init: float = 2.0**16  # dynamic, auto: starting scale
     interval: int = 2000  # dynamic: clean steps before growing

@@ -200,7 +200,8 @@ def test_the_summary_tells_the_scale_search_from_later_overflows():
 def test_the_summary_gives_the_checkpoints_size_and_says_a_cpus_arithmetic_is_emulated(tmp_path, in_process, keep):
     from mpt.runner.cli import summary_lines
 
-    rec = build_run(tmp_path, TINY, "data=synthetic", "schedule=smoke", f"checkpoint={str(keep).lower()}").execute()
+    args = [TINY, "data=synthetic", "schedule=smoke", "device=cpu", f"checkpoint={str(keep).lower()}"]
+    rec = build_run(tmp_path, *args).execute()
     lines = summary_lines(rec)
     saved = tmp_path / "checkpoint.pt"
     written = [line for line in lines if line.startswith("  checkpoint: ")]

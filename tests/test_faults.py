@@ -466,3 +466,18 @@ def test_an_ignored_sigint_stays_ignored_while_a_run_trains(signals):
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, before)
+
+
+def test_a_resumed_static_scale_does_not_warn_again_for_the_skips_before_its_checkpoint():
+    from mpt.precision.scaler import StaticScaler
+
+    first = StaticScaler(1e9, max_consecutive_skips=100, warn_consecutive_skips=2)
+    for _ in range(3):
+        first.update(True)
+    assert first.warned
+    resumed = StaticScaler(1e9, max_consecutive_skips=100, warn_consecutive_skips=2)
+    resumed.load_full_state_dict(first.full_state_dict())
+    assert resumed.warned
+    fresh = StaticScaler(1e9, max_consecutive_skips=100, warn_consecutive_skips=5)
+    fresh.load_full_state_dict(first.full_state_dict())
+    assert not fresh.warned  # 3 in a row: below its threshold

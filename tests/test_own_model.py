@@ -17,6 +17,7 @@ from .conftest import build_run, mpt_run, read_record
 
 BUILDER = Path(__file__).resolve().parent / "data" / "own_model.py"
 OWN = ["model=custom", f"model.builder={BUILDER}:small_cnn", "data=synthetic", "schedule=smoke", "checkpoint=false"]
+OWN += ["device=cpu"]  # the CPU's paths (FP8 emulated) are what some tests assert
 MODES = ["fp32", "fp16", "mixed", "fp16_modmom", "amp", "bf16", "tf32", "fp8", "fp8_delayed", "mxfp8", "mxfp6", "mxfp4"]
 
 
@@ -77,17 +78,31 @@ def test_the_command_line_names_the_run_after_its_builder_and_the_report_too(tmp
     assert any(p.name.startswith("loss_small_cnn_") for p in written)
 
 
-def test_a_torchvision_or_timm_model_is_named_after_itself_in_its_folder():
-    from mpt.runner.identity import folder_name
+@pytest.mark.parametrize(
+    ("overrides", "folder"),
+    [
+        (["model=torchvision", "model.arch=resnet18"], "resnet18_fp32_none_synthetic_smoke_cpu_seed0__arch-resnet18_"),
+        (["model=timm", "model.name=resnet10t"], "resnet10t_fp32_none_synthetic_smoke_cpu_seed0__name-resnet10t_"),
+        (["model=custom", "model.builder=pkg.nets:wide_resnet"], "wide_resnet_fp32_none_synthetic_smoke_cpu_seed0__"),
+        (["model=resnet50"], "resnet50_fp32_none_synthetic_smoke_cpu_seed0"),  # a zoo model's, as before
+    ],
+)
+def test_the_run_folder_is_named_after_the_model_itself(overrides, folder):
+    """hydra.run.dir as mpt-run resolves it: Hydra's choices and overrides, and the model's name."""
+    from hydra import compose, initialize_config_module
+    from hydra.core.hydra_config import HydraConfig
 
-    from .conftest import compose_cfg
+    import mpt.runner.cli  # noqa: F401  # registers the folder name's resolver
 
-    cfg = compose_cfg("model=torchvision", "model.arch=resnet18")
-    assert cfg.model.name == "resnet18"
-    assert folder_name([cfg.model.name, "fp32", "none", "synthetic", "smoke"], "cpu", 1, 0, "arch=resnet18").startswith(
-        "resnet18_fp32_none_synthetic_smoke_cpu_seed0"
-    )
-    assert compose_cfg("model=custom", "model.builder=pkg.nets:wide_resnet").model.name == "wide_resnet"
+    with initialize_config_module(config_module="mpt.configs", version_base="1.3"):
+        cfg = compose("config", overrides=[*overrides, "data=synthetic", "schedule=smoke", "device=cpu"],
+                      return_hydra_config=True)  # fmt: skip
+    HydraConfig.instance().set_config(cfg)
+    try:
+        name = Path(str(cfg.hydra.run.dir)).name
+    finally:
+        HydraConfig.instance().cfg = None
+    assert name.startswith(folder) and (name == folder or "__" in folder), name
 
 
 def test_the_model_a_timm_name_builds(tmp_path, in_process):

@@ -263,8 +263,13 @@ def verify_images(paths: list[str]) -> None:
         )
 
 
+def wants_verify(cfg: DictConfig) -> bool:
+    """data.verify, or where null, whether the run is a smoke run (a check of a set-up)."""
+    return cfg.data.verify if cfg.data.verify is not None else cfg.schedule.name == "smoke"
+
+
 def build(
     cfg: DictConfig, device: torch.device, workdir: Optional[Path] = None, resuming: bool = False, shard: Dist = Dist()
 ) -> ImageFolderData:
-    verify = cfg.data.verify if cfg.data.verify is not None else cfg.schedule.name == "smoke"
+    verify = wants_verify(cfg)
     return ImageFolderData(cfg.data, cfg.schedule, seed=cfg.seed, device=device, shard=shard, verify=verify)

@@ -191,8 +191,12 @@ def build(
 ):
     """The source of data=imagefolder: kept on the device with data.resident=true, decoded there with
     data.decode=device, else the loader's."""
-    if cfg.data.resident:
+    if cfg.data.resident:  # decodes every image as it starts: an unreadable one stops it there, named
         return ResidentImages(cfg.data, cfg.schedule, seed=cfg.seed, device=device, shard=shard)
     if cfg.data.decode == "device":
+        if imagefolder.wants_verify(cfg):
+            root = imagefolder.folder_root(cfg.data)
+            splits = [imagefolder.open_split(root, s, None) for s in (cfg.data.train_split, cfg.data.val_split)]
+            imagefolder.verify_images([path for split in splits for path, _ in split.samples])
         return DeviceDecodedImages(cfg.data, cfg.schedule, seed=cfg.seed, device=device, shard=shard)
     return imagefolder.build(cfg, device, workdir, resuming, shard)

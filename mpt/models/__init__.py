@@ -158,6 +158,8 @@ def _module(cfg: DictConfig):
 
 def validate(cfg: DictConfig) -> None:
     """The model's settings, checked by its task beside its builder."""
+    if cfg.model.kwargs and Task_(cfg.model.task) != Task_.classification:  # only a classifier's builder takes them
+        raise ConfigError(f"model.kwargs: model={cfg.model.name} is built by mpt's own code, which takes none")
     _module(cfg).validate(cfg)
 
 

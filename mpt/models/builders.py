@@ -31,22 +31,34 @@ def parse(spec: str) -> tuple[str, str]:
     return where, name
 
 
+_LOADED: dict[Path, Any] = {}  # a builder's file, executed once per process however often it is named
+
+
 def _module(where: str, spec: str) -> Any:
     if where.endswith(".py"):
-        path = Path(where).expanduser()
+        path = Path(where).expanduser().resolve()
         if not path.is_file():
-            raise ConfigError(f"model.builder={spec}: no file {path.resolve()}")
-        loaded = importlib.util.spec_from_file_location(f"mpt_user_model_{path.stem}", path)
-        assert loaded is not None and loaded.loader is not None  # a .py file that exists
-        module = importlib.util.module_from_spec(loaded)
-        loaded.loader.exec_module(module)
-        return module
+            raise ConfigError(f"model.builder={spec}: no file {path}")
+        if path not in _LOADED:
+            loaded = importlib.util.spec_from_file_location(f"mpt_user_model_{path.stem}", path)
+            assert loaded is not None and loaded.loader is not None  # a .py file that exists
+            module = importlib.util.module_from_spec(loaded)
+            try:
+                loaded.loader.exec_module(module)
+            except Exception as e:  # the user's file: its error in one line, not a traceback from inside mpt
+                raise ConfigError(f"model.builder={spec}: importing {path} failed: {type(e).__name__}: {e}") from None
+            sys.modules[loaded.name] = _LOADED[path] = module
+        return _LOADED[path]
     if os.getcwd() not in sys.path:  # an installed console script's sys.path lacks the working directory
         sys.path.append(os.getcwd())
     try:
         return importlib.import_module(where)
     except ModuleNotFoundError as e:
-        raise ConfigError(f"model.builder={spec}: no module named {e.name!r} (expected {FORM})") from None
+        if e.name and (where == e.name or where.startswith(e.name + ".")):  # the module named is not there
+            raise ConfigError(f"model.builder={spec}: no module named {e.name!r} (expected {FORM})") from None
+        raise ConfigError(f"model.builder={spec}: importing {where} failed: {type(e).__name__}: {e}") from None
+    except Exception as e:  # the module itself failed: a missing dependency of its own, a syntax error
+        raise ConfigError(f"model.builder={spec}: importing {where} failed: {type(e).__name__}: {e}") from None
 
 
 def resolve(spec: str) -> Callable[..., Any]:
@@ -87,4 +99,7 @@ def timm_model(name: str, kwargs: dict, num_classes: int) -> nn.Module:
         raise ConfigError(f'model=timm model.name={name}: timm is not installed (pip install "mpt[timm]")') from None
     if not timm.is_model(name):
         raise ConfigError(f"model=timm model.name={name}: not a timm model (timm.list_models() lists them)")
-    return timm.create_model(name, pretrained=False, num_classes=num_classes, **kwargs)
+    try:
+        return timm.create_model(name, pretrained=False, num_classes=num_classes, **kwargs)
+    except TypeError as e:
+        raise ConfigError(f"model=timm model.name={name}: building it with {sorted(kwargs)} failed: {e}") from None

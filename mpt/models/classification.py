@@ -16,7 +16,7 @@ from typing import Any, Callable, ContextManager, Iterable, Iterator
 import torch
 import torch.nn.functional as F
 import torchvision
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from ..config import MODEL_REQUIRES, ConfigError
 from ..distributed import Dist
@@ -47,25 +47,27 @@ class Classification(OneNetwork):
         # averages the gradients over processes, so each share's sum counts world_size times.
         self.sum_factor = float(world_size) if model_cfg.loss_reduction == "sum" else 1.0
         self.frozen: list[torch.nn.Parameter] = []
-        kwargs = dict(_BUILD_KWARGS.get(model_cfg.arch, {}))
-        if model_cfg.dropout is not None:
-            kwargs["dropout"] = model_cfg.dropout
-        try:
-            if model_cfg.builder is not None:
-                self.net = builders.build(model_cfg.builder, {**model_cfg.kwargs, **kwargs}, num_classes)
-            elif model_cfg.library == "timm":
-                self.net = builders.timm_model(model_cfg.name, {**model_cfg.kwargs, **kwargs}, num_classes)
-            elif model_cfg.arch in _OWN_ARCHS:
-                self.net = _OWN_ARCHS[model_cfg.arch](num_classes=num_classes, **kwargs)
-            else:
-                kwargs = {**model_cfg.kwargs, **kwargs}
-                self.net = torchvision.models.get_model(model_cfg.arch, weights=None, num_classes=num_classes, **kwargs)
-        except TypeError as e:
-            if "dropout" in str(e):
-                raise ConfigError(
-                    f"model.dropout={model_cfg.dropout}: {model_cfg.name} has no dropout to set"
-                ) from None
-            raise
+        dropout = {} if model_cfg.dropout is None else {"dropout": model_cfg.dropout}
+        given = {**dropout, **OmegaConf.to_container(model_cfg.kwargs, resolve=True)}  # type: ignore[dict-item]
+        if model_cfg.builder is not None:
+            self.net = builders.build(model_cfg.builder, given, num_classes)
+        elif model_cfg.library == "timm":
+            self.net = builders.timm_model(model_cfg.name, given, num_classes)
+        else:
+            try:
+                if model_cfg.arch in _OWN_ARCHS:
+                    self.net = _OWN_ARCHS[model_cfg.arch](num_classes=num_classes, **dropout)
+                else:  # torchvision's, with the arguments some need to build without pretrained weights
+                    kwargs = {**_BUILD_KWARGS.get(model_cfg.arch, {}), **given}
+                    self.net = torchvision.models.get_model(
+                        model_cfg.arch, weights=None, num_classes=num_classes, **kwargs
+                    )
+            except TypeError as e:
+                if "dropout" in str(e) and "dropout" not in model_cfg.kwargs:
+                    raise ConfigError(
+                        f"model.dropout={model_cfg.dropout}: {model_cfg.name} has no dropout to set"
+                    ) from None
+                raise ConfigError(f"model={model_cfg.name}: building it with {sorted(given)} failed: {e}") from None
         self.num_classes = num_classes
         self.base = self.net  # the network as built, while self.net may become a wrapper of it
 
@@ -167,12 +169,19 @@ def validate(cfg: DictConfig) -> None:
     m = cfg.model
     if m.arch == "custom" and m.builder is None:
         raise ConfigError(f"model.builder: not given; model=custom needs model.builder={MODEL_REQUIRES['builder']}")
+    # a builder or a library only where the run is named after it, not under a zoo model's name
+    if m.builder is not None and m.arch != "custom":
+        raise ConfigError(f"model.builder={m.builder} under model={m.name}: use model=custom model.builder={m.builder}")
+    if m.library is not None and m.arch != m.library:
+        raise ConfigError(f"model.library={m.library} under model={m.name}: use model=timm model.name=<its model>")
+    if m.kwargs and m.arch in _OWN_ARCHS:
+        raise ConfigError(f"model.kwargs: {m.name} is built by mpt's own code, which takes none")
     if m.builder is not None:
         builders.resolve(m.builder)  # importable, and a function: one line now, not a traceback later
     elif m.library is not None:
         if m.library not in LIBRARIES:
             raise ConfigError(f"model.library={m.library}: expected one of {', '.join(LIBRARIES)} (or null)")
-    elif m.arch not in _OWN_ARCHS and m.arch not in torchvision.models.list_models():
+    elif m.arch not in _OWN_ARCHS and m.arch not in torchvision.models.list_models(module=torchvision.models):
         raise ConfigError(
             f"model.arch={m.arch}: not a torchvision classifier (torchvision.models.list_models() lists them)"
         )

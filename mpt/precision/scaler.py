@@ -130,6 +130,15 @@ class StaticScaler(LossScaler):
                 f"(scale.max_consecutive_skips={self.max_consecutive_skips})"
             )
 
+    def load_full_state_dict(self, state: dict) -> None:
+        super().load_full_state_dict(state)
+        # warned before the checkpoint: its history holds a run of skips that long
+        run, longest = 0, 0
+        for overflow in self.history.overflows:
+            run = run + 1 if overflow else 0
+            longest = max(longest, run)
+        self.warned = longest >= self.warn_consecutive_skips
+
     def _scales_tried(self) -> str:
         return f"at the static scale {self.scale:g}; lower scale.value"
 

@@ -5,8 +5,11 @@ The same rows as metrics.jsonl (the record of every step), plus each timing wind
 from __future__ import annotations
 
 import csv
+import io
 import sys
 from pathlib import Path
+
+from ..files import write_text_atomic
 
 FILENAME = "metrics.csv"
 COLUMNS = ["kind", "step", "group", "key", "value"]
@@ -24,9 +27,13 @@ class CSVLog:
             with self.path.open(newline="") as f:
                 kept = [row for row in csv.reader(f)][1:]
             kept = [row for row in kept if len(row) == len(COLUMNS) and int(row[1]) < resumed_at]
-        self.file = self.path.open("w", newline="")
+        # The rows kept, written whole before any new one: a relaunch killed before its first
+        # checkpoint leaves them as they were.
+        text = io.StringIO()
+        csv.writer(text).writerows([COLUMNS, *kept])
+        write_text_atomic(self.path, text.getvalue())
+        self.file = self.path.open("a", newline="")
         self.out = csv.writer(self.file)
-        self.out.writerows([COLUMNS, *kept])
         self.unit = meter.unit + "/s"
         self.windows = len(meter.pipeline)  # what a resumed run restored was logged before the kill
         self.failed = False

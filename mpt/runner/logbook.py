@@ -51,7 +51,13 @@ class Logbook:
         self.progress: Progress | None = None  # shown while a run trains, not while a benchmark drives its steps
 
     def open(
-        self, run_dir: Path, logger: str | None, resumed_at: int | None, metrics: dict | None, about: RunAbout | None
+        self,
+        run_dir: Path,
+        logger: str | None,
+        resumed_at: int | None,
+        metrics: dict | None,
+        about: RunAbout | None,
+        grids: list | None = None,
     ) -> None:
         """Rank 0's files: metrics.jsonl, its rows past `resumed_at` (the checkpoint's step) dropped, and
         TensorBoard's. The evaluation at a resumed checkpoint is written to the board again: it was
@@ -63,6 +69,9 @@ class Logbook:
             self.board = open_board(logger, run_dir, resumed_at, self.meter, self.grad_stats, self.dist.enabled, about)
         if resumed_at is not None and metrics is not None and metrics.get("step") == resumed_at:
             self.board.write([{"kind": "eval", **metrics}])
+            for grid in grids or []:  # the sample grid of that evaluation, purged with it
+                if grid["step"] == resumed_at:
+                    self.board.image("samples", run_dir / grid["path"], resumed_at)
 
     def show_progress(self, label: str, total_steps: int, step: int) -> None:
         """The progress line, from `step` of `total_steps` (what a resumed run skipped so far counted)."""

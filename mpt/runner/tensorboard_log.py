@@ -23,7 +23,7 @@ class RunAbout:
         from omegaconf import OmegaConf
 
         settings = {"seed": int(cfg.seed), "lr": float(cfg.optim.lr), "batch_size": int(cfg.schedule.batch_size)}
-        return cls(OmegaConf.to_yaml(cfg), {**choices, **settings}, metric)
+        return cls(OmegaConf.to_yaml(cfg, resolve=True), {**choices, **settings}, metric)
 
 
 class NullBoard:

@@ -99,7 +99,8 @@ class Run:
             self._restore(saved)
         if self.dist.is_main:  # rank 0 writes everything; the other ranks compute the same rows and drop them
             about = RunAbout.of(cfg, self.record.choices, self.task.primary_metric)
-            self.logbook.open(run_dir, cfg.logger, saved["step"] if saved else None, self.record.metrics, about)
+            resumed_at = saved["step"] if saved else None
+            self.logbook.open(run_dir, cfg.logger, resumed_at, self.record.metrics, about, self.record.sample_grids)
 
     def own_instruments(self) -> list[Instrument]:
         """A subclass's statistics besides the run's own, each checkpointed and summarized like them."""
