@@ -177,4 +177,4 @@ def test_a_smoke_run_names_every_unreadable_image_before_it_starts(tmp_path, in_
         "data.verify: 2 of 16 images cannot be read; fix or remove them (data.verify=false skips this check):"
     )
     assert [line.split(": ")[0] for line in lines[1:]] == [f"  corrupt image {p}" for p in sorted(broken)]
-    build_run(tmp_path / "unchecked", *args, "data.verify=false")  # unchecked, it builds
+    build_run(tmp_path / "unchecked", *args, "data.verify=false", "logger=none")  # unchecked, it builds

@@ -23,7 +23,7 @@ MODES = ["fp32", "fp16", "mixed", "fp16_modmom", "amp", "bf16", "tf32", "fp8", "
 
 def test_an_own_model_takes_torchs_sgd_step_in_fp32(tmp_path, in_process):
     """One FP32 step of the user's network is torch.optim.SGD's step on a copy of it."""
-    run = build_run(tmp_path, *OWN, "precision=fp32", "optim.name=sgd", "optim.momentum=0.9")
+    run = build_run(tmp_path, *OWN, "precision=fp32", "optim.name=sgd", "optim.momentum=0.9", "logger=none")
     net = run.task.net
     assert type(net).__name__ == "SmallCNN" and net.width == 8  # the builder's own default width
     ref = copy.deepcopy(net)
