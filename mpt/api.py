@@ -5,7 +5,6 @@ that overflowed."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import sys
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -18,10 +17,10 @@ from torch import nn
 from .config import ConfigError
 from .distributed import Dist
 from .models import LossTerm, OneNetwork
-from .precision.engine import check_device_support, forward_context, set_fp32_math
+from .precision.engine import check_device_support, forward_context, fp32_math
 from .runner import cli
 from .runner.engines import Plan, build_engines
-from .runner.instruments import RunEnd, StepDone, standard
+from .runner.instruments import RunEnd, around_step, standard
 from .runner.record import RunRecord
 from .runner.stepping import Stepper
 from .runner.validation import validate
@@ -105,26 +104,8 @@ def analyze(
         cfg = compose(config_name="config", overrides=overrides)
     validate(cfg)
     check_device_support(cfg.precision, device)
-    with _fp32_math(cfg.precision.tf32):  # as mpt-run sets the process: TF32 only where the mode says so
+    with fp32_math(cfg.precision.tf32):  # as mpt-run sets the process: TF32 only where the mode says so
         return _steps(cfg, _Given(copy.deepcopy(model), loss_fn), batch, steps, device)
-
-
-@contextlib.contextmanager
-def _fp32_math(tf32: bool) -> Iterator[None]:
-    """set_fp32_math(tf32) inside, the caller's flags again after."""
-    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
-    if hasattr(matmul, "fp32_precision"):
-        # the ignores: torch >= 2.9's per-backend precision is absent from its stubs
-        places = [(matmul, "fp32_precision"), (cudnn.conv, "fp32_precision"), (cudnn.rnn, "fp32_precision")]  # type: ignore[attr-defined]
-    else:  # torch < 2.9
-        places = [(matmul, "allow_tf32"), (cudnn, "allow_tf32")]
-    before = [getattr(owner, name) for owner, name in places]
-    set_fp32_math(tf32)
-    try:
-        yield
-    finally:
-        for (owner, name), value in zip(places, before):
-            setattr(owner, name, value)
 
 
 def _steps(cfg, task: _Given, batch: Any, steps: int, device: torch.device) -> pd.DataFrame:
@@ -140,13 +121,9 @@ def _steps(cfg, task: _Given, batch: Any, steps: int, device: torch.device) -> p
         instrument.start()
     for step in range(steps):
         given = next(batches)
-        with contextlib.ExitStack() as stepping:
-            for instrument in instruments:
-                stepping.enter_context(instrument.around_step(step))
+        with around_step(instruments, step):
             stepper.step(step, given, 0)
-        sampled = tools.grad_stats.current
-        done = StepDone(step, task.count_samples(given), 0.0, sampled["sampled"], sampled["seconds"],
-                        sampled["overhead"], tools.tracer.step_seconds)  # fmt: skip
+        done = tools.step_done(step, task.count_samples(given), 0.0)
         for instrument in instruments:
             instrument.after_step(done)
     for instrument in instruments:

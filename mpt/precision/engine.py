@@ -87,9 +87,8 @@ def set_fp32_math(tf32: bool) -> dict:
 
 
 @contextlib.contextmanager
-def ieee_fp32() -> Iterator[None]:
-    """IEEE FP32 matmuls and convolutions inside, whatever the run set outside: a measurement
-    (FID's Inception) must not run in TF32 because the mode under test does."""
+def fp32_math(tf32: bool) -> Iterator[None]:
+    """set_fp32_math(tf32) inside, the caller's flags again after."""
     new_api = hasattr(torch.backends.cuda.matmul, "fp32_precision")
     flags = (
         [
@@ -101,12 +100,18 @@ def ieee_fp32() -> Iterator[None]:
         else [(torch.backends.cuda.matmul, "allow_tf32"), (torch.backends.cudnn, "allow_tf32")]
     )
     saved = [getattr(obj, name) for obj, name in flags]
-    set_fp32_math(False)
+    set_fp32_math(tf32)
     try:
         yield
     finally:
         for (obj, name), value in zip(flags, saved):
             setattr(obj, name, value)
+
+
+def ieee_fp32() -> contextlib.AbstractContextManager[None]:
+    """IEEE FP32 matmuls and convolutions inside, whatever the run set outside: a measurement
+    (FID's Inception) must not run in TF32 because the mode under test does."""
+    return fp32_math(False)
 
 
 def check_device_support(mode: DictConfig, device: torch.device) -> None:

@@ -26,7 +26,7 @@ from .instruments.throughput import ThroughputMeter
 from .outcomes import earliest
 from .progress import Progress
 from .record import MetricsLog, NullLog
-from .tensorboard_log import NullBoard, RunAbout, TensorBoardLog, open_board
+from .tensorboard_log import NullBoard, RunAbout, TensorBoardLog
 
 log = logging.getLogger("mpt")
 
@@ -65,8 +65,9 @@ class Logbook:
         self.metrics = MetricsLog(run_dir / "metrics.jsonl", keep_before_step=resumed_at)
         if logger == "csv":
             self.board = CSVLog(run_dir, resumed_at, self.meter)
-        else:
-            self.board = open_board(logger, run_dir, resumed_at, self.meter, self.grad_stats, self.dist.enabled, about)
+        elif logger == "tensorboard":
+            per_process = self.dist.enabled
+            self.board = TensorBoardLog(run_dir, resumed_at, self.meter, self.grad_stats, per_process, about)
         if resumed_at is not None and metrics is not None and metrics.get("step") == resumed_at:
             self.board.write([{"kind": "eval", **metrics}])
             for grid in grids or []:  # the sample grid of that evaluation, purged with it

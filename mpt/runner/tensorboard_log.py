@@ -179,17 +179,3 @@ class TensorBoardLog:
             bucket_counts=[c for _, c in bins],
             global_step=step,
         )
-
-
-def open_board(
-    logger: str | None,
-    run_dir: Path,
-    resumed_at: int | None,
-    meter,
-    grad_stats,
-    per_process: bool = False,
-    about: RunAbout | None = None,
-) -> TensorBoardLog | NullBoard:
-    if logger != "tensorboard":
-        return NullBoard()
-    return TensorBoardLog(run_dir, resumed_at, meter, grad_stats, per_process, about)

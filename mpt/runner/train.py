@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import signal
 import sys
@@ -25,7 +24,7 @@ from . import checkpoint, data_parallel, determinism, outcomes, process
 from .compiling import compile_networks, compile_summary
 from .engines import Plan, build_engines, products_record
 from .evaluation import Evaluation
-from .instruments import Instrument, RunEnd, StepDone, standard
+from .instruments import Instrument, RunEnd, around_step, standard
 from .instruments.flops import mfu
 from .logbook import Logbook
 from .record import RunRecord
@@ -66,7 +65,7 @@ class Run:
         if cfg.compile.backend is not None:
             compile_networks(self.task, cfg.compile)
         self.forward_context = lambda: forward_context(cfg, self.device)
-        tools = standard.build(cfg, self.engines, self.device, self.dist, self.task.sample_unit)
+        self.tools = tools = standard.build(cfg, self.engines, self.device, self.dist, self.task.sample_unit)
         self.grad_stats, self.tracer, self.meter, self.clock = tools.grad_stats, tools.tracer, tools.meter, tools.clock
         self.instruments: list[Instrument] = [*tools.all(), *self.own_instruments()]
         self.stepper = Stepper(
@@ -299,21 +298,10 @@ class Run:
             self.batch_in_epoch += 1
             wait = time.perf_counter() - t0
             self.meter.batch_ready()
-            with contextlib.ExitStack() as stepping:
-                for instrument in self.instruments:
-                    stepping.enter_context(instrument.around_step(self.step))
+            with around_step(self.instruments, self.step):
                 self.logbook.pending.extend(self._train_step(self.step, batch))
             n = self.task.count_samples(batch)
-            sampled = self.grad_stats.current
-            done = StepDone(
-                self.step,
-                n,
-                wait,
-                sampled["sampled"],
-                sampled["seconds"],
-                sampled["overhead"],
-                self.tracer.step_seconds,
-            )
+            done = self.tools.step_done(self.step, n, wait)
             self.step += 1
             if self.batch_in_epoch == self.data.steps_per_epoch or self.step == self.total_steps:
                 for engine in self.engines.values():  # optim.lookahead: the weights become the average

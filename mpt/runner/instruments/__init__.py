@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import ClassVar, ContextManager
+from typing import ClassVar, ContextManager, Iterator
 
 
 @dataclass(frozen=True)
@@ -67,3 +67,12 @@ class Instrument:
 
     def summary(self, end: RunEnd) -> dict | None:
         return None
+
+
+@contextlib.contextmanager
+def around_step(instruments: list[Instrument], step: int) -> Iterator[None]:
+    """Every instrument's around_step, entered in the list's order."""
+    with contextlib.ExitStack() as stepping:
+        for instrument in instruments:
+            stepping.enter_context(instrument.around_step(step))
+        yield

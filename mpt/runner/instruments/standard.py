@@ -9,7 +9,7 @@ from omegaconf import DictConfig
 
 from ...distributed import Dist
 from ...precision.engine import PrecisionEngine
-from . import Instrument
+from . import Instrument, StepDone
 from .flops import FlopCount
 from .grad_stats import GradStatsCollector
 from .memory import MemoryPeaks
@@ -30,6 +30,13 @@ class Standard:
     def all(self) -> list[Instrument]:
         """Entered around a step in this order: the statistics' timing holds the rest."""
         return [self.grad_stats, self.flops, self.tracer, self.meter, self.peaks, self.clock]
+
+    def step_done(self, step: int, samples: int, wait_s: float) -> StepDone:
+        """The facts of the step just taken: what the statistics and the tracer made of it."""
+        sampled = self.grad_stats.current
+        return StepDone(
+            step, samples, wait_s, sampled["sampled"], sampled["seconds"], sampled["overhead"], self.tracer.step_seconds
+        )
 
 
 def build(
