@@ -30,7 +30,7 @@ from .run_lock import AlreadyRunning, RunLock
 log = logging.getLogger("mpt")
 
 
-OPEN = ("model.kwargs.",)  # keys under these take new names (+model.kwargs.width=64)
+OPEN = ("model.kwargs.", "model.hf_config.")  # keys under these take new names (+model.kwargs.width=64)
 
 
 def overrides() -> list[tuple[str, str | None]]:

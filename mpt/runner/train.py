@@ -13,6 +13,7 @@ import torch
 from omegaconf import DictConfig
 
 from .. import preemption
+from ..config import checkpointing
 from ..datasets import build_data
 from ..datasets.imagefolder import CorruptImage
 from ..distributed import from_env
@@ -42,6 +43,7 @@ class Run:
         self.cfg = cfg
         self.variant = variant
         self.run_dir = run_dir
+        self.checkpointing = checkpointing(cfg)
         self.label = label or run_dir.name  # what its progress line calls it
         self.dist = from_env()
         self.device, self.fp32_math = process.prepare(cfg, self.dist)
@@ -315,17 +317,17 @@ class Run:
                 with self.clock.final() if self.step == self.total_steps else self.clock.leaving_out():
                     self._evaluate(self.step)
                 self.meter.interrupt()
-            if self.cfg.checkpoint and (
+            if self.checkpointing and (
                 (self.checkpoint_every and self.step % self.checkpoint_every == 0) or self.step == self.total_steps
             ):
                 with self.clock.leaving_out():
                     self.save_checkpoint()
                 self.meter.interrupt()
             if self.step < self.total_steps and self._preempted():
-                if self.cfg.checkpoint and self.checkpointed_at != self.step:
+                if self.checkpointing and self.checkpointed_at != self.step:
                     self.save_checkpoint()
                 raise preemption.Preempted(
-                    preemption.requested() or signal.SIGTERM, self.step, checkpointed=self.cfg.checkpoint
+                    preemption.requested() or signal.SIGTERM, self.step, checkpointed=self.checkpointing
                 )
             yield self.step
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import statistics
 import time
 from typing import Callable, Iterator
@@ -40,6 +41,9 @@ from ...precision.grad_histogram import CHUNK, GradHistogram
 from ...precision.lost_updates import LostUpdates
 from . import Instrument, RunEnd
 from .throughput import synchronize
+
+log = logging.getLogger("mpt")
+ATLAS_PROBE = 1 << 18  # values quantized once at the start to time the atlas on this device
 
 KINDS = ("activation", "weight")
 ROLES = {
@@ -128,6 +132,7 @@ class GradStatsCollector(Instrument):
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._backward_of: tuple[str, float] | None = None  # the network whose loss is in backward, and its scale
         self._paused = False
+        self._atlas_timed = False  # the first timed sampled step's cost has been logged
         self.current: dict = {
             "sampled": False,
             "seconds": None,
@@ -184,6 +189,44 @@ class GradStatsCollector(Instrument):
 
     def around_step(self, step: int) -> contextlib.AbstractContextManager[dict]:
         return self.step(step)
+
+    def start(self) -> None:
+        # The atlas quantizes every product's tensors into each format on a sampled step, which can
+        # cost minutes a step: say so before the run spends them.
+        if self.atlas_on:
+            log.info(self.atlas_cost())
+
+    def after_step(self, done) -> None:
+        if self.atlas_on and done.sampled and done.sampled_s is not None and not self._atlas_timed:
+            self._atlas_timed = True
+            plain = self.step_seconds["plain"][-1] if self.step_seconds["plain"] else None
+            against = f", against {plain:.3g} s for the plain step before it" if plain is not None else ""
+            log.info(f"stats.formats: the first timed sampled step took {done.sampled_s:.3g} s{against}")
+
+    def atlas_cost(self) -> str:
+        """The atlas's cost per sampled step as far as it is known before one: each format timed on
+        ATLAS_PROBE values here, times the products' weights and weight gradients."""
+        weights = sum(
+            p.numel()
+            for layers in self.matmuls.values()
+            for _, module in layers
+            for name, p in module.named_parameters(recurse=False)
+            if name.startswith("weight")
+        )
+        probe = torch.randn(ATLAS_PROBE, device=self.device)
+        FormatAtlas(self.formats, self.device).add(probe[:1024])  # first calls pay for their own set-up
+        synchronize(self.device)
+        t0 = time.perf_counter()
+        FormatAtlas(self.formats, self.device).add(probe)
+        synchronize(self.device)
+        per_million = (time.perf_counter() - t0) / ATLAS_PROBE * 1e6
+        names, values = ", ".join(f.name for f in self.formats), 2 * weights / 1e6
+        return (
+            f"stats.formats: {len(self.formats)} format(s) ({names}) cost about {per_million:.3g} s per million "
+            f"values on this device; every {self.every} steps a sampled step passes through them each product's "
+            f"weights and weight gradients ({values:.3g} M values: about {values * per_million:.3g} s) and its "
+            f"inputs and activation gradients, which grow with the batch"
+        )
 
     @contextlib.contextmanager
     def backward(self, network: str, scale_of: Callable[[], float]) -> Iterator[None]:
