@@ -159,3 +159,20 @@ def test_gpt_learns_ptb(tmp_path):
                   f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert read_record(tmp_path / "run")["final_metrics"]["ppl"] < 1000
+
+
+def test_the_atlas_sees_attentions_operands_the_softmax_and_the_layer_norms_output(tmp_path, in_process):
+    """Each batched product of attention counts its two operands (q and k; the softmax's weights and
+    v), each Linear its input (a layer-norm's output for qkv, the MLP and the output layer)."""
+    run = build_run(tmp_path, *GPT_TINY, "model.n_layer=1", "precision=fp32", "schedule.steps=1", "stats.every=1",
+                    "stats.formats=[e4m3]", "logger=none")  # fmt: skip
+    assert run.execute().status == "ok"
+    layers = read_record(tmp_path)["grad_stats"]["atlas"]["networks"]["model"]["layers"]
+    b, t, c = run.cfg.schedule.batch_size, run.cfg.model.bptt, run.cfg.model.n_embd
+    scores, mix = layers["blocks.0.attn.scores"], layers["blocks.0.attn.mix"]
+    assert scores["input"]["values"] == scores["weight"]["values"] == b * t * c  # q and k: every head's
+    assert mix["input"]["values"] == b * run.cfg.model.n_head * t * t and mix["weight"]["values"] == b * t * c
+    # the softmax's weights lie in [0, 1], above the causal mask's zeros
+    assert 0 < mix["input"]["max_abs"] <= 1 and mix["input"]["share_zero"] > 0.4
+    assert layers["blocks.0.attn.qkv"]["input"]["values"] == b * t * c  # ln_1's output
+    assert {"lm_head", "blocks.0.mlp.0", "blocks.0.mlp.2", "blocks.0.attn.proj"} <= set(layers)

@@ -39,6 +39,7 @@ from ...precision.engine import PrecisionEngine
 from ...precision.formats import get_format
 from ...precision.grad_histogram import CHUNK, GradHistogram
 from ...precision.lost_updates import LostUpdates
+from ...precision.quantized_products import BatchMatmul
 from . import Instrument, RunEnd
 from .throughput import synchronize
 
@@ -56,7 +57,8 @@ ROLES = {
 }
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _CONV_T = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
-MATMULS = (nn.Linear, *_CONV, *_CONV_T, nn.RNNBase, nn.RNNCellBase)
+# BatchMatmul: a product of two activations (attention's scores and mix, a softmax over sampled words)
+MATMULS = (nn.Linear, *_CONV, *_CONV_T, nn.RNNBase, nn.RNNCellBase, BatchMatmul)
 
 
 def matmul_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -311,12 +313,14 @@ class GradStatsCollector(Instrument):
         if self._backward_of is not None and self._backward_of[0] == net:
             self._hist(net, "activation", name).add(grad, self._backward_of[1])
 
-    def _on_atlas_forward(self, net: str, name: str, axes: dict[str, int], _module: nn.Module, args, output) -> None:
+    def _on_atlas_forward(self, net: str, name: str, axes: dict[str, int], module: nn.Module, args, output) -> None:
         if self._paused:
             return
         inputs = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor) and t.is_floating_point()]
         if inputs:  # an LSTM given a PackedSequence: its data is the first floating-point leaf
             self._atlas(net, name, "input").add(inputs[0], 1.0, axes["input"] if inputs[0].dim() > 1 else -1)
+        if isinstance(module, BatchMatmul) and len(inputs) > 1:  # a @ b: b, reduced over its rows, is its "weight"
+            self._atlas(net, name, "weight").add(inputs[1], 1.0, -2)
         for t in tree_leaves(output):
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 t.register_hook(
