@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The numerics atlas of the six paper models, and GPT-2's architecture beyond the paper, on the real
 # data of ../shared/data, in FP32, against FP16, BF16, FP8 E4M3 and E5M2, MXFP8 (E4M3) and MXFP4: each
-# model at initialization (its first step sampled) and after a short run (its last step sampled), the presets configs/experiment/atlas/<model>/,
-# into results/atlas/<model>/, with one report over all of them in results/atlas/report/:
+# model at initialization (its first step sampled) and after a short run (its last step sampled), the
+# presets configs/experiment/atlas/<model>/, into results/atlas/<model>/, with one report over all of
+# them in results/atlas/report/:
 #   scripts/atlas.sh [alexnet|resnet50|ssd|gnmt|biglstm|dcgan|gpt2 ...] [--report-only]
 # Run from the project root of a clean checkout. A relaunch skips runs already finished.
 set -euo pipefail
