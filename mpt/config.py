@@ -544,6 +544,15 @@ class ExperimentConfig:
 
 
 @dataclass
+class WandbConfig:
+    """logger=wandb (runner/wandb_log.py): offline by default, the run kept under its folder's wandb/."""
+
+    project: str = "mpt"
+    entity: Optional[str] = None
+    mode: str = "offline"  # offline | online | disabled
+
+
+@dataclass
 class Config:
     model: ModelConfig = MISSING
     precision: PrecisionConfig = MISSING
@@ -575,9 +584,10 @@ class Config:
     # that sets no checkpoint_every, whose few steps check a set-up and whose checkpoint nobody resumes
     # (570 MB for AlexNet)
     checkpoint: Optional[bool] = None
-    logger: Optional[str] = (
-        "tensorboard"  # event files in the run's folder beside metrics.jsonl (runner/tensorboard_log.py) | csv | none
-    )
+    # tensorboard: event files in the run's folder beside metrics.jsonl (runner/tensorboard_log.py) | csv |
+    # wandb | none
+    logger: Optional[str] = "tensorboard"
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
 def checkpointing(cfg: DictConfig) -> bool:
@@ -681,7 +691,8 @@ def validate_update_extras(cfg: DictConfig) -> None:
         )
 
 
-LOGGERS = ("tensorboard", "csv", "none")
+LOGGERS = ("tensorboard", "csv", "wandb", "none")
+WANDB_MODES = ("offline", "online", "disabled")
 MAX_SHIFT_DOWN = 126
 MAX_SEED = 2**32 - 1
 
@@ -730,6 +741,12 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"{key}={OmegaConf.select(cfg, key)}: must be zero or positive")
     if cfg.logger not in (*LOGGERS, None):
         raise ConfigError(f"logger={cfg.logger}: expected one of {', '.join(LOGGERS)}")
+    if cfg.logger == "wandb" and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(
+            'logger=wandb: the wandb package is not installed; pip install "mpt[wandb]", or another logger'
+        )
+    if cfg.wandb.mode not in WANDB_MODES:
+        raise ConfigError(f"wandb.mode={cfg.wandb.mode}: expected one of {', '.join(WANDB_MODES)}")
     if (
         cfg.logger == "tensorboard" and importlib.util.find_spec("tensorboard") is None
     ):  # torch's SummaryWriter needs it

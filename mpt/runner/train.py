@@ -101,7 +101,9 @@ class Run:
         if self.dist.is_main:  # rank 0 writes everything; the other ranks compute the same rows and drop them
             about = RunAbout.of(cfg, self.record.choices, self.task.primary_metric)
             resumed_at = saved["step"] if saved else None
-            self.logbook.open(run_dir, cfg.logger, resumed_at, self.record.metrics, about, self.record.sample_grids)
+            self.logbook.open(
+                run_dir, cfg.logger, resumed_at, self.record.metrics, about, self.record.sample_grids, cfg.wandb
+            )
 
     def own_instruments(self) -> list[Instrument]:
         """A subclass's statistics besides the run's own, each checkpointed and summarized like them."""
