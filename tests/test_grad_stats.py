@@ -399,7 +399,7 @@ def test_the_atlas_announces_its_cost_before_the_first_step_and_times_the_first_
 
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 5))
     cfg = OmegaConf.create({"grad_hist": False, "every": 2, "keep": 0.999, "formats": ["fp16", "e4m3"]})
-    c = GradStatsCollector(cfg, {"model": model}, CPU)
+    c = GradStatsCollector(cfg, {"model": model}, CPU, total_steps=10)
     with caplog.at_level("INFO", logger="mpt"):
         c.start()
         (announced,) = [r.getMessage() for r in caplog.records]
@@ -414,6 +414,7 @@ def test_the_atlas_announces_its_cost_before_the_first_step_and_times_the_first_
             c.after_step(StepDone(step, 2, 0.0, info["sampled"], info["seconds"], info["overhead"], 0.0))
     timed = [r.getMessage() for r in caplog.records if "first timed sampled step" in r.getMessage()]
     assert len(timed) == 1 and "against" in timed[0]  # once, beside the plain step before it
+    assert "; 4 more sampled step(s) to come: about" in timed[0]  # steps 3, 5, 7 and 9 of the 10
 
 
 def test_a_bad_atlas_format_is_named_before_the_run():

@@ -67,7 +67,9 @@ class Run:
         if cfg.compile.backend is not None:
             compile_networks(self.task, cfg.compile)
         self.forward_context = lambda: forward_context(cfg, self.device)
-        self.tools = tools = standard.build(cfg, self.engines, self.device, self.dist, self.task.sample_unit)
+        self.tools = tools = standard.build(
+            cfg, self.engines, self.device, self.dist, self.task.sample_unit, self.total_steps
+        )
         self.grad_stats, self.tracer, self.meter, self.clock = tools.grad_stats, tools.tracer, tools.meter, tools.clock
         self.instruments: list[Instrument] = [*tools.all(), *self.own_instruments()]
         self.stepper = Stepper(

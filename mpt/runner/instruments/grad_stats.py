@@ -94,7 +94,14 @@ class GradStatsCollector(Instrument):
 
     key = field = "grad_stats"
 
-    def __init__(self, stats: DictConfig, networks: dict[str, nn.Module], device: torch.device, warmup: int = 0):
+    def __init__(
+        self,
+        stats: DictConfig,
+        networks: dict[str, nn.Module],
+        device: torch.device,
+        warmup: int = 0,
+        total_steps: int | None = None,
+    ):
         self.hist_on, self.updates_on = bool(stats.grad_hist), bool(stats.get("lost_updates", False))
         self.formats = [get_format(name) for name in stats.get("formats", [])]
         self.atlas_on = bool(self.formats)
@@ -104,6 +111,7 @@ class GradStatsCollector(Instrument):
             float(stats.keep),
         )
         self.device = device
+        self.total_steps = total_steps  # the run's length, to say what the atlas's sampled steps will cost
         self.warmup = warmup  # steps of this process not timed: the first ones are slow for reasons of their own
         self._steps_seen = 0  # in this process: a resumed run warms up again
         self.layers = {net: parameterized_layers(model) for net, model in networks.items()}
@@ -203,7 +211,11 @@ class GradStatsCollector(Instrument):
             self._atlas_timed = True
             plain = self.step_seconds["plain"][-1] if self.step_seconds["plain"] else None
             against = f", against {plain:.3g} s for the plain step before it" if plain is not None else ""
-            log.info(f"stats.formats: the first timed sampled step took {done.sampled_s:.3g} s{against}")
+            to_come = ""
+            if self.total_steps is not None:
+                more = sum(self.sampling(s) for s in range(done.step + 1, self.total_steps))
+                to_come = f"; {more} more sampled step(s) to come: about {more * done.sampled_s / 60:.3g} min"
+            log.info(f"stats.formats: the first timed sampled step took {done.sampled_s:.3g} s{against}{to_come}")
 
     def atlas_cost(self) -> str:
         """The atlas's cost per sampled step as far as it is known before one: each format timed on
@@ -226,8 +238,8 @@ class GradStatsCollector(Instrument):
         return (
             f"stats.formats: {len(self.formats)} format(s) ({names}) cost about {per_million:.3g} s per million "
             f"values on this device; every {self.every} steps a sampled step passes through them each product's "
-            f"weights and weight gradients ({values:.3g} M values: about {values * per_million:.3g} s) and its "
-            f"inputs and activation gradients, which grow with the batch"
+            f"weights and weight gradients ({values:.3g} M values: about {values * per_million:.3g} s) and, on "
+            f"top of that, its inputs and activation gradients, which grow with the batch"
         )
 
     @contextlib.contextmanager
