@@ -36,6 +36,7 @@ class Task(Choice):
     detection = "detection"
     translation = "translation"
     language_model = "language_model"
+    causal_lm = "causal_lm"
     gan = "gan"
 
 
@@ -182,6 +183,22 @@ class LanguageModelConfig(ModelConfig):
     # by about 1 a word without bound, which some weights do on some streams) harms one sentence,
     # not the rest of a row. docs/tasks-and-data.md, "Language-model evaluation".
     eval_state: str = "carried"
+
+
+@dataclass
+class CausalLMConfig(ModelConfig):
+    """Decoder language models on a corpus's windows, full softmax (models/causal_lm.py): GPT-2's
+    architecture (arch gpt), a user's builder (custom) or a HuggingFace causal LM (hf)."""
+
+    n_layer: int = 12  # gpt: GPT-2 small's 12 blocks of 12 heads, 768 wide
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    bptt: int = 1024  # tokens per window: the context; each window is scored on its own
+    eval_state: str = "carried"  # how the splits are cut: as one stream (carried) or a sentence a row
+    path: Optional[str] = None  # hf: a local folder holding config.json (and weights, for pretrained)
+    hf_config: dict[str, Any] = field(default_factory=dict)  # hf: model_type and settings, or overrides of path's
+    pretrained: bool = False  # hf: the folder's weights (its vocabulary must be the corpus's)
 
 
 @dataclass
@@ -527,6 +544,15 @@ class ExperimentConfig:
 
 
 @dataclass
+class WandbConfig:
+    """logger=wandb (runner/wandb_log.py): offline by default, the run kept under its folder's wandb/."""
+
+    project: str = "mpt"
+    entity: Optional[str] = None
+    mode: str = "offline"  # offline | online | disabled
+
+
+@dataclass
 class Config:
     model: ModelConfig = MISSING
     precision: PrecisionConfig = MISSING
@@ -554,10 +580,22 @@ class Config:
     deterministic: bool = False
     force: bool = False  # run even if the run folder already holds a record with status ok
     resume: bool = True  # continue from the run folder's checkpoint when there is one
-    checkpoint: bool = True  # write checkpoints (every schedule.checkpoint_every steps and at the end)
-    logger: Optional[str] = (
-        "tensorboard"  # event files in the run's folder beside metrics.jsonl (runner/tensorboard_log.py) | csv | none
-    )
+    # write checkpoints (every schedule.checkpoint_every steps and at the end); null: all but a smoke run
+    # that sets no checkpoint_every, whose few steps check a set-up and whose checkpoint nobody resumes
+    # (570 MB for AlexNet)
+    checkpoint: Optional[bool] = None
+    # tensorboard: event files in the run's folder beside metrics.jsonl (runner/tensorboard_log.py) | csv |
+    # wandb | none
+    logger: Optional[str] = "tensorboard"
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+def checkpointing(cfg: DictConfig) -> bool:
+    """Whether the run writes checkpoints: `checkpoint`, or where null, whether it is not a smoke run
+    or asks for them (`schedule.checkpoint_every`)."""
+    if cfg.checkpoint is not None:
+        return bool(cfg.checkpoint)
+    return cfg.schedule.name != "smoke" or cfg.schedule.get("checkpoint_every") is not None
 
 
 def _pow2(exponent: float, plus: float = 0) -> float:
@@ -584,6 +622,7 @@ def register_configs() -> None:
         ("model", ModelConfig),
         ("model_translation", TranslationModelConfig),
         ("model_language", LanguageModelConfig),
+        ("model_causal_lm", CausalLMConfig),
         ("model_gan", GANModelConfig),
         ("precision", PrecisionConfig),
         ("scale", ScaleConfig),
@@ -652,7 +691,8 @@ def validate_update_extras(cfg: DictConfig) -> None:
         )
 
 
-LOGGERS = ("tensorboard", "csv", "none")
+LOGGERS = ("tensorboard", "csv", "wandb", "none")
+WANDB_MODES = ("offline", "online", "disabled")
 MAX_SHIFT_DOWN = 126
 MAX_SEED = 2**32 - 1
 
@@ -701,6 +741,12 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"{key}={OmegaConf.select(cfg, key)}: must be zero or positive")
     if cfg.logger not in (*LOGGERS, None):
         raise ConfigError(f"logger={cfg.logger}: expected one of {', '.join(LOGGERS)}")
+    if cfg.logger == "wandb" and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(
+            'logger=wandb: the wandb package is not installed; pip install "mpt[wandb]", or another logger'
+        )
+    if cfg.wandb.mode not in WANDB_MODES:
+        raise ConfigError(f"wandb.mode={cfg.wandb.mode}: expected one of {', '.join(WANDB_MODES)}")
     if (
         cfg.logger == "tensorboard" and importlib.util.find_spec("tensorboard") is None
     ):  # torch's SummaryWriter needs it

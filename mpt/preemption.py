@@ -104,7 +104,7 @@ class Preempted(Exception):
         kept = (
             "a checkpoint at that step; run the same command again to resume"
             if checkpointed
-            else "no checkpoint (checkpoint=false): a relaunch starts over"
+            else "no checkpoint (checkpoint=false, or a smoke run): a relaunch starts over"
         )
         super().__init__(f"{name} at step {step}: stopped after it, with {kept}")
         self.step = step

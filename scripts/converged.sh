@@ -2,7 +2,7 @@
 # A converged setting: every preset of its family (configs/experiment/<setting>*.yaml, each declaring
 # the setting's metric, margin and comparisons before its runs), into results/converged/<setting>/,
 # then its report, whose tables/comparisons.md holds the verdicts:
-#   scripts/converged.sh cifar10_resnet20|cifar10_airbench|multi30k_gnmt|ptb_biglstm [--report-only] [override ...]
+#   scripts/converged.sh cifar10_resnet20|cifar10_airbench|multi30k_gnmt|ptb_biglstm|ptb_gpt [--report-only] [override ...]
 # Overrides go to every preset (device=cpu). SEEDS=0,1,2,3,4 runs those seeds and plans them as the
 # comparisons' pairs (a GPU's five seeds), instead of the presets' own. A relaunch skips
 # the runs already finished and resumes an interrupted one from its checkpoint.
@@ -10,7 +10,7 @@
 # does not keep every core busy): each run folder's lock lets one copy run it
 # and the others skip to the next, so the copies share out the runs. The report is written once.
 set -euo pipefail
-setting=${1:?usage: scripts/converged.sh cifar10_resnet20|cifar10_airbench|multi30k_gnmt|ptb_biglstm [--report-only] [override ...]}
+setting=${1:?usage: scripts/converged.sh cifar10_resnet20|cifar10_airbench|multi30k_gnmt|ptb_biglstm|ptb_gpt [--report-only] [override ...]}
 shift
 report_only=false
 if [ "${1:-}" = --report-only ]; then
@@ -20,7 +20,7 @@ fi
 out=${OUT:-results/converged/$setting}  # OUT: another folder (a dry run)
 presets=$(cd configs/experiment && for f in "$setting".yaml "$setting"_*.yaml; do [ -e "$f" ] && echo "${f%.yaml}"; done || true)
 if [ -z "$presets" ] || [ ! -e "configs/experiment/$setting.yaml" ]; then
-  echo "scripts/converged.sh: no preset configs/experiment/$setting.yaml (expected cifar10_resnet20, cifar10_airbench, multi30k_gnmt or ptb_biglstm)" >&2
+  echo "scripts/converged.sh: no preset configs/experiment/$setting.yaml (expected cifar10_resnet20, cifar10_airbench, multi30k_gnmt, ptb_biglstm or ptb_gpt)" >&2
   exit 2
 fi
 if [[ "$setting" == cifar10_* ]] && [ ! -d .data/cifar10 ]; then

@@ -207,4 +207,7 @@ def test_the_summary_gives_the_checkpoints_size_and_says_a_cpus_arithmetic_is_em
     written = [line for line in lines if line.startswith("  checkpoint: ")]
     assert written == ([f"  checkpoint: {saved.stat().st_size / 2**20:.0f} MiB at step 3 ({saved})"] if keep else [])
     throughput = next(x for x in lines if "throughput:" in x)
+    assert throughput.endswith("windows; a CPU's, in FP32)")  # nothing emulated
+    rec.precision = {**rec.precision, "name": "mixed"}
+    throughput = next(x for x in summary_lines(rec) if "throughput:" in x)
     assert throughput.endswith("windows; a CPU's: its low-precision arithmetic emulated)")

@@ -140,8 +140,9 @@ def test_out_of_range_values_are_rejected_naming_the_key(overrides, named):
         (
             ["model=lenet"],
             "model=lenet: no such option; choose one of airbench94, alexnet, biglstm, biglstm_small, biglstm_tiny,"
-            " custom, dcgan, dcgan64, gnmt, gnmt8, gnmt_nmt_one, gnmt_small, googlenet, inception_v3,"
-            " mobilenet_v3_small, resnet20, resnet50, resnet56, ssd, timm, torchvision, vgg16",
+            " custom, custom_lm, dcgan, dcgan64, gnmt, gnmt8, gnmt_nmt_one, gnmt_small, googlenet, gpt2, gpt2_tiny,"
+            " hf_causal_lm, inception_v3, mobilenet_v3_small, resnet20, resnet50, resnet56, ssd, timm, torchvision,"
+            " vgg16",
         ),
         (
             ["precision=fp4"],

@@ -85,7 +85,10 @@ def test_without_checkpoints_a_preempted_run_says_it_starts_over(tmp_path, in_pr
     job = build_run(tmp_path, TINY, "schedule=smoke", "schedule.steps=10", "checkpoint=false")
     signal_at(job, 2, signal.SIGTERM)
     rec = job.execute()
-    assert rec.status == "preempted" and "no checkpoint (checkpoint=false): a relaunch starts over" in rec.message
+    assert (
+        rec.status == "preempted"
+        and "no checkpoint (checkpoint=false, or a smoke run): a relaunch starts over" in rec.message
+    )
     assert not (tmp_path / checkpoint.FILENAME).exists()
 
 

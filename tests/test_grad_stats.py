@@ -394,6 +394,29 @@ def test_an_atlas_run_writes_it_into_the_record(tmp_path, in_process):
     )  # the totals keep their histogram for these
 
 
+def test_the_atlas_announces_its_cost_before_the_first_step_and_times_the_first_sampled_one(caplog):
+    from mpt.runner.instruments import StepDone
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 5))
+    cfg = OmegaConf.create({"grad_hist": False, "every": 2, "keep": 0.999, "formats": ["fp16", "e4m3"]})
+    c = GradStatsCollector(cfg, {"model": model}, CPU, total_steps=10)
+    with caplog.at_level("INFO", logger="mpt"):
+        c.start()
+        (announced,) = [r.getMessage() for r in caplog.records]
+        # the weights and their gradients of both products: 2 x (4*3*3*3 + 5*144) values
+        assert "2 format(s) (fp16, e4m3)" in announced and "every 2 steps" in announced
+        assert f"({2 * (4 * 27 + 5 * 144) / 1e6:.3g} M values" in announced
+        x = torch.randn(2, 3, 8, 8)
+        for step in range(4):
+            with c.step(step) as info:
+                with c.backward("model", lambda: 1.0):
+                    model(x).sum().backward()
+            c.after_step(StepDone(step, 2, 0.0, info["sampled"], info["seconds"], info["overhead"], 0.0))
+    timed = [r.getMessage() for r in caplog.records if "first timed sampled step" in r.getMessage()]
+    assert len(timed) == 1 and "against" in timed[0]  # once, beside the plain step before it
+    assert "; 4 more sampled step(s) to come: about" in timed[0]  # steps 3, 5, 7 and 9 of the 10
+
+
 def test_a_bad_atlas_format_is_named_before_the_run():
     from mpt.config import ConfigError
     from mpt.runner.validation import validate

@@ -57,6 +57,7 @@ def run(tmp_path, steps: int) -> LoggedRun:
         "schedule.batch_size=4",
         "stats.grad_hist=true",
         "stats.every=2",
+        "checkpoint=true",
     )
     validate(cfg)
     return LoggedRun(cfg, tmp_path)
@@ -79,8 +80,10 @@ def test_an_instrument_the_run_does_not_name_is_stepped_checkpointed_restored_an
 
 
 def test_an_instrument_a_checkpoint_predates_starts_afresh(tmp_path, in_process):
-    assert Run(compose_cfg(TINY, "schedule=smoke", "schedule.steps=2"), tmp_path).train().status == "ok"
-    cfg = compose_cfg(TINY, "schedule=smoke", "schedule.steps=3")
+    assert (
+        Run(compose_cfg(TINY, "schedule=smoke", "schedule.steps=2", "checkpoint=true"), tmp_path).train().status == "ok"
+    )
+    cfg = compose_cfg(TINY, "schedule=smoke", "schedule.steps=3", "checkpoint=true")
     resumed = LoggedRun(cfg, tmp_path)
     assert resumed.step == 2 and resumed.step_log.seen == []
     assert resumed.train().status == "ok"

@@ -350,7 +350,7 @@ def test_every_committed_record_reads_as_a_run_record_and_writes_back_the_same(p
 
 
 def test_a_new_run_writes_every_field_of_the_schema_and_its_version(tmp_path):
-    cfg = compose_cfg(TINY, "schedule=smoke", "schedule.steps=2")
+    cfg = compose_cfg(TINY, "schedule=smoke", "schedule.steps=2", "checkpoint=true")  # checkpoint_step too
     validate(cfg)
     Run(cfg, tmp_path).train()
     written = json.loads((tmp_path / "result.json").read_text())

@@ -212,7 +212,7 @@ def test_a_run_killed_with_sigkill_and_relaunched_matches_an_uninterrupted_one(t
 
 
 def test_resume_false_starts_over(tmp_path, in_process):
-    args = [TINY, "schedule=smoke", "schedule.steps=2"]
+    args = [TINY, "schedule=smoke", "schedule.steps=2", "checkpoint=true"]
     build_run(tmp_path, *args).execute()
     again = build_run(tmp_path, *args)
     assert again.step == 2 and again.record.resumed_from_step == 2
@@ -229,7 +229,7 @@ def stale_checkpoints(run_dir: Path) -> list[Path]:
 
 
 def test_only_force_discards_a_checkpoint_and_says_so(tmp_path, in_process, capsys):
-    args = [TINY, "schedule=smoke", "schedule.steps=2"]
+    args = [TINY, "schedule=smoke", "schedule.steps=2", "checkpoint=true"]
     build_run(tmp_path, *args).execute()
     fresh = build_run(tmp_path, *args, "force=true")
     assert fresh.step == 0 and not (tmp_path / checkpoint.FILENAME).exists() and not stale_checkpoints(tmp_path)
@@ -237,7 +237,7 @@ def test_only_force_discards_a_checkpoint_and_says_so(tmp_path, in_process, caps
 
 
 def test_a_checkpoint_of_another_config_is_moved_aside_naming_what_differs(tmp_path, in_process, capsys):
-    args = [TINY, "schedule=smoke", "schedule.steps=2"]
+    args = [TINY, "schedule=smoke", "schedule.steps=2", "checkpoint=true"]
     build_run(tmp_path, *args).execute()
     other = build_run(tmp_path, *args, "optim.lr=0.5")
     assert other.step == 0
@@ -254,7 +254,7 @@ def test_a_checkpoint_of_another_config_is_moved_aside_naming_what_differs(tmp_p
 
 
 def test_a_longer_schedule_resumes_and_extends_the_run_as_if_it_had_been_that_long(tmp_path, in_process, capsys):
-    args = [TINY, "schedule=smoke", "schedule.log_every=1", "deterministic=true", "device=cpu"]
+    args = [TINY, "schedule=smoke", "schedule.log_every=1", "deterministic=true", "device=cpu", "checkpoint=true"]
     short = tmp_path / "short"
     assert build_run(short, *args, "schedule.steps=3").execute().status == "ok"
     longer = build_run(short, *args, "schedule.steps=6")
@@ -352,6 +352,7 @@ def test_a_moved_data_root_with_the_same_files_resumes_and_other_files_do_not(tm
         "schedule=smoke",
         "schedule.batch_size=4",
         "schedule.steps=2",
+        "checkpoint=true",
     ]
     run_dir = tmp_path / "run"
     build_run(run_dir, *args, f"data.root={root}").execute()
@@ -364,7 +365,7 @@ def test_a_moved_data_root_with_the_same_files_resumes_and_other_files_do_not(tm
 
 
 def test_an_unreadable_checkpoint_is_an_error_record(tmp_path, in_process):
-    args = [TINY, "schedule=smoke", "schedule.steps=2"]
+    args = [TINY, "schedule=smoke", "schedule.steps=2", "checkpoint=true"]
     build_run(tmp_path, *args).execute()
     record = tmp_path / "result.json"
     record.write_text(json.dumps({**json.loads(record.read_text()), "status": "running"}))  # as if killed
@@ -414,7 +415,7 @@ def test_a_planted_checkpoint_is_refused_in_one_line_with_nothing_run(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     torch.save({**a_checkpoint(1, torch.ones(1)), "payload": RunsCode(marker)}, run_dir / checkpoint.FILENAME)
-    r = mpt_run(TINY, "schedule=smoke", "schedule.steps=2", f"hydra.run.dir={run_dir}", cwd=ROOT)
+    r = mpt_run(TINY, "schedule=smoke", "schedule.steps=2", "checkpoint=true", f"hydra.run.dir={run_dir}", cwd=ROOT)
     assert r.returncode == 1 and not marker.exists()
     path = run_dir / checkpoint.FILENAME
     line = (
@@ -458,3 +459,23 @@ def test_a_torch_file_that_is_not_a_checkpoint_is_one_line(tmp_path, content):
         checkpoint.load(tmp_path)
     assert str(e.value).startswith(f"{tmp_path / checkpoint.FILENAME} ") and "not an mpt checkpoint" in str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_a_smoke_run_writes_no_checkpoint_unless_asked_and_sets_an_old_one_aside(tmp_path, in_process, capsys):
+    """schedule=smoke checks a set-up: no checkpoint (AlexNet's is 570 MB), unless checkpoint=true or
+    schedule.checkpoint_every asks for one; a checkpoint already there is moved aside, not resumed."""
+    args = [TINY, "schedule=smoke", "schedule.steps=2"]
+    assert build_run(tmp_path / "plain", *args).execute().status == "ok"
+    assert not (tmp_path / "plain" / checkpoint.FILENAME).exists()
+    assert "checkpoint_step" not in read_record(tmp_path / "plain")
+    for asked in ["checkpoint=true", "schedule.checkpoint_every=2"]:
+        build_run(tmp_path / asked, *args, asked).execute()
+        assert checkpoint.load(tmp_path / asked)["step"] == 2
+    again = build_run(tmp_path / "checkpoint=true", *args, "force=true", "schedule.steps=3")
+    assert again.step == 0
+    again = build_run(
+        tmp_path / "schedule.checkpoint_every=2", *args, "schedule.checkpoint_every=2", "schedule.steps=3"
+    )
+    assert again.step == 2  # asked for: resumed
+    plain = build_run(tmp_path / "schedule.checkpoint_every=2", *args, "schedule.steps=3")
+    assert plain.step == 0 and "a smoke run writes no checkpoint: moved the checkpoint aside" in capsys.readouterr().out

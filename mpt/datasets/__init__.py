@@ -64,10 +64,12 @@ SOURCES: dict[tuple[str, Task], Source] = {
     ("synthetic", Task.gan): Source("discs"),
     ("synthetic", Task.translation): Source("translation", "synthetic_translation"),
     ("synthetic", Task.language_model): Source("text_corpus", "synthetic_lm", validate="validate_synthetic"),
+    ("synthetic", Task.causal_lm): Source("text_corpus", "synthetic_lm", validate="validate_synthetic"),
     ("imagefolder", Task.classification): Source("resident_images"),  # the loader's, or on the device (data.resident)
     ("voc", Task.detection): Source("voc"),
     ("parallel_text", Task.translation): Source("parallel_text", "parallel_text"),
     ("text_corpus", Task.language_model): Source("text_corpus", "text_corpus"),
+    ("text_corpus", Task.causal_lm): Source("text_corpus", "text_corpus"),
     ("image_dir", Task.gan): Source("image_dir"),
 }
 

@@ -148,6 +148,7 @@ TASK_MODULES = {
     Task_.detection: "detection",
     Task_.translation: "gnmt",
     Task_.language_model: "biglstm",
+    Task_.causal_lm: "causal_lm",
     Task_.gan: "dcgan",
 }
 
@@ -158,7 +159,8 @@ def _module(cfg: DictConfig):
 
 def validate(cfg: DictConfig) -> None:
     """The model's settings, checked by its task beside its builder."""
-    if cfg.model.kwargs and Task_(cfg.model.task) != Task_.classification:  # only a classifier's builder takes them
+    # only a user's builder takes them: a classifier's, or a language model's (checked by its task)
+    if cfg.model.kwargs and Task_(cfg.model.task) not in (Task_.classification, Task_.causal_lm):
         raise ConfigError(f"model.kwargs: model={cfg.model.name} is built by mpt's own code, which takes none")
     _module(cfg).validate(cfg)
 

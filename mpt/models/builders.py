@@ -1,9 +1,10 @@
 """Networks from outside mpt's zoo: a user's own builder function, named `package.module:function`
 or `path/to/file.py:function`, and timm's models by name.
 
-A builder is called with `num_classes=` when it takes that argument (torchvision's and timm's
-convention), and with the model's `kwargs`; it returns the `nn.Module` to train. A module is
-imported from the directory the command ran in too, as `python -m` would find it.
+A builder is called with `num_classes=` (a classifier: torchvision's and timm's convention) or
+`vocab_size=` (a language model) where it takes that argument, and with the model's `kwargs`; it
+returns the `nn.Module` to train. A module is imported from the directory the command ran in too, as
+`python -m` would find it.
 """
 
 from __future__ import annotations
@@ -78,10 +79,11 @@ def _takes(function: Callable[..., Any], argument: str) -> bool:
     return any(p.name == argument or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
-def build(spec: str, kwargs: dict, num_classes: int | None = None) -> nn.Module:
-    """The network `spec`'s builder makes with `kwargs` (and `num_classes`, where it takes it)."""
+def build(spec: str, kwargs: dict, size: int | None = None, size_argument: str = "num_classes") -> nn.Module:
+    """The network `spec`'s builder makes with `kwargs`, and with `size` as `size_argument` where it
+    takes that (a classifier's num_classes, a language model's vocab_size)."""
     function = resolve(spec)
-    extra = {"num_classes": num_classes} if num_classes is not None and _takes(function, "num_classes") else {}
+    extra = {size_argument: size} if size is not None and _takes(function, size_argument) else {}
     try:
         net = function(**extra, **kwargs)
     except TypeError as e:

@@ -136,7 +136,7 @@ def accuracy_cell(row) -> str:
 
 
 MIN_WINDOWS = 3  # a speedup needs the median of at least this many timing windows, in the cell and in fp32's
-CPU_UNIT = " (CPU: the low-precision arithmetic emulated)"
+CPU_UNIT = " (CPU: any low-precision arithmetic emulated)"
 
 
 def throughput(runs: pd.DataFrame) -> pd.DataFrame:

@@ -30,7 +30,7 @@ from .run_lock import AlreadyRunning, RunLock
 log = logging.getLogger("mpt")
 
 
-OPEN = ("model.kwargs.",)  # keys under these take new names (+model.kwargs.width=64)
+OPEN = ("model.kwargs.", "model.hf_config.")  # keys under these take new names (+model.kwargs.width=64)
 
 
 def overrides() -> list[tuple[str, str | None]]:
@@ -139,9 +139,10 @@ def summary_lines(rec: RunRecord) -> list[str]:
         lines.append(f"  train loss: {rec.final_train_loss:.4g} after {rec.steps} steps{what}")
     tp = rec.throughput or {}  # none for a run that failed before measuring
     if tp.get("pipeline") is not None:
-        emulated = (
-            "; a CPU's: its low-precision arithmetic emulated" if rec.environment.get("device_type") == "cpu" else ""
-        )
+        emulated = ""
+        if rec.environment.get("device_type") == "cpu":  # fp32 and tf32 (FP32 on a CPU) emulate nothing
+            fp32 = (rec.precision or {}).get("name") in ("fp32", "tf32")
+            emulated = "; a CPU's, in FP32" if fp32 else "; a CPU's: its low-precision arithmetic emulated"
         lines.append(
             f"  throughput: {tp['pipeline']:.4g} {tp['unit']} "
             f"(compute only {tp['compute']:.4g}; median of {tp['windows']} windows{emulated})"

@@ -19,6 +19,7 @@ NOT_COMPUTATIONAL = (
     "resume",
     "checkpoint",
     "logger",
+    "wandb",  # where a logger's view of the run goes
     "device",  # its type (cpu, cuda) names the folder; which GPU of a machine does not change a number
     "schedule.checkpoint_every",
     "schedule.log_every",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,6 +27,9 @@ from .outcomes import earliest
 from .progress import Progress
 from .record import MetricsLog, NullLog
 from .tensorboard_log import NullBoard, RunAbout, TensorBoardLog
+
+if TYPE_CHECKING:
+    from .wandb_log import WandbLog
 
 log = logging.getLogger("mpt")
 
@@ -47,7 +50,7 @@ class Logbook:
         self.peers_preempted = False  # under torchrun: a rank got a preemption signal (as of the last flush)
         # Rank 0 writes everything; the other ranks compute the same rows and drop them.
         self.metrics: MetricsLog | NullLog = NullLog()
-        self.board: TensorBoardLog | CSVLog | NullBoard = NullBoard()
+        self.board: TensorBoardLog | CSVLog | WandbLog | NullBoard = NullBoard()
         self.progress: Progress | None = None  # shown while a run trains, not while a benchmark drives its steps
 
     def open(
@@ -58,6 +61,7 @@ class Logbook:
         metrics: dict | None,
         about: RunAbout | None,
         grids: list | None = None,
+        wandb=None,
     ) -> None:
         """Rank 0's files: metrics.jsonl, its rows past `resumed_at` (the checkpoint's step) dropped, and
         TensorBoard's. The evaluation at a resumed checkpoint is written to the board again: it was
@@ -65,6 +69,10 @@ class Logbook:
         self.metrics = MetricsLog(run_dir / "metrics.jsonl", keep_before_step=resumed_at)
         if logger == "csv":
             self.board = CSVLog(run_dir, resumed_at, self.meter)
+        elif logger == "wandb":
+            from .wandb_log import WandbLog  # an optional extra: imported only where asked for
+
+            self.board = WandbLog(run_dir, wandb, self.meter, about, resumed_at)
         elif logger == "tensorboard":
             per_process = self.dist.enabled
             self.board = TensorBoardLog(run_dir, resumed_at, self.meter, self.grad_stats, per_process, about)

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from ..config import as_plain
+from ..config import as_plain, checkpointing
 from ..datasets.fingerprint import fingerprint
 from ..distributed import Dist
 from . import checkpoint, identity
@@ -41,7 +41,9 @@ class Resumption:
             path.unlink()
             print(f"mpt-run: force=true: discarded {path}; starting over", flush=True)
             return None
-        why = "resume=false" if not cfg.resume else "checkpoint=false" if not cfg.checkpoint else None
+        why = "resume=false" if not cfg.resume else None
+        if why is None and not checkpointing(cfg):
+            why = "checkpoint=false" if cfg.checkpoint is not None else "a smoke run writes no checkpoint"
         if why is None:
             saved = checkpoint.load(self.run_dir)
             assert saved is not None  # the file is there (is_file above)

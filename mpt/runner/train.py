@@ -13,6 +13,7 @@ import torch
 from omegaconf import DictConfig
 
 from .. import preemption
+from ..config import checkpointing
 from ..datasets import build_data
 from ..datasets.imagefolder import CorruptImage
 from ..distributed import from_env
@@ -42,6 +43,7 @@ class Run:
         self.cfg = cfg
         self.variant = variant
         self.run_dir = run_dir
+        self.checkpointing = checkpointing(cfg)
         self.label = label or run_dir.name  # what its progress line calls it
         self.dist = from_env()
         self.device, self.fp32_math = process.prepare(cfg, self.dist)
@@ -65,7 +67,9 @@ class Run:
         if cfg.compile.backend is not None:
             compile_networks(self.task, cfg.compile)
         self.forward_context = lambda: forward_context(cfg, self.device)
-        self.tools = tools = standard.build(cfg, self.engines, self.device, self.dist, self.task.sample_unit)
+        self.tools = tools = standard.build(
+            cfg, self.engines, self.device, self.dist, self.task.sample_unit, self.total_steps
+        )
         self.grad_stats, self.tracer, self.meter, self.clock = tools.grad_stats, tools.tracer, tools.meter, tools.clock
         self.instruments: list[Instrument] = [*tools.all(), *self.own_instruments()]
         self.stepper = Stepper(
@@ -99,7 +103,9 @@ class Run:
         if self.dist.is_main:  # rank 0 writes everything; the other ranks compute the same rows and drop them
             about = RunAbout.of(cfg, self.record.choices, self.task.primary_metric)
             resumed_at = saved["step"] if saved else None
-            self.logbook.open(run_dir, cfg.logger, resumed_at, self.record.metrics, about, self.record.sample_grids)
+            self.logbook.open(
+                run_dir, cfg.logger, resumed_at, self.record.metrics, about, self.record.sample_grids, cfg.wandb
+            )
 
     def own_instruments(self) -> list[Instrument]:
         """A subclass's statistics besides the run's own, each checkpointed and summarized like them."""
@@ -315,17 +321,17 @@ class Run:
                 with self.clock.final() if self.step == self.total_steps else self.clock.leaving_out():
                     self._evaluate(self.step)
                 self.meter.interrupt()
-            if self.cfg.checkpoint and (
+            if self.checkpointing and (
                 (self.checkpoint_every and self.step % self.checkpoint_every == 0) or self.step == self.total_steps
             ):
                 with self.clock.leaving_out():
                     self.save_checkpoint()
                 self.meter.interrupt()
             if self.step < self.total_steps and self._preempted():
-                if self.cfg.checkpoint and self.checkpointed_at != self.step:
+                if self.checkpointing and self.checkpointed_at != self.step:
                     self.save_checkpoint()
                 raise preemption.Preempted(
-                    preemption.requested() or signal.SIGTERM, self.step, checkpointed=self.cfg.checkpoint
+                    preemption.requested() or signal.SIGTERM, self.step, checkpointed=self.checkpointing
                 )
             yield self.step
 

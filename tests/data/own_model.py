@@ -21,3 +21,24 @@ def small_cnn(num_classes: int, width: int = 8) -> nn.Module:
 
 def not_a_module():
     return {"weights": []}
+
+
+class BigramLM(nn.Module):
+    """A user's own language model: each position's logits from its own token alone."""
+
+    def __init__(self, vocab_size: int, width: int):
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, width)
+        self.hidden = nn.Linear(width, width)
+        self.out = nn.Linear(width, vocab_size)
+
+    def forward(self, ids):
+        return self.out(self.hidden(self.embed(ids)).tanh())
+
+
+def small_lm(vocab_size: int, width: int = 16) -> nn.Module:
+    return BigramLM(vocab_size, width)
+
+
+def wrong_lm(vocab_size: int) -> nn.Module:
+    return nn.Sequential(nn.Embedding(vocab_size, 8), nn.Linear(8, 3))  # 3 logits, not one per word

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import statistics
 import time
 from typing import Callable, Iterator
@@ -38,8 +39,12 @@ from ...precision.engine import PrecisionEngine
 from ...precision.formats import get_format
 from ...precision.grad_histogram import CHUNK, GradHistogram
 from ...precision.lost_updates import LostUpdates
+from ...precision.quantized_products import BatchMatmul
 from . import Instrument, RunEnd
 from .throughput import synchronize
+
+log = logging.getLogger("mpt")
+ATLAS_PROBE = 1 << 18  # values quantized once at the start to time the atlas on this device
 
 KINDS = ("activation", "weight")
 ROLES = {
@@ -52,7 +57,8 @@ ROLES = {
 }
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _CONV_T = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
-MATMULS = (nn.Linear, *_CONV, *_CONV_T, nn.RNNBase, nn.RNNCellBase)
+# BatchMatmul: a product of two activations (attention's scores and mix, a softmax over sampled words)
+MATMULS = (nn.Linear, *_CONV, *_CONV_T, nn.RNNBase, nn.RNNCellBase, BatchMatmul)
 
 
 def matmul_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -88,7 +94,14 @@ class GradStatsCollector(Instrument):
 
     key = field = "grad_stats"
 
-    def __init__(self, stats: DictConfig, networks: dict[str, nn.Module], device: torch.device, warmup: int = 0):
+    def __init__(
+        self,
+        stats: DictConfig,
+        networks: dict[str, nn.Module],
+        device: torch.device,
+        warmup: int = 0,
+        total_steps: int | None = None,
+    ):
         self.hist_on, self.updates_on = bool(stats.grad_hist), bool(stats.get("lost_updates", False))
         self.formats = [get_format(name) for name in stats.get("formats", [])]
         self.atlas_on = bool(self.formats)
@@ -98,6 +111,7 @@ class GradStatsCollector(Instrument):
             float(stats.keep),
         )
         self.device = device
+        self.total_steps = total_steps  # the run's length, to say what the atlas's sampled steps will cost
         self.warmup = warmup  # steps of this process not timed: the first ones are slow for reasons of their own
         self._steps_seen = 0  # in this process: a resumed run warms up again
         self.layers = {net: parameterized_layers(model) for net, model in networks.items()}
@@ -128,6 +142,7 @@ class GradStatsCollector(Instrument):
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._backward_of: tuple[str, float] | None = None  # the network whose loss is in backward, and its scale
         self._paused = False
+        self._atlas_timed = False  # the first timed sampled step's cost has been logged
         self.current: dict = {
             "sampled": False,
             "seconds": None,
@@ -184,6 +199,48 @@ class GradStatsCollector(Instrument):
 
     def around_step(self, step: int) -> contextlib.AbstractContextManager[dict]:
         return self.step(step)
+
+    def start(self) -> None:
+        # The atlas quantizes every product's tensors into each format on a sampled step, which can
+        # cost minutes a step: say so before the run spends them.
+        if self.atlas_on:
+            log.info(self.atlas_cost())
+
+    def after_step(self, done) -> None:
+        if self.atlas_on and done.sampled and done.sampled_s is not None and not self._atlas_timed:
+            self._atlas_timed = True
+            plain = self.step_seconds["plain"][-1] if self.step_seconds["plain"] else None
+            against = f", against {plain:.3g} s for the plain step before it" if plain is not None else ""
+            to_come = ""
+            if self.total_steps is not None:
+                more = sum(self.sampling(s) for s in range(done.step + 1, self.total_steps))
+                to_come = f"; {more} more sampled step(s) to come: about {more * done.sampled_s / 60:.3g} min"
+            log.info(f"stats.formats: the first timed sampled step took {done.sampled_s:.3g} s{against}{to_come}")
+
+    def atlas_cost(self) -> str:
+        """The atlas's cost per sampled step as far as it is known before one: each format timed on
+        ATLAS_PROBE values here, times the products' weights and weight gradients."""
+        weights = sum(
+            p.numel()
+            for layers in self.matmuls.values()
+            for _, module in layers
+            for name, p in module.named_parameters(recurse=False)
+            if name.startswith("weight")
+        )
+        probe = torch.randn(ATLAS_PROBE, device=self.device)
+        FormatAtlas(self.formats, self.device).add(probe[:1024])  # first calls pay for their own set-up
+        synchronize(self.device)
+        t0 = time.perf_counter()
+        FormatAtlas(self.formats, self.device).add(probe)
+        synchronize(self.device)
+        per_million = (time.perf_counter() - t0) / ATLAS_PROBE * 1e6
+        names, values = ", ".join(f.name for f in self.formats), 2 * weights / 1e6
+        return (
+            f"stats.formats: {len(self.formats)} format(s) ({names}) cost about {per_million:.3g} s per million "
+            f"values on this device; every {self.every} steps a sampled step passes through them each product's "
+            f"weights and weight gradients ({values:.3g} M values: about {values * per_million:.3g} s) and, on "
+            f"top of that, its inputs and activation gradients, which grow with the batch"
+        )
 
     @contextlib.contextmanager
     def backward(self, network: str, scale_of: Callable[[], float]) -> Iterator[None]:
@@ -268,12 +325,14 @@ class GradStatsCollector(Instrument):
         if self._backward_of is not None and self._backward_of[0] == net:
             self._hist(net, "activation", name).add(grad, self._backward_of[1])
 
-    def _on_atlas_forward(self, net: str, name: str, axes: dict[str, int], _module: nn.Module, args, output) -> None:
+    def _on_atlas_forward(self, net: str, name: str, axes: dict[str, int], module: nn.Module, args, output) -> None:
         if self._paused:
             return
         inputs = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor) and t.is_floating_point()]
         if inputs:  # an LSTM given a PackedSequence: its data is the first floating-point leaf
             self._atlas(net, name, "input").add(inputs[0], 1.0, axes["input"] if inputs[0].dim() > 1 else -1)
+        if isinstance(module, BatchMatmul) and len(inputs) > 1:  # a @ b: b, reduced over its rows, is its "weight"
+            self._atlas(net, name, "weight").add(inputs[1], 1.0, -2)
         for t in tree_leaves(output):
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 t.register_hook(

@@ -40,9 +40,14 @@ class Standard:
 
 
 def build(
-    cfg: DictConfig, engines: dict[str, PrecisionEngine], device: torch.device, dist: Dist, unit: str
+    cfg: DictConfig,
+    engines: dict[str, PrecisionEngine],
+    device: torch.device,
+    dist: Dist,
+    unit: str,
+    total_steps: int | None = None,
 ) -> Standard:
-    """`unit`: what the run's throughput counts (its task's samples)."""
+    """`unit`: what the run's throughput counts (its task's samples); `total_steps`: the run's length."""
     s = cfg.schedule
     networks = {name: e.model for name, e in engines.items()}
     # Not under torchrun: a re-run's backward would enter data parallelism's collectives alone;
@@ -52,7 +57,7 @@ def build(
     on_device = any(e.on_device for e in engines.values())  # a scale kept on the device (resident_scale.py)
     meter = ThroughputMeter(device, s.throughput_warmup, s.throughput_window, unit, dist)
     return Standard(
-        grad_stats=GradStatsCollector(cfg.stats, networks, device, s.throughput_warmup),
+        grad_stats=GradStatsCollector(cfg.stats, networks, device, s.throughput_warmup, total_steps),
         flops=FlopCount(list(networks.values()), s.count_flops, meter.unit),
         tracer=OverflowTracer(networks, tracing, sampled_only=on_device),
         meter=meter,
