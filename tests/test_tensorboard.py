@@ -57,8 +57,8 @@ def test_logger_none_writes_no_event_file_and_a_bad_logger_is_named(tmp_path, in
 
     assert build_run(tmp_path, TINY, "schedule=smoke", "logger=none", "checkpoint=false").execute().status == "ok"
     assert (tmp_path / "result.json").exists() and not list(tmp_path.glob("events.out.tfevents.*"))
-    with pytest.raises(ConfigError, match="^logger=wandb: expected one of tensorboard, csv, none"):
-        build_run(tmp_path / "bad", TINY, "logger=wandb")
+    with pytest.raises(ConfigError, match="^logger=mlflow: expected one of tensorboard, csv, wandb, none"):
+        build_run(tmp_path / "bad", TINY, "logger=mlflow")
 
 
 def test_a_run_resumed_at_an_evaluation_shows_it_once_and_a_run_started_over_drops_the_old_events(tmp_path):
