@@ -21,12 +21,14 @@ GRID_CELLS = (
 SHIFT_CELLS = 6  # mixed unscaled and dynamic at k = 0, 12, 24
 
 
-def dry_run(part: str, tmp_path, timeout: int) -> subprocess.CompletedProcess:
-    """The part on this CPU, two steps a run, seeds 0 and 1 planned; its tarball under tmp_path/out."""
+def dry_run(part: str, tmp_path, timeout: int, seeds: str | None = None) -> subprocess.CompletedProcess:
+    """The part on this CPU, two steps a run, seeds 0 and 1 planned (`seeds` of them run, where given); its
+    tarball under tmp_path/out."""
     env = {
         **os.environ,
         "DRY_RUN": "1",
         "PLAN": "0,1",
+        **({"SEEDS": seeds} if seeds else {}),
         "WORK": str(tmp_path / "work"),
         "OUT": str(tmp_path / "out"),
         "OMP_NUM_THREADS": "1",
@@ -150,3 +152,15 @@ def test_the_speed_call_runs_each_goals_rows_and_their_baselines(tmp_path):
     assert (
         sum(norm["batch_norm_backends"]["layers"].values()) == 53
     )  # every batch-norm layer of ResNet-50 says which backend it took
+
+
+@pytest.mark.slow
+def test_the_gpt_call_runs_its_four_modes_seed_by_seed_and_its_report_compares_them(tmp_path):
+    done = dry_run("gpt", tmp_path, timeout=1200, seeds="0")  # one seed of the two planned: the CI's time
+    finished = re.findall(r"record: +\S+/gpt/gpt/gpt2_tiny_(\w+?)_none_\S+_seed(\d)_\S+/result.json", done.stdout)
+    assert finished == [(mode, "0") for mode in ("fp32", "bf16", "fp8", "mxfp8")]
+    with tarfile.open(tmp_path / "out" / "gpt.tar.gz") as tar:
+        tar.extractall(tmp_path / "back", filter="data")
+    table = comparisons(load_runs([tmp_path / "back"]))
+    # seed 1, planned, has not run: no verdict yet
+    assert set(table.experiment) == {"ptb_gpt"} and len(table) == 3 and set(table.finding) == {"incomplete"}

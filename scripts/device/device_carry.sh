@@ -32,7 +32,8 @@ case $part in
   gnmt) cp -r "$shared/multi30k" .data/ ;;
   biglstm) cp -r "$shared/ptb" .data/ ;;
   sequences) cp -r "$shared/ptb" "$shared/multi30k" .data/ ;;
+  gpt) cp -r "$shared/ptb" .data/ ;;
   dcgan) cp "$shared/utkface.tar.gz" .data/ ;;
-  *) echo "device_carry.sh: PART=$part: expected one of accuracy, sequences, speed, suite, arithmetic, bench, options, peer, next, others, classifier, cifar, ssd, gnmt, biglstm, dcgan" >&2; exit 2 ;;
+  *) echo "device_carry.sh: PART=$part: expected one of accuracy, sequences, gpt, speed, suite, arithmetic, bench, options, peer, next, others, classifier, cifar, ssd, gnmt, biglstm, dcgan" >&2; exit 2 ;;
 esac
 du -sh .whl .data

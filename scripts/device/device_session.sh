@@ -37,6 +37,8 @@
 #              _mixed, _fp16, _adam), seeds 0-2 planned (PLAN; SEEDS runs some), seed-major; then
 #              bigLSTM's long run without scaling (ptb_biglstm_long) until the part's deadline.
 #              Records in lm/, mt/ and long/.
+#   gpt        beyond the paper, GPT-2's architecture on PTB (ptb_gpt: fp32, bf16, fp8, mxfp8), seeds 0-2
+#              planned (PLAN; SEEDS runs some), seed-major. Records in gpt/.
 #   speed      the speed goals' measurements, in their order (experiment=speed_*: FP8 LSTMs against BF16,
 #              the dynamic scaler's cost, BF16 against amp on batch-norm networks, torch.compile against
 #              eager, ResNet-50 on full-size JPEGs decoded on the host and on the GPU), each a ratio of
@@ -49,7 +51,7 @@
 #              Records in grid/ and shift/, CIFAR-10 decoded once and kept on the GPU (data.resident).
 #
 # DRY_RUN=1: the part on this machine's CPU, without wheels, GPU or carried commit: the same runs,
-# two steps each, on ../shared/data (accuracy and sequences; tests/test_device_session.py, PLAN=0,1).
+# two steps each, on ../shared/data (accuracy, sequences and gpt; tests/test_device_session.py, PLAN=0,1).
 #
 # PART_SECONDS=N: the part stops its commands N seconds after it starts (runs get SIGTERM, stop
 # after a step and record `preempted`; the suite gets SIGINT, so pytest reports), and still packs.
@@ -256,6 +258,22 @@ case $part in
     for preset in $(cd configs/experiment && ls gpu/"$part"/*.yaml | sed 's/\.yaml$//'); do
       run -m "experiment=$preset" "data.root=$root" "${models[@]}" ${SEEDS:+"seed=$SEEDS"} hydra.sweep.dir="$W/$part" "$@"
     done ;;
-  *) echo "device_session.sh: PART=$part: expected one of accuracy, sequences, speed, suite, arithmetic, bench, options, peer, next, others, classifier, cifar, ssd, gnmt, biglstm, dcgan" >&2; exit 2 ;;
+  gpt)
+    # Beyond the paper: GPT-2's architecture on PTB (ptb_gpt: fp32, bf16, fp8, mxfp8), seed-major,
+    # so that a call cut off leaves whole seeds.
+    plan=${PLAN:-0,1,2}
+    common=(checkpoint=false)
+    if [ -n "$dry" ]; then
+      data=$(cd ../shared/data && pwd)
+      common+=(device=cpu schedule.steps=2 schedule.epochs=null)
+    else
+      data=$D
+      common+=(device=cuda)
+    fi
+    grid_seeds=${SEEDS:-$plan}
+    for s in ${grid_seeds//,/ }; do
+      run -m experiment=ptb_gpt "seed=$s" "experiment.seeds=[$plan]" data=text_corpus "data.root=$data/ptb" "${common[@]}" hydra.sweep.dir="$W/gpt" "$@"
+    done ;;
+  *) echo "device_session.sh: PART=$part: expected one of accuracy, sequences, gpt, speed, suite, arithmetic, bench, options, peer, next, others, classifier, cifar, ssd, gnmt, biglstm, dcgan" >&2; exit 2 ;;
 esac
 exit $rc
