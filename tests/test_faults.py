@@ -153,6 +153,7 @@ def test_the_command_line_exits_with_the_signals_status_after_writing_the_record
             "schedule=smoke",
             "schedule.steps=100000",
             "schedule.log_every=1",
+            "checkpoint=true",  # a smoke run's are off by default
             f"hydra.run.dir={tmp_path}",
         ],
         cwd=ROOT,
@@ -182,7 +183,7 @@ def test_a_sigterm_to_the_whole_job_spares_the_data_loader_workers(tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "mpt.runner.cli", TINY, "data=imagefolder", f"data.root={root}",
                              "data.num_workers=2", "schedule=smoke", "schedule.batch_size=4", "schedule.steps=100000",
-                             "schedule.log_every=1", f"hydra.run.dir={run_dir}"],
+                             "schedule.log_every=1", "checkpoint=true", f"hydra.run.dir={run_dir}"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # fmt: skip
     log, deadline = run_dir / "metrics.jsonl", time.time() + 300
