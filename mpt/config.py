@@ -494,6 +494,16 @@ class DistributedConfig:
     """Settings that matter only under torchrun (distributed.py)."""
 
     sync_batchnorm: bool = False  # batch-norm statistics over the global batch (torch's SyncBatchNorm: CUDA only)
+    # Each gradient a view into DDP's all-reduce bucket, as torchvision's and DLE's references set it:
+    # one copy of the gradients fewer, and no copy into the buckets at each backward.
+    gradient_as_bucket_view: bool = True
+    # DDP's default sends rank 0's buffers (batch-norm running statistics) to every rank before each
+    # forward. They matter only to evaluation and checkpoints, which use rank 0's: evaluation sends
+    # them once, before it scores (data_parallel.before_evaluation), so the per-step broadcast is off.
+    broadcast_buffers: bool = False
+    # DDP's static_graph: the same parameters take part in every step, one forward per backward
+    # (not DCGAN, whose discriminator runs twice per step).
+    static_graph: bool = False
 
 
 class Verdict(Choice):

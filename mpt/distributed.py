@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -70,6 +70,31 @@ class Dist:
         parts = [torch.empty_like(t) for _ in range(self.world_size)]
         dist.all_gather(parts, t.contiguous())
         return torch.cat(parts, dim)
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """Every rank's picklable `obj`, in rank order (evaluation's hypotheses and detections)."""
+        if not self.enabled:
+            return [obj]
+        parts: list[Any] = [None] * self.world_size
+        dist.all_gather_object(parts, obj)
+        return parts
+
+    def eval_batches(self, count: int) -> range:
+        """This rank's part of `count` evaluation batches: batch i goes to rank i mod world size, so
+        that the parts are disjoint, cover every batch, and differ in length by one at most."""
+        return range(self.rank, count, self.world_size)
+
+    def in_batch_order(self, per_batch: list[list[Any]]) -> list[Any]:
+        """Items evaluated per batch on this rank (one list per batch of eval_batches), gathered from
+        every rank and put back in the order of the batches, as one process would have made them
+        (collective)."""
+        parts = self.gather_objects(per_batch)
+        merged: list[Any] = []
+        for k in range(max((len(p) for p in parts), default=0)):
+            for p in parts:
+                if k < len(p):
+                    merged += p[k]
+        return merged
 
     def barrier(self) -> None:
         if self.enabled:

@@ -106,6 +106,10 @@ def test_two_processes_follow_one_process_with_the_same_global_batch_and_fp16_al
         "per_process_batch_size": 4,
         "allreduce_dtype": "the gradients' own",
         "sync_batchnorm": False,
+        "gradient_as_bucket_view": True,
+        "broadcast_buffers": False,
+        "static_graph": False,
+        "evaluation": "sharded",
     }
     assert rec1["distributed"]["world_size"] == 1
     assert rec2["samples"] == rec1["samples"] == 48

@@ -1,7 +1,9 @@
 """Data sources. Each yields batches already on the run's device.
 
 `build_data` returns a DataSource: `epoch(e, start)` iterates one pass of training batches from
-batch `start`, `val()` the validation batches, `steps_per_epoch` and `info` (num_classes, ...) size
+batch `start`, `val(limit)` this process's part of the first `limit` validation batches (under
+torchrun, batch i is rank i mod world size's; the carried language-model stream gives each rank its
+rows of every window), `steps_per_epoch` and `info` (num_classes, ...) size
 the run and the model, and `state_dict()` holds the position a resumed run continues from.
 A source given a test split also offers `test()`, which the loop scores once, at the end.
 A batch is what the task consumes, e.g. (images, labels) for classification; for a GAN it is one
@@ -32,7 +34,7 @@ class DataSource(Protocol):
 
     def load_state_dict(self, state: dict) -> None: ...
 
-    def val(self) -> Iterable[Any]: ...
+    def val(self, limit: int | None = None) -> Iterable[Any]: ...
 
     def test(self) -> Optional[Iterable[Any]]: ...
 

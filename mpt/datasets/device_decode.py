@@ -29,7 +29,7 @@ from torchvision.transforms.v2 import functional as F
 from ..config import ConfigError
 from ..distributed import Dist
 from . import imagefolder
-from .sampling import EpochBatches, LoaderData, SeededSamples, default_workers, shielded_worker
+from .sampling import EpochBatches, EvalBatches, LoaderData, SeededSamples, default_workers, shielded_worker
 
 JPEG_MAGIC = b"\xff\xd8"
 
@@ -154,9 +154,8 @@ class DeviceDecodedImages(LoaderData):
         )
         val_order = imagefolder.fixed_order(len(val_set)).tolist()  # the host path's evaluation order
         common["generator"] = torch.Generator().manual_seed(seed)
-        self.val_loader = DataLoader(
-            _Encoded(val_set, train=False), batch_size=schedule.batch_size, sampler=val_order, **common
-        )
+        self.val_batches = EvalBatches(len(val_set), schedule.batch_size, shard, val_order)
+        self.val_loader = DataLoader(_Encoded(val_set, train=False), batch_sampler=self.val_batches, **common)
         self.steps_per_epoch = len(train_set) // schedule.batch_size
         self.mean, self.std = (
             torch.tensor(s, device=device).view(1, 3, 1, 1)
@@ -195,7 +194,8 @@ class DeviceDecodedImages(LoaderData):
         ]
         return self._normalized(out), labels.to(self.device, non_blocking=True)
 
-    def val(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def val(self, limit: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        self.val_batches.limit = limit
         return map(self._evaluation_batch, self.val_loader)
 
     def plain_train_images(self, n: int) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 from omegaconf import DictConfig
 
 from ..distributed import Dist
-from .sampling import EpochOrder, require_one_batch, validate_sample_counts
+from .sampling import EpochOrder, eval_starts, require_one_batch, validate_sample_counts
 
 validate = validate_sample_counts
 
@@ -76,8 +76,8 @@ class SyntheticDiscs(EpochOrder):
                 self.train_images[perm[slice(*self.shard.shard(i * self.batch_size, (i + 1) * self.batch_size))]]
             )
 
-    def val(self) -> Iterator[torch.Tensor]:
-        for i in range(0, self.val_images.shape[0], self.batch_size):
+    def val(self, limit: int | None = None) -> Iterator[torch.Tensor]:
+        for i in eval_starts(self.val_images.shape[0], self.batch_size, self.shard, limit):
             yield to_unit_range(self.val_images[i : i + self.batch_size])
 
 

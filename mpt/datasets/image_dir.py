@@ -27,7 +27,7 @@ from ..config import ConfigError, positive
 from ..distributed import Dist
 from .discs import to_unit_range
 from .imagefolder import load_image
-from .sampling import EpochBatches, LoaderData, SeededSamples, default_workers, shielded_worker
+from .sampling import EpochBatches, EvalBatches, LoaderData, SeededSamples, default_workers, shielded_worker
 
 SHOWN = 5  # file names an error message lists
 
@@ -135,10 +135,10 @@ class ImageDirData(LoaderData):
             generator=torch.Generator().manual_seed(seed),
             **common,
         )
+        self.val_batches = EvalBatches(n_val, schedule.batch_size, shard)
         self.val_loader = DataLoader(
             Subset(dataset, reference),
-            batch_size=schedule.batch_size,
-            shuffle=False,
+            batch_sampler=self.val_batches,
             generator=torch.Generator().manual_seed(seed),
             **common,
         )

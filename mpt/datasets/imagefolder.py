@@ -23,7 +23,7 @@ from torchvision import datasets, transforms
 
 from ..config import ConfigError
 from ..distributed import Dist
-from .sampling import EpochBatches, LoaderData, SeededSamples, default_workers, shielded_worker
+from .sampling import EpochBatches, EvalBatches, LoaderData, SeededSamples, default_workers, shielded_worker
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -221,12 +221,9 @@ class ImageFolderData(LoaderData):
         # would score the first classes only. One fixed order, the same for every seed and mode,
         # makes any prefix a uniform sample and lets every run score the same images.
         val_order = fixed_order(len(self.val_set)).tolist()
+        self.val_batches = EvalBatches(len(self.val_set), schedule.batch_size, shard, val_order)
         self.val_loader = DataLoader(
-            self.val_set,
-            batch_size=schedule.batch_size,
-            sampler=val_order,
-            generator=torch.Generator().manual_seed(seed),
-            **common,
+            self.val_set, batch_sampler=self.val_batches, generator=torch.Generator().manual_seed(seed), **common
         )
         self.steps_per_epoch = len(self.train_set) // schedule.batch_size
         self.root, self.train_split, self.size, self.normalize = root, data.train_split, size, normalize

@@ -31,7 +31,7 @@ from ..distributed import Dist
 from ..files import write_atomic
 from . import device_decode, imagefolder
 from .device_decode import DeviceDecodedImages
-from .sampling import EpochOrder, default_workers, shielded_worker
+from .sampling import EpochOrder, default_workers, eval_starts, shielded_worker
 
 # (pad, padding mode) of each augmentation a resident source computes on the device
 PADDING = {"cifar": (4, "constant"), "airbench": (2, "reflect")}
@@ -175,9 +175,9 @@ class ResidentImages(EpochOrder):
             mine = slice(first - b * self.batch_size, stop - b * self.batch_size)
             yield self._augmented(idx, epoch, b, mine), self.train_labels[idx]
 
-    def val(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def val(self, limit: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         size = self.eval_batch_size
-        for i in range(0, len(self.val_labels), size):
+        for i in eval_starts(len(self.val_labels), size, self.shard, limit):
             yield normalized(self.val_images[i : i + size], self.mean, self.std), self.val_labels[i : i + size]
 
     def plain_train_images(self, n: int) -> torch.Tensor:

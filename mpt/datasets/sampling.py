@@ -85,6 +85,31 @@ class SeededSamples(Dataset):
             return self.dataset[index]
 
 
+def eval_starts(size: int, batch_size: int, shard: Dist, limit: int | None = None) -> Iterator[int]:
+    """The first positions of this rank's evaluation batches: of the first `limit` batches (all of
+    them: None) of `size` samples in order, batch i is rank i mod world size's (Dist.eval_batches)."""
+    count = -(-size // batch_size)
+    for b in shard.eval_batches(count if limit is None else min(count, limit)):
+        yield b * batch_size
+
+
+class EvalBatches(Sampler):
+    """A DataLoader's evaluation batches, in order: this rank's (eval_starts), of the first `limit`
+    (set before each pass), so that a rank's workers load no other rank's images."""
+
+    def __init__(self, size: int, batch_size: int, shard: Dist = Dist(), order: list[int] | None = None):
+        self.size, self.batch_size, self.shard, self.order = size, batch_size, shard, order
+        self.limit: int | None = None
+
+    def __iter__(self):
+        for first in eval_starts(self.size, self.batch_size, self.shard, self.limit):
+            positions = range(first, min(first + self.batch_size, self.size))
+            yield [self.order[i] for i in positions] if self.order is not None else list(positions)
+
+    def __len__(self) -> int:
+        return len(list(eval_starts(self.size, self.batch_size, self.shard, self.limit)))
+
+
 class EpochBatches(Sampler):
     """Batches of (epoch, index) in a fresh random order each epoch, from batch `start` on. Under
     torchrun each rank takes its slice of every global batch of `batch_size` (the distributed sampler)."""
@@ -138,8 +163,9 @@ class LoaderData(EpochOrder):
     from `order`) and `val_loader`; `to_device` moves one loaded batch to the run's device."""
 
     train_loader: DataLoader
-    val_loader: DataLoader
+    val_loader: DataLoader  # batched by val_batches
     batches: EpochBatches
+    val_batches: EvalBatches
 
     def to_device(self, batch: Any) -> Any:
         raise NotImplementedError
@@ -150,7 +176,8 @@ class LoaderData(EpochOrder):
         self.batches.set_epoch(epoch, start)
         return map(self.to_device, self.train_loader)
 
-    def val(self) -> Iterable[Any]:
+    def val(self, limit: int | None = None) -> Iterable[Any]:
+        self.val_batches.limit = limit
         return map(self.to_device, self.val_loader)
 
     def close(self) -> None:

@@ -19,7 +19,7 @@ from torchvision.ops import box_iou
 
 from ..config import ConfigError, positive
 from ..distributed import Dist
-from .sampling import EpochOrder, require_one_batch, validate_sample_counts
+from .sampling import EpochOrder, eval_starts, require_one_batch, validate_sample_counts
 
 
 def validate(cfg: DictConfig) -> None:
@@ -70,8 +70,8 @@ def make_image(size: int, colors: torch.Tensor, max_objects: int, noise: float, 
 
 
 class SyntheticShapes(EpochOrder):
-    def __init__(self, data: DictConfig, schedule: DictConfig, seed: int, device: torch.device):
-        self.batch_size = schedule.batch_size
+    def __init__(self, data: DictConfig, schedule: DictConfig, seed: int, device: torch.device, shard: Dist = Dist()):
+        self.batch_size, self.shard = schedule.batch_size, shard
         require_one_batch(data.train_samples, self.batch_size)
         size = schedule.image_size
         g = torch.Generator().manual_seed(10_000 + seed)
@@ -114,18 +114,20 @@ class SyntheticShapes(EpochOrder):
     def epoch(self, epoch: int, start: int = 0) -> Iterator[tuple[torch.Tensor, list[dict]]]:
         """One pass in a fresh random order, from batch `start` (a resumed run's position)."""
         perm = torch.randperm(len(self.train_targets), generator=self.begin_epoch()).tolist()
-        for i in range(start, self.steps_per_epoch):
+        for i in range(start, self.steps_per_epoch):  # under torchrun, this rank's slice of each global batch
             yield self._batch(
-                self.train_images, self.train_targets, perm[i * self.batch_size : (i + 1) * self.batch_size]
+                self.train_images,
+                self.train_targets,
+                perm[slice(*self.shard.shard(i * self.batch_size, (i + 1) * self.batch_size))],
             )
 
-    def val(self) -> Iterator[tuple[torch.Tensor, list[dict]]]:
+    def val(self, limit: int | None = None) -> Iterator[tuple[torch.Tensor, list[dict]]]:
         n = len(self.val_targets)
-        for i in range(0, n, self.batch_size):
+        for i in eval_starts(n, self.batch_size, self.shard, limit):
             yield self._batch(self.val_images, self.val_targets, list(range(i, min(i + self.batch_size, n))))
 
 
 def build(
     cfg: DictConfig, device: torch.device, workdir: Optional[Path] = None, resuming: bool = False, shard: Dist = Dist()
 ) -> SyntheticShapes:
-    return SyntheticShapes(cfg.data, cfg.schedule, seed=cfg.seed, device=device)
+    return SyntheticShapes(cfg.data, cfg.schedule, seed=cfg.seed, device=device, shard=shard)

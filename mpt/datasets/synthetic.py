@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 
 from ..distributed import Dist
-from .sampling import EpochOrder, require_one_batch, validate_sample_counts
+from .sampling import EpochOrder, eval_starts, require_one_batch, validate_sample_counts
 
 validate = validate_sample_counts
 
@@ -59,8 +59,8 @@ class SyntheticImages(EpochOrder):
         """The first n training images (they are in no class order)."""
         return self.train_images[:n]
 
-    def val(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for i in range(0, self.val_labels.shape[0], self.batch_size):
+    def val(self, limit: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for i in eval_starts(self.val_labels.shape[0], self.batch_size, self.shard, limit):
             yield self.val_images[i : i + self.batch_size], self.val_labels[i : i + self.batch_size]
 
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 import glob
 import math
 from collections import Counter
+from itertools import islice
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -139,12 +140,15 @@ class LMData(EpochOrder):
         for _ in range(start, self.steps_per_epoch):  # full windows only, so every step has batch_size x bptt targets
             yield next(windows)
 
-    def _sentence_batches(self, sentences: Sentences) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """batch_size sentences at a time, in file order: inputs </s> w1 .. wn, targets w1 .. wn </s>,
-        padded at the end (inputs with </s>, targets with PAD_TARGET). Every token is a target once,
-        as in the carried stream (whose first token alone is none)."""
+    def _sentence_batches(
+        self, sentences: Sentences, batches: Iterable[int]
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Batches number `batches` of batch_size sentences at a time, in file order: inputs </s> w1 .. wn,
+        targets w1 .. wn </s>, padded at the end (inputs with </s>, targets with PAD_TARGET). Every
+        token is a target once, as in the carried stream (whose first token alone is none)."""
         lengths = np.diff(sentences.starts)
-        for first in range(0, len(sentences), self.batch_size):
+        for k in batches:
+            first = k * self.batch_size
             last = min(first + self.batch_size, len(sentences))
             width = int(lengths[first:last].max())
             targets = np.full((last - first, width), PAD_TARGET, dtype=np.int64)
@@ -154,16 +158,25 @@ class LMData(EpochOrder):
             inputs[:, 1:] = np.where(targets[:, :-1] == PAD_TARGET, EOS, targets[:, :-1])
             yield torch.from_numpy(inputs).to(self.device), torch.from_numpy(targets).to(self.device)
 
-    def _evaluation(self, sentences: Sentences) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def _evaluation(
+        self, sentences: Sentences, limit: int | None = None
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's part of the first `limit` evaluation batches: of padded sentences, the batches
+        of Dist.eval_batches; of the carried stream, this rank's rows (streams) of every window, as
+        in training, since a stream's state runs through its windows in order."""
         if self.eval_state == "sentence":
-            return self._sentence_batches(sentences)
-        return self._windows(rows_of(sentences.stream(), self.batch_size))
+            count = -(-len(sentences) // self.batch_size)
+            return self._sentence_batches(
+                sentences, self.shard.eval_batches(count if limit is None else min(count, limit))
+            )
+        rows = rows_of(sentences.stream(), self.batch_size)[slice(*self.shard.shard(0, self.batch_size))]
+        return islice(self._windows(rows), limit)
 
-    def val(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        return self._evaluation(self.val_sentences)
+    def val(self, limit: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return self._evaluation(self.val_sentences, limit)
 
     def test(self) -> Optional[Iterator[tuple[torch.Tensor, torch.Tensor]]]:
-        """The test split (data.test_split), or None without one."""
+        """This rank's part of the test split (data.test_split), or None without one."""
         return None if self.test_sentences is None else self._evaluation(self.test_sentences)
 
 

@@ -148,22 +148,25 @@ class TranslationData(EpochOrder):
             )
         super().load_state_dict(state)
 
-    def val(self) -> Iterator[TranslationBatch]:
-        return self._in_length_order(self.val_pairs, self.val_refs)
+    def val(self, limit: int | None = None) -> Iterator[TranslationBatch]:
+        """This rank's part of the first `limit` validation batches (Dist.eval_batches)."""
+        return self._in_length_order(self.val_pairs, self.val_refs, limit)
 
     def test(self) -> Optional[Iterator[TranslationBatch]]:
-        """The test split (data.test_split), or None without one."""
+        """This rank's part of the test split (data.test_split), or None without one."""
         return None if self.test_pairs is None else self._in_length_order(self.test_pairs, self.test_refs)
 
-    def _in_length_order(self, pairs, refs) -> Iterator[TranslationBatch]:
+    def _in_length_order(self, pairs, refs, limit: int | None = None) -> Iterator[TranslationBatch]:
         """Batches of similar source length, sorted within blocks of SORT_BLOCK batches in file order,
         so the first N batches (schedule.eval_batches) are a sample of the set, not its shortest."""
         block = SORT_BLOCK * self.batch_size
+        batches: list[list[int]] = []
         for start in range(0, len(pairs), block):
             order = sorted(range(start, min(start + block, len(pairs))), key=lambda i: len(pairs[i][0]))
-            for i in range(0, len(order), self.batch_size):
-                idx = order[i : i + self.batch_size]
-                yield collate([pairs[j] for j in idx], self.multiple, self.device, refs=[refs[j] for j in idx])
+            batches += [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
+        for b in self.shard.eval_batches(len(batches) if limit is None else min(len(batches), limit)):
+            idx = batches[b]
+            yield collate([pairs[j] for j in idx], self.multiple, self.device, refs=[refs[j] for j in idx])
 
 
 class SyntheticLanguagePair:

@@ -43,7 +43,7 @@ from torchvision.transforms import v2
 from ..config import ConfigError
 from ..distributed import Dist
 from .imagefolder import CorruptImage, load_image
-from .sampling import EpochBatches, LoaderData, SeededSamples, default_workers, shielded_worker
+from .sampling import EpochBatches, EvalBatches, LoaderData, SeededSamples, default_workers, shielded_worker
 
 # Caffe's input convention, which torchvision's SSD and its VGG16_Weights.IMAGENET1K_FEATURES use:
 # RGB in 0-255 minus the mean pixel (models/detection.py); also the zoom-out's fill.
@@ -281,12 +281,9 @@ class VOCData(LoaderData):
             generator=torch.Generator().manual_seed(seed),
             **common,
         )
+        self.val_batches = EvalBatches(len(val_set), schedule.batch_size, shard)
         self.val_loader = DataLoader(
-            val_set,
-            batch_size=schedule.batch_size,
-            shuffle=False,
-            generator=torch.Generator().manual_seed(seed),
-            **common,
+            val_set, batch_sampler=self.val_batches, generator=torch.Generator().manual_seed(seed), **common
         )
         self.steps_per_epoch = len(train) // schedule.batch_size
         self.info = {

@@ -87,10 +87,16 @@ class Task:
         raise NotImplementedError
 
     def evaluate(
-        self, batches: Iterable[Any], forward_context: Callable[[], ContextManager], final: bool = False
+        self,
+        batches: Iterable[Any],
+        forward_context: Callable[[], ContextManager],
+        final: bool = False,
+        ranks: Dist = Dist(),
     ) -> dict[str, float]:
         """The metrics over `batches`; `final`: the run's last evaluation, which a task may score as its
-        recipe scores its result (airbench94's test-time augmentation)."""
+        recipe scores its result (airbench94's test-time augmentation). Under torchrun `batches` are
+        this rank's part of the set, and the task reduces over `ranks` (sums and counts, or gathered
+        outputs) so that each rank returns the whole set's metrics (collective)."""
         raise NotImplementedError
 
     def save_samples(self, path: Path, forward_context: Callable[[], ContextManager]) -> Path | None:

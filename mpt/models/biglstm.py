@@ -168,7 +168,11 @@ class LanguageModel(OneNetwork):
 
     @torch.no_grad()
     def evaluate(
-        self, batches: Iterable, forward_context: Callable[[], ContextManager], final: bool = False
+        self,
+        batches: Iterable,
+        forward_context: Callable[[], ContextManager],
+        final: bool = False,
+        ranks: Dist = Dist(),
     ) -> dict[str, float]:
         """Perplexity with the full softmax. model.eval_state=carried: the state carried across the
         stream's windows from zeros, and val_cell_max, the largest |cell state| at a window's end (a
@@ -190,11 +194,17 @@ class LanguageModel(OneNetwork):
             else:
                 tokens += int((targets != PAD_TARGET).sum())
         self.net.train()
+        # Each rank scored its streams (or its batches of sentences): the sums over ranks are the set's.
+        device = next(self.net.parameters()).device
+        total = torch.tensor(ranks.total(float(total), device), dtype=torch.float64)
+        tokens = int(ranks.total(tokens, device))
         if tokens == 0:
             raise ValueError("evaluation saw no tokens: the validation set is empty")
         loss = float(total) / tokens
         metrics = {"ppl": math.exp(min(loss, 700.0)), "val_loss": loss, "val_tokens": tokens}
-        return {**metrics, "val_cell_max": float(cell_max)} if cell_max is not None else metrics
+        if carried:  # every rank carries streams: each has a largest cell
+            metrics["val_cell_max"] = ranks.largest(float(cell_max) if cell_max is not None else 0.0, device)
+        return metrics
 
 
 def validate(cfg: DictConfig) -> None:

@@ -179,7 +179,11 @@ class CausalLanguageModel(OneNetwork):
 
     @torch.no_grad()
     def evaluate(
-        self, batches: Iterable, forward_context: Callable[[], ContextManager], final: bool = False
+        self,
+        batches: Iterable,
+        forward_context: Callable[[], ContextManager],
+        final: bool = False,
+        ranks: Dist = Dist(),
     ) -> dict[str, float]:
         """Perplexity: exp of the mean negative log-likelihood per token, each window on its own."""
         self.net.eval()
@@ -189,6 +193,9 @@ class CausalLanguageModel(OneNetwork):
                 total += self._nll(inputs, targets, "sum").double().cpu()
             tokens += int((targets != PAD_TARGET).sum())
         self.net.train()
+        device = next(self.net.parameters()).device
+        total = torch.tensor(ranks.total(float(total), device), dtype=torch.float64)
+        tokens = int(ranks.total(tokens, device))
         if tokens == 0:
             raise ValueError("evaluation saw no tokens: the validation set is empty")
         loss = float(total) / tokens

@@ -100,7 +100,11 @@ class Classification(OneNetwork):
 
     @torch.no_grad()
     def evaluate(
-        self, batches: Iterable[Any], forward_context: Callable[[], ContextManager], final: bool = False
+        self,
+        batches: Iterable[Any],
+        forward_context: Callable[[], ContextManager],
+        final: bool = False,
+        ranks: Dist = Dist(),
     ) -> dict[str, float]:
         self.net.eval()
         k = min(5, self.num_classes)
@@ -116,6 +120,9 @@ class Classification(OneNetwork):
             correct5 += int(hits.any(dim=1).sum())
             seen += labels.shape[0]
         self.net.train()
+        device = next(self.net.parameters()).device  # a rank may have scored no batch: NCCL reduces on the device
+        correct1, correct5, seen = (int(ranks.total(n, device)) for n in (correct1, correct5, seen))
+        loss_sum = torch.tensor(ranks.total(float(loss_sum), device), dtype=torch.float64)
         if seen == 0:
             raise ValueError("evaluation saw no samples: the validation set is empty")
         return {

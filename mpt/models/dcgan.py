@@ -210,7 +210,11 @@ class GAN(Task):
 
     @torch.no_grad()
     def evaluate(
-        self, batches: Iterable[torch.Tensor], forward_context: Callable[[], ContextManager], final: bool = False
+        self,
+        batches: Iterable[torch.Tensor],
+        forward_context: Callable[[], ContextManager],
+        final: bool = False,
+        ranks: Dist = Dist(),
     ) -> dict[str, float]:
         """D(x) on the reference images, D(G(z)) on the fixed noise, and FID when there are weights.
 
@@ -232,6 +236,10 @@ class GAN(Task):
                 if real_stats is not None:
                     assert self.fid_extractor is not None  # real_stats is gathered only for FID
                     real_stats.update(self.fid_extractor(real))
+            # Each rank scored its part of the reference images: the sums over ranks are the set's.
+            d_x, seen = ranks.total(d_x, device), int(ranks.total(seen, device))
+            if real_stats is not None:
+                real_stats = GaussianStats.merged(ranks.gather_objects(real_stats))
             if seen == 0:
                 raise ValueError("evaluation saw no images: the reference set is empty")
             fake = self._generate(self.fixed_noise.to(device), forward_context)
@@ -241,24 +249,27 @@ class GAN(Task):
             if real_stats is not None:
                 self.real_stats = real_stats
             if self.fid_extractor is not None:
-                metrics["fid"] = self._fid(device, forward_context)
+                metrics["fid"] = self._fid(device, forward_context, ranks)
             return metrics
         finally:
             G.train(), D.train()
             if self.fid_extractor is not None:  # off the device: its weights are no part of the model's memory
                 self.fid_extractor.to("cpu")
 
-    def _fid(self, device: torch.device, forward_context: Callable[[], ContextManager]) -> float:
+    def _fid(self, device: torch.device, forward_context: Callable[[], ContextManager], ranks: Dist = Dist()) -> float:
         # called only with the extractor, after an evaluation has gathered the reference statistics
         assert self.fid_extractor is not None and self.real_stats is not None
         fake_stats = GaussianStats()
         g = torch.Generator().manual_seed(self.fid_seed)  # the same latents at every evaluation
-        for start in range(0, self.cfg.fid_samples, self.batch_size):
+        mine = set(ranks.eval_batches(-(-self.cfg.fid_samples // self.batch_size)))  # each rank its batches
+        for b, start in enumerate(range(0, self.cfg.fid_samples, self.batch_size)):
             z = torch.randn(min(self.batch_size, self.cfg.fid_samples - start), self.cfg.nz, generator=g)
+            if b not in mine:  # drawn all the same: the latents of a batch do not depend on the ranks
+                continue
             fake = self._generate(z.to(device), forward_context)
             # Rounded to 8-bit levels, as the real images were stored and as saved samples would be.
             fake_stats.update(self.fid_extractor(torch.round((fake + 1) * 127.5) / 127.5 - 1))
-        return frechet_distance(self.real_stats, fake_stats)
+        return frechet_distance(self.real_stats, GaussianStats.merged(ranks.gather_objects(fake_stats)))
 
     def save_samples(self, path: Path, forward_context: Callable[[], ContextManager]) -> Path:
         """The fixed-noise grid as a PNG, written atomically (generator in eval mode)."""

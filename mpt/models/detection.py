@@ -184,16 +184,24 @@ class Detection(OneNetwork):
 
     @torch.no_grad()
     def evaluate(
-        self, batches: Iterable[Any], forward_context: Callable[[], ContextManager], final: bool = False
+        self,
+        batches: Iterable[Any],
+        forward_context: Callable[[], ContextManager],
+        final: bool = False,
+        ranks: Dist = Dist(),
     ) -> dict[str, float]:
         self.net.eval()
-        detections, truths = [], []
+        scored: list[list[tuple[dict, dict]]] = []  # per batch: (detections, ground truth) per image
         try:
             for images, targets in batches:
-                detections += [{k: v.cpu() for k, v in d.items()} for d in self.detect(images, forward_context)]
-                truths += [{k: v.cpu() for k, v in t.items()} for t in targets]
+                found = [{k: v.cpu() for k, v in d.items()} for d in self.detect(images, forward_context)]
+                scored.append(list(zip(found, ({k: v.cpu() for k, v in t.items()} for t in targets))))
         finally:
             self.net.train()
+        # mAP ranks every detection of the set by score: it is computed once, over every rank's
+        # images in the set's order (the order breaks ties between equal scores).
+        ordered = ranks.in_batch_order(scored)
+        detections, truths = [d for d, _ in ordered], [t for _, t in ordered]
         if not truths:
             raise ValueError("evaluation saw no samples: the validation set is empty")
         # IoU is unchanged by scaling each axis, so scoring in the resized 300x300 frame equals

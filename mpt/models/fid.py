@@ -277,18 +277,30 @@ class GaussianStats:
             return
         if self._mean is not None and x.shape[1] != self._mean.shape[0]:
             raise ValueError(f"features of size {x.shape[1]} after features of size {self._mean.shape[0]}")
-        self._sqrt_cov = None
         mean_b = x.mean(0)
         centered = x - mean_b
-        m2_b = centered.T @ centered
+        self._absorb(nb, mean_b, centered.T @ centered)
+
+    def _absorb(self, nb: int, mean_b: torch.Tensor, m2_b: torch.Tensor) -> None:
+        """Merge a chunk of nb features with mean mean_b and centered sum of squares m2_b."""
+        self._sqrt_cov = None
         if self._mean is None or self._m2 is None:
-            self.n, self._mean, self._m2 = nb, mean_b, m2_b
+            self.n, self._mean, self._m2 = nb, mean_b.clone(), m2_b.clone()
             return
         n = self.n + nb
         delta = mean_b - self._mean
         self._mean = self._mean + delta * (nb / n)
         self._m2 = self._m2 + m2_b + torch.outer(delta, delta) * (self.n * nb / n)
         self.n = n
+
+    @classmethod
+    def merged(cls, parts: list["GaussianStats"]) -> "GaussianStats":
+        """The statistics of the union of `parts`' features (each rank's), by the same pairwise update."""
+        out = cls()
+        for p in parts:
+            if p._mean is not None and p._m2 is not None:
+                out._absorb(p.n, p._mean, p._m2)
+        return out
 
     def mean(self) -> torch.Tensor:
         if self._mean is None:

@@ -212,13 +212,16 @@ class Translation(OneNetwork):
 
     @torch.no_grad()
     def evaluate(
-        self, batches: Iterable[TranslationBatch], forward_context: Callable[[], ContextManager], final: bool = False
+        self,
+        batches: Iterable[TranslationBatch],
+        forward_context: Callable[[], ContextManager],
+        final: bool = False,
+        ranks: Dist = Dist(),
     ) -> dict[str, float]:
         import sacrebleu
 
         self.net.eval()
-        hyps: list[str] = []
-        refs: list[str] = []
+        pairs: list[list[tuple[str, str]]] = []  # per batch: (hypothesis, reference)
         nll = torch.zeros((), dtype=torch.float64)
         tokens = 0
         for batch in batches:
@@ -226,10 +229,16 @@ class Translation(OneNetwork):
                 logits = self.net("train", batch.src, batch.src_len, batch.src_len_cpu, batch.tgt_in).float()
             nll += self._token_losses(logits, batch.tgt_out, 0.0).double().cpu()
             tokens += batch.tgt_tokens
-            hyps += [self.detokenize(h) for h in self.translate(batch, forward_context)]
             assert batch.refs is not None  # validation batches carry their references
-            refs += batch.refs
+            pairs.append(list(zip((self.detokenize(h) for h in self.translate(batch, forward_context)), batch.refs)))
         self.net.train()
+        # Each rank translated its batches: BLEU is scored once, over every rank's sentences in the
+        # set's order, and the loss from the sums over ranks.
+        device = next(self.net.parameters()).device
+        nll = torch.tensor(ranks.total(float(nll), device), dtype=torch.float64)
+        tokens = int(ranks.total(tokens, device))
+        ordered = ranks.in_batch_order(pairs)
+        hyps, refs = [h for h, _ in ordered], [r for _, r in ordered]
         if not hyps:
             raise ValueError("evaluation saw no sentences: the validation set is empty")
         val_loss = float(nll) / tokens

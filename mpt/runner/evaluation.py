@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from itertools import islice
 from typing import Callable, ContextManager
 
 from ..datasets import DataSource
 from ..distributed import Dist
 from ..models import Task
 from ..precision.engine import PrecisionEngine
-from . import outcomes
+from . import data_parallel, outcomes
 
 
 class Evaluation:
@@ -33,11 +32,14 @@ class Evaluation:
         # Weights are checked here, off the timed path: between evaluations a non-finite weight
         # shows up as a non-finite loss at the next step anyway.
         outcomes.check_weights(self.engines, self.dist, step - 1)
-        cap = self.eval_batches
-        batches = islice(self.data.val(), cap) if cap else self.data.val()
-        metrics = self.task.evaluate(batches, self.forward_context, final=final)
+        if self.dist.enabled:
+            data_parallel.before_evaluation(self.task, self.engines, self.dist)
+        # Each rank scores its part of the batches; the task reduces its sums (or gathers its outputs)
+        # over the ranks, so every rank ends with the whole set's metrics.
+        batches = self.data.val(self.eval_batches or None)
+        metrics = self.task.evaluate(batches, self.forward_context, final=final, ranks=self.dist)
         test = self.data.test() if final else None
         if test is not None:  # a held-out split the source was given, scored once, at the end, in full
-            scored = self.task.evaluate(test, self.forward_context, final=True)
+            scored = self.task.evaluate(test, self.forward_context, final=True, ranks=self.dist)
             metrics.update({f"test_{k.removeprefix('val_')}": v for k, v in scored.items()})
         return metrics

@@ -268,6 +268,10 @@ class RunRecord:
                 if cfg.precision.allreduce_dtype
                 else "the gradients' own",
                 "sync_batchnorm": cfg.distributed.sync_batchnorm,
+                "gradient_as_bucket_view": cfg.distributed.gradient_as_bucket_view,
+                "broadcast_buffers": cfg.distributed.broadcast_buffers,
+                "static_graph": cfg.distributed.static_graph,
+                "evaluation": "sharded" if dist.enabled else "whole",  # each rank scores its part of the set
             },
             data={k: v for k, v in data_info.items() if isinstance(v, (str, int, float, bool, type(None)))},
             total_steps=total_steps,
