@@ -494,8 +494,8 @@ class DistributedConfig:
     """Settings that matter only under torchrun (distributed.py)."""
 
     sync_batchnorm: bool = False  # batch-norm statistics over the global batch (torch's SyncBatchNorm: CUDA only)
-    # Each gradient a view into DDP's all-reduce bucket, as torchvision's and DLE's references set it:
-    # one copy of the gradients fewer, and no copy into the buckets at each backward.
+    # Each gradient a view into DDP's all-reduce bucket, as the references of torchvision and NVIDIA's
+    # DeepLearningExamples set it: one copy of the gradients fewer, none into the buckets at each backward.
     gradient_as_bucket_view: bool = True
     # DDP's default sends rank 0's buffers (batch-norm running statistics) to every rank before each
     # forward. They matter only to evaluation and checkpoints, which use rank 0's: evaluation sends
