@@ -751,12 +751,12 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"{key}={OmegaConf.select(cfg, key)}: must be zero or positive")
     if cfg.logger not in (*LOGGERS, None):
         raise ConfigError(f"logger={cfg.logger}: expected one of {', '.join(LOGGERS)}")
+    if cfg.wandb.mode not in WANDB_MODES:  # a bad setting is named whether or not the package is there
+        raise ConfigError(f"wandb.mode={cfg.wandb.mode}: expected one of {', '.join(WANDB_MODES)}")
     if cfg.logger == "wandb" and importlib.util.find_spec("wandb") is None:
         raise ConfigError(
             'logger=wandb: the wandb package is not installed; pip install "mpt[wandb]", or another logger'
         )
-    if cfg.wandb.mode not in WANDB_MODES:
-        raise ConfigError(f"wandb.mode={cfg.wandb.mode}: expected one of {', '.join(WANDB_MODES)}")
     if (
         cfg.logger == "tensorboard" and importlib.util.find_spec("tensorboard") is None
     ):  # torch's SummaryWriter needs it
