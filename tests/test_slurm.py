@@ -1,6 +1,7 @@
 """Ranks from SLURM: a process's place in an srun step (distributed.from_env), the first host of
-SLURM's host list, and one run on 2 CPU processes (gloo) started without a cluster as the 2 tasks of
-a step (the variables srun and hydra-submitit-launcher's jobs give, set by the test)."""
+SLURM's host list, and one run on 2 CPU processes (gloo) started two ways without a cluster: as the
+2 tasks of a step (the variables srun and hydra-submitit-launcher's jobs give, set by the test), and
+by scripts/slurm/multinode.sbatch run twice as two "nodes" of one machine, each a torchrun."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from mpt.runner.process import resolve_device
 
 from .conftest import ROOT, mpt_run, read_record
 from .test_distributed import ALEXNET, train_losses
+
+SBATCH = ROOT / "scripts" / "slurm" / "multinode.sbatch"
 
 # Task 1 of a 2-task srun step on two nodes (what srun sets, trimmed to what mpt reads).
 STEP = {
@@ -44,7 +47,7 @@ BATCH = {
 
 def test_torchruns_variables_place_the_process_and_win_over_slurms():
     assert from_env({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1"}) == Dist(3, 8, 1, "torchrun")
-    # torchrun started by srun: its processes inherit the step's variables
+    # torchrun started by srun (scripts/slurm/multinode.sbatch): its processes inherit the step's variables
     assert from_env({**STEP, "RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0"}) == Dist(0, 4, 0, "torchrun")
     assert from_env({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}) == Dist()  # one process
     assert from_env({}) == Dist() and Dist().launcher is None
@@ -161,7 +164,7 @@ def clean_env(**extra: str) -> dict:
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory) -> Path:
-    """ALEXNET on 1 process, the reference 2 processes must follow."""
+    """ALEXNET on 1 process, the reference both ways of starting 2 must follow."""
     run = tmp_path_factory.mktemp("one")
     r = mpt_run(*ALEXNET, "device=cpu", f"hydra.run.dir={run}", cwd=ROOT, env=clean_env())
     assert r.returncode == 0, r.stderr[-2000:]
@@ -212,3 +215,107 @@ def test_two_tasks_of_an_srun_step_are_one_run(one_process, tmp_path):
     assert len(a) == len(b) == 6 and a[0] != a[-1]
     assert b == pytest.approx(a, rel=1e-5)  # as tests/test_distributed.py's torchrun run: the sums' order differs
     assert rec["samples"] == read_record(one_process)["samples"]
+
+
+@pytest.mark.slow
+def test_the_sbatch_script_runs_one_run_on_two_local_nodes(one_process, tmp_path):
+    """scripts/slurm/multinode.sbatch twice, as the two tasks srun would start on two nodes, each
+    running the script's own torchrun line (SRUN= runs it directly), with the variables a 2-node job
+    gives and one process per "node": the two torchruns meet in the c10d rendezvous on localhost,
+    and make one run of 2 processes that follows 1 process."""
+    run = tmp_path / "run"
+    env = clean_env(
+        SLURM_JOB_ID="4243",
+        SLURM_JOB_NODELIST="localhost",
+        SLURM_NNODES="2",
+        GPUS_PER_NODE="1",
+        RDZV_PORT=str(free_port()),
+        SRUN="",
+        PYTHON=sys.executable,
+        TORCHRUN=f"{sys.executable} -m torch.distributed.run",
+    )
+    procs = [
+        subprocess.Popen(
+            ["bash", str(SBATCH), *ALEXNET, "device=cpu", f"hydra.run.dir={run}"],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    results = finish(procs)
+    for code, out, err in results:
+        assert code == 0, (out + err)[-3000:]
+        assert "2 nodes x 1, rendezvous at localhost:" in out
+    assert sum(out.count("mpt-run alexnet") for _, out, _ in results) == 1  # one summary: rank 0's
+    rec = read_record(run)
+    assert rec["status"] == "ok"
+    assert rec["distributed"]["world_size"] == 2 and rec["distributed"]["launcher"] == "torchrun"
+    assert train_losses(run) == pytest.approx(train_losses(one_process), rel=1e-5)
+
+
+FAKE_TORCHRUN = """
+import pathlib, signal, sys, time
+log = pathlib.Path(sys.argv[1])
+def stop(signum, frame):
+    log.write_text(log.read_text() + "SIGTERM\\n")
+    sys.exit(143)
+signal.signal(signal.SIGTERM, stop)
+log.write_text(" ".join(sys.argv[2:]) + "\\n")
+time.sleep(120)
+"""
+
+
+def test_the_sbatch_script_stops_the_ranks_then_requeues_before_the_time_limit(tmp_path):
+    """SLURM's USR1 to the batch shell (--signal=B:USR1@300): the script sends SIGTERM to its step
+    (here torchrun itself, a stand-in that logs), waits for it to end, then asks SLURM to requeue
+    the job (a stand-in scontrol on PATH)."""
+    import signal
+    import time
+
+    (tmp_path / "bin").mkdir()
+    scontrol = tmp_path / "bin" / "scontrol"
+    scontrol.write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/scontrol.args\n')
+    scontrol.chmod(0o755)
+    (tmp_path / "torchrun.py").write_text(FAKE_TORCHRUN)
+    log = tmp_path / "torchrun.log"
+    env = clean_env(
+        SLURM_JOB_ID="4244",
+        SLURM_JOB_NODELIST="gpu[007-008]",
+        SLURM_NNODES="2",
+        SLURM_GPUS_ON_NODE="8",
+        SRUN="",
+        PYTHON=sys.executable,
+        TORCHRUN=f"{sys.executable} {tmp_path / 'torchrun.py'} {log}",
+        PATH=f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}",
+    )
+    proc = subprocess.Popen(
+        ["bash", str(SBATCH), "model=alexnet"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.time() + 60
+        while not log.exists() and time.time() < deadline:
+            time.sleep(0.05)
+        torchrun_line = log.read_text().split()
+        proc.send_signal(signal.SIGUSR1)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out
+    assert torchrun_line == [
+        "--nnodes=2",
+        "--nproc_per_node=8",
+        "--rdzv_id=4244",
+        "--rdzv_backend=c10d",
+        "--rdzv_endpoint=gpu007:29500",
+        "-m",
+        "mpt.runner.cli",
+        "model=alexnet",
+    ]
+    assert log.read_text().endswith("SIGTERM\n")  # the step was stopped (mpt-run checkpoints on it)
+    requeued = tmp_path / "scontrol.args"
+    assert requeued.read_text() == "requeue 4244\n"
+    assert requeued.stat().st_mtime_ns >= log.stat().st_mtime_ns  # after the step ended
+    assert "requeueing job 4244" in out
