@@ -15,8 +15,9 @@ import logging
 import os
 import re
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping, NoReturn
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
