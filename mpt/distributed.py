@@ -1,7 +1,9 @@
-"""One run on several processes: torchrun's environment, the process group, and the few
-collectives the runner needs beyond DistributedDataParallel's own gradient all-reduce.
+"""One run on several processes: the launcher's environment (torchrun's, or a SLURM step's), the
+process group, and the few collectives the runner needs beyond DistributedDataParallel's own
+gradient all-reduce.
 
-Under `torchrun --nproc_per_node=N -m mpt.runner.cli ...` every process runs the same config.
+Under `torchrun --nproc_per_node=N -m mpt.runner.cli ...`, or as the N tasks of an `srun` step
+(hydra-submitit-launcher's jobs are such steps), every process runs the same config.
 `schedule.batch_size` is the global batch: each rank trains on its own slice of every global batch
 (the batch a single process would have drawn), so a run's samples do not depend on how many
 processes share it. Rank 0 alone writes the record, the log and the checkpoints.
@@ -11,7 +13,9 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -24,6 +28,7 @@ class Dist:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    launcher: str | None = None  # who started the ranks: "torchrun" or "slurm" (None: a single process)
 
     @property
     def enabled(self) -> bool:
@@ -127,10 +132,94 @@ def allreduce_in(dtype: torch.dtype):
     return hook
 
 
-def from_env() -> Dist:
-    """The process's place in a torchrun job (RANK, WORLD_SIZE, LOCAL_RANK), or a single process."""
-    env = os.environ
-    return Dist(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0)))
+class LaunchError(ValueError):
+    """A launcher's variables that do not describe a place in a job (one line, naming the variable)."""
+
+
+def _whole(env: Mapping[str, str], name: str, default: int | None = None) -> int:
+    text = env.get(name, "")
+    if text == "" and default is not None:
+        return default
+    if text == "":
+        raise LaunchError(f"{name} is not set")
+    try:
+        return int(text)
+    except ValueError:
+        raise LaunchError(f"{name}={text!r}: expected a whole number") from None
+
+
+# torchrun's variables (any env:// launcher's); they win over SLURM's, which torchrun inherits when
+# srun starts it (the multi-node recipe: one torchrun per node, scripts/slurm/multinode.sbatch).
+TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+def from_env(env: Mapping[str, str] | None = None) -> Dist:
+    """The process's place in its job: torchrun's RANK, WORLD_SIZE and LOCAL_RANK where set; else,
+    in an `srun` step of several tasks, SLURM's SLURM_PROCID, SLURM_STEP_NUM_TASKS and SLURM_LOCALID;
+    else a single process.
+
+    Only srun sets the step's variables (SLURM_STEP_NUM_TASKS, SLURM_STEP_NODELIST, ...): a batch
+    script or an `salloc` shell has SLURM_JOB_ID, SLURM_NTASKS and even SLURM_PROCID=0, but it is
+    one process, and a plain `mpt-run` there stays one. A step of one task (`srun -n1`, salloc's
+    interactive step) is one process too."""
+    env = os.environ if env is None else env
+    if any(name in env for name in TORCHRUN):
+        rank, world, local = (_whole(env, n, default) for n, default in zip(TORCHRUN, (0, 1, 0)))
+        names, launcher = TORCHRUN, "torchrun"
+    elif _whole(env, "SLURM_STEP_NUM_TASKS", 1) > 1:
+        names = ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID")
+        rank, world, local = (_whole(env, n) for n in names)
+        launcher = "slurm"
+        rendezvous(env)  # an unreadable node list fails here, in one line, not in init_process_group
+    else:
+        return Dist()
+    if world < 1:
+        raise LaunchError(f"{names[1]}={world}: expected at least 1")
+    if not 0 <= rank < world:
+        raise LaunchError(f"{names[0]}={rank}: not a rank of {names[1]}={world} processes (0 to {world - 1})")
+    if not 0 <= local < world:
+        raise LaunchError(f"{names[2]}={local}: not a local rank of {names[1]}={world} processes")
+    return Dist(rank, world, local, launcher if world > 1 else None)
+
+
+_RANGES = r"\d+(?:-\d+)?(?:,\d+(?:-\d+)?)*"  # inside a host list's brackets: 003-005,010
+_HOST = rf"(?:[A-Za-z0-9._-]|\[{_RANGES}\])+"
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of SLURM's compressed host list: `gpu[003-005,010],cpu7` -> `gpu003`,
+    `rack[1-2]-n[08-09]` -> `rack1-n08` (each bracket's first number, its zero padding kept: the
+    host `scontrol show hostnames` prints first)."""
+    first = re.match(r"(?:[^,\[\]]|\[[^\[\]]*\])*", nodelist)  # up to the first comma outside brackets
+    assert first is not None  # the pattern matches the empty string
+    whole = nodelist[first.end() : first.end() + 1] in ("", ",")  # not stopped by a bracket left open
+    if whole and re.fullmatch(_HOST, first.group().strip()):
+        return re.sub(r"\[(\d+)[^\]]*\]", r"\1", first.group().strip())
+    raise LaunchError(f"{nodelist!r}: not a SLURM host list such as gpu[003-005,010],cpu7")
+
+
+def default_port(job_id: int) -> int:
+    """A rendezvous port of the job's own, 20000 to 39999, so that two jobs sharing a first node
+    (each with its own id) do not meet on one port; MASTER_PORT chooses another."""
+    return 20000 + job_id % 20000
+
+
+def rendezvous(env: Mapping[str, str]) -> dict[str, str]:
+    """MASTER_ADDR and MASTER_PORT for a SLURM step's env:// rendezvous, where they are not set: the
+    step's first node (task 0's, under SLURM's block and cyclic distributions) and default_port."""
+    out = {}
+    if not env.get("MASTER_ADDR"):
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+        if not nodelist:
+            raise LaunchError("SLURM_STEP_NODELIST is not set: set MASTER_ADDR to the host of rank 0")
+        out["MASTER_ADDR"] = first_host(nodelist)
+    if not env.get("MASTER_PORT"):
+        if not env.get("SLURM_JOB_ID"):
+            raise LaunchError("SLURM_JOB_ID is not set: set MASTER_PORT to a free port on the host of rank 0")
+        out["MASTER_PORT"] = str(default_port(_whole(env, "SLURM_JOB_ID")))
+    else:
+        _whole(env, "MASTER_PORT")  # one line here rather than a traceback from the TCP store
+    return out
 
 
 def backend(device: torch.device) -> str:
@@ -140,9 +229,17 @@ def backend(device: torch.device) -> str:
 def setup(d: Dist, device: torch.device) -> None:
     """Join the process group (once per process: the runs of a sweep share it)."""
     if d.enabled and not dist.is_initialized():
+        if d.launcher == "slurm":  # torchrun sets these itself; srun does not
+            os.environ.update(rendezvous(os.environ))
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group(backend(device), device_id=device if device.type == "cuda" else None)
+        # The rank and world size given, not read from RANK and WORLD_SIZE: srun sets neither.
+        dist.init_process_group(
+            backend(device),
+            rank=d.rank,
+            world_size=d.world_size,
+            device_id=device if device.type == "cuda" else None,
+        )
 
 
 def teardown() -> None:

@@ -102,6 +102,7 @@ def test_two_processes_follow_one_process_with_the_same_global_batch_and_fp16_al
     assert rec2["distributed"] == {
         "world_size": 2,
         "backend": "gloo",
+        "launcher": "torchrun",
         "global_batch_size": 8,
         "per_process_batch_size": 4,
         "allreduce_dtype": "the gradients' own",

@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from .. import preemption
 from ..config import GROUPS, ConfigError, as_plain, register_configs
-from ..distributed import from_env, leave, teardown
+from ..distributed import LaunchError, from_env, leave, teardown
 from ..files import remove_stale_temporaries, write_text_atomic
 from . import identity
 from .checkpoint import FILENAME as CHECKPOINT
@@ -61,7 +61,7 @@ def run_name(seed: int, device: str, model: str | None = None) -> str:
     choices = {**HydraConfig.get().runtime.choices}
     if model is not None:
         choices["model"] = model
-    world = int(os.environ.get("WORLD_SIZE", 1))
+    world = from_env().world_size  # torchrun's or a SLURM step's: every rank names the same folder
     return identity.folder_name(
         (choices[g] for g in GROUPS), device_type(device), world, seed, identity.variant(overrides())
     )
@@ -183,7 +183,7 @@ def launch(cfg: DictConfig) -> str:
     global LAST_RUN_DIR, LAST_REFUSAL
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
     run_dir = LAST_RUN_DIR = Path(HydraConfig.get().runtime.output_dir)
-    # Rank 0 owns the folder under torchrun; the other ranks write nothing into it.
+    # Rank 0 owns the folder under torchrun or in a SLURM step; the other ranks write nothing into it.
     lock = RunLock(run_dir) if from_env().is_main else None
     try:
         took_over = lock.acquire() if lock else None
@@ -213,6 +213,10 @@ def launch(cfg: DictConfig) -> str:
     if stop:  # preempted: the sweep goes no further
         teardown()  # under torchrun every rank stopped at the same step and takes this path
         preemption.hand_over()
+    if from_env().launcher == "slurm" and os.environ.get("SUBMITIT_EXECUTOR"):
+        # A task of hydra-submitit-launcher's job: submitit, not main(), ends the process once this
+        # one run returns, so the ranks leave the group here, together, as main() has them do.
+        teardown()
     return status
 
 
@@ -316,7 +320,8 @@ def _run_locked(cfg: DictConfig, run_dir: Path, multirun: bool, owner: bool) -> 
     rec = job.execute()  # a crash is recorded as `error` (or `oom`); a sweep goes on to its next run
     if job.dist.is_main:
         print("\n".join(summary_lines(rec)), flush=True)
-    # Under torchrun a failed rank exits so that torchrun stops the others, which would wait for it.
+    # Under torchrun a failed rank exits so that torchrun stops the others, which would wait for it
+    # (srun does with --kill-on-bad-exit=1, as configs/hydra/launcher/slurm.yaml asks).
     if rec.status in ("error", "oom") and (not multirun or job.dist.enabled):
         sys.exit(1)
     stop = preemption.requested() is not None
@@ -503,6 +508,11 @@ def said() -> str:
 
 def main() -> None:
     global SWEEP_SIZE
+    try:
+        place = from_env()  # the launcher's variables (torchrun's, a SLURM step's), read before anything starts
+    except LaunchError as e:
+        print(f"mpt-run: error: {e}", file=sys.stderr)
+        sys.exit(2)
     problem = preflight(sys.argv[1:])
     if problem:
         print(f"mpt-run: error: {problem}", file=sys.stderr)
@@ -521,7 +531,7 @@ def main() -> None:
             SWEEP_SIZE = sweep_size(sys.argv[1:])
         except Exception:  # a sweep this count does not understand still runs, labelled run i
             SWEEP_SIZE = None
-    if not from_env().enabled:
+    if not place.enabled:
         try:
             launch()
         except KeyboardInterrupt:  # Ctrl-C outside training, or twice in it (the record says where it stopped)
@@ -530,7 +540,7 @@ def main() -> None:
         return
     try:
         launch()
-    except KeyboardInterrupt:  # Ctrl-C twice: this rank stops at once, and torchrun the others
+    except KeyboardInterrupt:  # Ctrl-C twice: this rank stops at once, and torchrun (or srun) the others
         print("mpt-run: interrupted (SIGINT)", file=sys.stderr, flush=True)
         leave(128 + 2)
     except SystemExit as e:  # a failed rank (no teardown: its peers may be stuck waiting for it), or a preempted one

@@ -16,7 +16,7 @@ from . import determinism
 
 
 def resolve_device(name: str, dist: Dist = Dist()) -> torch.device:
-    """`dist`: under torchrun, the process's place: its GPU is cuda:LOCAL_RANK."""
+    """`dist`: under torchrun or in a SLURM step, the process's place: its GPU is cuda:<local rank>."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     try:
@@ -26,7 +26,15 @@ def resolve_device(name: str, dist: Dist = Dist()) -> torch.device:
     if device.type == "cuda" and device.index is not None and dist.enabled:
         raise ConfigError(f"device={name}: under torchrun each process takes cuda:LOCAL_RANK; use device=cuda or auto")
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
-        device = torch.device("cuda", dist.local_rank)
+        # Each process takes its node's local rank's GPU. A process that sees one GPU only was given
+        # its own by the launcher (SLURM's --gpus-per-task or --gpu-bind): that one.
+        count = torch.cuda.device_count()
+        device = torch.device("cuda", dist.local_rank if count > 1 else 0)
+        if dist.local_rank >= count > 1:
+            raise ConfigError(
+                f"device={name}: process {dist.local_rank} of its node sees {count} GPUs; "
+                "start as many processes per node as it has GPUs"
+            )
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(
             f"device={name}: no CUDA device is available here (torch.cuda.is_available() is False); "

@@ -262,6 +262,7 @@ class RunRecord:
             distributed={
                 "world_size": dist.world_size,
                 "backend": backend(device) if dist.enabled else None,
+                "launcher": dist.launcher,  # who started the ranks: torchrun, or a SLURM step's tasks
                 "global_batch_size": cfg.schedule.batch_size,
                 "per_process_batch_size": cfg.schedule.batch_size // dist.world_size,
                 "allreduce_dtype": cfg.precision.allreduce_dtype.name
