@@ -196,11 +196,11 @@ class LanguageModel(OneNetwork):
         self.net.train()
         # Each rank scored its streams (or its batches of sentences): the sums over ranks are the set's.
         device = next(self.net.parameters()).device
-        total = torch.tensor(ranks.total(float(total), device), dtype=torch.float64)
+        nll = ranks.total(float(total), device)
         tokens = int(ranks.total(tokens, device))
         if tokens == 0:
             raise ValueError("evaluation saw no tokens: the validation set is empty")
-        loss = float(total) / tokens
+        loss = nll / tokens
         metrics = {"ppl": math.exp(min(loss, 700.0)), "val_loss": loss, "val_tokens": tokens}
         if carried:  # every rank carries streams: each has a largest cell
             metrics["val_cell_max"] = ranks.largest(float(cell_max) if cell_max is not None else 0.0, device)

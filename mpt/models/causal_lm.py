@@ -194,11 +194,11 @@ class CausalLanguageModel(OneNetwork):
             tokens += int((targets != PAD_TARGET).sum())
         self.net.train()
         device = next(self.net.parameters()).device
-        total = torch.tensor(ranks.total(float(total), device), dtype=torch.float64)
+        nll = ranks.total(float(total), device)
         tokens = int(ranks.total(tokens, device))
         if tokens == 0:
             raise ValueError("evaluation saw no tokens: the validation set is empty")
-        loss = float(total) / tokens
+        loss = nll / tokens
         return {"ppl": math.exp(min(loss, 700.0)), "val_loss": loss, "val_tokens": tokens}
 
 

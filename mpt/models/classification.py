@@ -122,13 +122,13 @@ class Classification(OneNetwork):
         self.net.train()
         device = next(self.net.parameters()).device  # a rank may have scored no batch: NCCL reduces on the device
         correct1, correct5, seen = (int(ranks.total(n, device)) for n in (correct1, correct5, seen))
-        loss_sum = torch.tensor(ranks.total(float(loss_sum), device), dtype=torch.float64)
+        loss = ranks.total(float(loss_sum), device)
         if seen == 0:
             raise ValueError("evaluation saw no samples: the validation set is empty")
         return {
             "top1": correct1 / seen,
             f"top{k}": correct5 / seen,
-            "val_loss": float(loss_sum) / seen,
+            "val_loss": loss / seen,
             "val_samples": seen,
         }
 
