@@ -34,7 +34,7 @@
 #              the CPU classifier sweep (scripts/phenomena.sh classifiers: CIFAR-10 at 32 px, batch
 #              64, 600 steps: its presets phenomena/classifiers/3_resnet50, _static), seed 0, on CUDA's own kernels
 #   sequences  the language model's and GNMT's converged settings (ptb_biglstm, _mixed; multi30k_gnmt,
-#              _mixed, _fp16, _adam), seeds 0-2 planned (PLAN; SEEDS runs some), seed-major; then
+#              _mixed, _fp16, _adam, _adam_mixed), seeds 0-2 planned (PLAN; SEEDS runs some), seed-major; then
 #              bigLSTM's long run without scaling (ptb_biglstm_long) until the part's deadline.
 #              Records in lm/, mt/ and long/.
 #   gpt        beyond the paper, GPT-2's architecture on PTB (ptb_gpt: fp32, bf16, fp8, mxfp8), seeds 0-2
@@ -231,7 +231,7 @@ case $part in
       for preset in ptb_biglstm ptb_biglstm_mixed; do
         run -m "experiment=$preset" "seed=$s" "experiment.seeds=[$plan]" "${lm[@]}" "${common[@]}" hydra.sweep.dir="$W/lm" "$@"
       done
-      for preset in multi30k_gnmt multi30k_gnmt_mixed multi30k_gnmt_fp16 multi30k_gnmt_adam; do
+      for preset in multi30k_gnmt multi30k_gnmt_mixed multi30k_gnmt_fp16 multi30k_gnmt_adam multi30k_gnmt_adam_mixed; do
         run -m "experiment=$preset" "seed=$s" "experiment.seeds=[$plan]" "${mt[@]}" "${common[@]}" hydra.sweep.dir="$W/mt" "$@"
       done
     done
