@@ -231,7 +231,8 @@ case $part in
       for preset in ptb_biglstm ptb_biglstm_mixed; do
         run -m "experiment=$preset" "seed=$s" "experiment.seeds=[$plan]" "${lm[@]}" "${common[@]}" hydra.sweep.dir="$W/lm" "$@"
       done
-      for preset in multi30k_gnmt multi30k_gnmt_mixed multi30k_gnmt_fp16 multi30k_gnmt_adam multi30k_gnmt_adam_mixed; do
+      for preset in multi30k_gnmt multi30k_gnmt_mixed multi30k_gnmt_fp16 \
+        multi30k_gnmt_adam multi30k_gnmt_adam_mixed; do
         run -m "experiment=$preset" "seed=$s" "experiment.seeds=[$plan]" "${mt[@]}" "${common[@]}" hydra.sweep.dir="$W/mt" "$@"
       done
     done
