@@ -330,6 +330,20 @@ def test_a_planned_pair_not_yet_finished_draws_no_finding_and_the_note_names_it(
     )
 
 
+def test_a_planned_comparison_whose_cell_has_not_begun_is_listed_incomplete_and_an_unplanned_one_is_not():
+    rows = [run("fp32", s, v, declared=PLANNED) for s, v in enumerate(FP32[:3])]
+    rows += [run("mixed", s, v + 0.0005, declared=PLANNED) for s, v in enumerate(FP32[:3])]
+    t = table(rows).set_index("cell")
+    assert t.loc["mixed", "finding"] == "reproduced"
+    waiting = t.loc["precision=fp16"]
+    assert waiting["finding"] == "incomplete" and waiting["n"] == 0 and waiting["note"] == "no run of the cell yet"
+    assert waiting["against"] == "precision=fp32, scale=none, precision.norm_fp32=False"
+    shown = comparisons.render(t.reset_index())
+    assert "| precision=fp16 | precision=fp32, scale=none, precision.norm_fp32=False | top1 | 0 | - | - | - |" in shown
+    unplanned = table([{**r, "config.experiment.seeds": None} for r in rows])
+    assert list(unplanned["cell"]) == [mode_label("mixed", "none", None)]
+
+
 def test_a_diverged_seed_finishes_its_pair_and_an_unplanned_seed_is_left_out():
     rows = [run("fp32", s, v, declared=PLANNED) for s, v in enumerate(FP32)]  # seeds 3 and 4 were never planned
     rows += [run("fp16", s, 0.80, declared=PLANNED, **{"precision.norm_fp32": True}) for s in (0, 1)]

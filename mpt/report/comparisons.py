@@ -15,7 +15,8 @@ Student's t over the pairs. The verdict:
 
 Where the experiment declares the seeds it plans (`seeds`), only those pairs count, and until each
 has finished on both sides (ok or diverged) the comparison draws no finding: `incomplete`, so that a
-grid read halfway is never taken for its result.
+grid read halfway is never taken for its result; a comparison whose cell has no run yet is listed
+as `incomplete` too, so that such a grid shows every claim it declared.
 
 The finding words the README uses: on a converged experiment, `reproduced` where the verdict is what
 the paper claims, `contradicted` where it is another decided verdict, `inconclusive` where none was
@@ -281,11 +282,39 @@ def comparisons(runs: pd.DataFrame, extra: Iterable[Declared] = ()) -> pd.DataFr
         for spec in declared.comparisons:
             cells = _matching(own, spec["cell"])
             bases = _matching(own, spec["against"])
+            if cells.empty and declared.seeds is not None and not own.empty:  # a planned grid, this cell not begun
+                rows.append(_not_begun(declared, spec, own.iloc[0]))
             for _, cell in cells.groupby(CELL, dropna=False, sort=False):
                 row = _row(declared, spec, metric, cell, bases)
                 if row is not None:
                     rows.append(row)
     return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def _settings(settings: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in settings.items())
+
+
+def _not_begun(declared: Declared, spec: dict, example: pd.Series) -> dict:
+    """A comparison of a planned grid whose cell has no run yet: listed, so that a grid read halfway
+    shows every claim it declared, not only those it has begun."""
+    return {
+        "experiment": declared.name,
+        **{k: example[k] for k in ("device_type", "model", "data", "schedule", "variant")},
+        "cell": _settings(spec["cell"]),
+        "against": _settings(spec["against"]),
+        "metric": declared.metric,
+        "n": 0,
+        "diverged": 0,
+        "verdict": Verdict.inconclusive.value,
+        "expect": spec.get("expect"),
+        "finding": "incomplete",
+        "converged": declared.converged,
+        "declared": declared.source,
+        "claim": spec.get("claim", ""),
+        "note": "no run of the cell yet",
+        "caveat": declared.caveat,
+    }
 
 
 def _row(declared: Declared, spec: dict, metric: str, cell: pd.DataFrame, bases: pd.DataFrame) -> dict | None:
@@ -472,7 +501,7 @@ def render(table: pd.DataFrame) -> str:
                 f"[{_number(m, lo, True)}, {_number(m, hi, True)}]" if pd.notna(lo) else "-"
                 for m, lo, hi in zip(table.metric, table.ci_low, table.ci_high)
             ],
-            "margin": [f"±{_number(m, v)}" for m, v in zip(table.metric, table.margin)],
+            "margin": ["-" if pd.isna(v) else f"±{_number(m, v)}" for m, v in zip(table.metric, table.margin)],
             "verdict": table.verdict,
             "paper": table.expect.fillna("-"),
             "finding": table.finding,
