@@ -299,20 +299,28 @@ def _not_begun(declared: Declared, spec: dict, example: pd.Series) -> dict:
     """A comparison of a planned grid whose cell has no run yet: listed, so that a grid read halfway
     shows every claim it declared, not only those it has begun."""
     return {
-        "experiment": declared.name,
-        **{k: example[k] for k in ("device_type", "model", "data", "schedule", "variant")},
-        "cell": _settings(spec["cell"]),
+        **_heading(declared, spec, example, _settings(spec["cell"])),
         "against": _settings(spec["against"]),
-        "metric": declared.metric,
         "n": 0,
         "diverged": 0,
         "verdict": Verdict.inconclusive.value,
-        "expect": spec.get("expect"),
         "finding": "incomplete",
+        "note": "no run of the cell yet",
+    }
+
+
+def _heading(declared: Declared, spec: dict, example: pd.Series, cell: str) -> dict[str, Any]:
+    """What every row of a comparison says before its numbers: the experiment, the setup, the claim."""
+    return {
+        "experiment": declared.name,
+        **{k: example[k] for k in ("device_type", "model", "data", "schedule", "variant")},
+        "cell": cell,
+        "metric": declared.metric,
+        "expect": spec.get("expect"),
         "converged": declared.converged,
         "declared": declared.source,
         "claim": spec.get("claim", ""),
-        "note": "no run of the cell yet",
+        "note": "",
         "caveat": declared.caveat,
     }
 
@@ -328,18 +336,7 @@ def _row(declared: Declared, spec: dict, metric: str, cell: pd.DataFrame, bases:
     base_cells = base.groupby(CELL, dropna=False, sort=False)
     if set(base["run_dir"]) == set(cell["run_dir"]):
         return None
-    row: dict[str, Any] = {
-        "experiment": declared.name,
-        **{k: first[k] for k in ("device_type", "model", "data", "schedule", "variant")},
-        "cell": first["mode"],
-        "metric": declared.metric,
-        "expect": spec.get("expect"),
-        "converged": declared.converged,
-        "declared": declared.source,
-        "claim": spec.get("claim", ""),
-        "note": "",
-        "caveat": declared.caveat,
-    }
+    row = _heading(declared, spec, first, first["mode"])
     if base_cells.ngroups != 1:
         planned = declared.seeds is not None and base_cells.ngroups == 0  # its baseline is still to run
         row.update(
