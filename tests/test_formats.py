@@ -25,6 +25,7 @@ from mpt.precision.formats import (
     block_scale_exponents,
     get_format,
     quantize,
+    quantize_detail,
 )
 
 md = pytest.importorskip("ml_dtypes")
@@ -199,6 +200,13 @@ def test_a_block_with_a_nan_or_an_infinity_is_nan_and_the_others_are_untouched()
     x[2, 7] = math.nan
     q = quantize(x, "mxfp8_e5m2")
     assert torch.isnan(q[1:]).all() and torch.isfinite(q[0]).all()
+
+
+@pytest.mark.parametrize("name", ["e4m3", "mxfp8_e4m3", "mxfp6_e3m2"])
+def test_an_infinity_is_an_overflow_in_a_scalar_format_and_in_an_mx_block(name):
+    x = torch.ones(2, 32)
+    x[0, 3], x[1, 9] = math.inf, -math.inf
+    assert torch.equal(quantize_detail(x, name).overflow, torch.isinf(x))
 
 
 def test_bad_format_and_policy_names_say_what_is_accepted():

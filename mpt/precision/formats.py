@@ -3,7 +3,7 @@
 Scalar floats (FP16, BF16, OCP FP8 E4M3/E5M2, OCP FP6 E3M2/E2M3 and FP4 E2M1) and the OCP
 Microscaling block formats built on them (32 elements sharing one E8M0 power-of-two scale).
 `quantize` returns the value each element takes in the format (a quantize-dequantize round trip,
-in FP32); it is computed with integer operations on the FP32 bit pattern, never with
+in FP32); it is computed from the FP32 bit pattern and IEEE FP32 addition, never with
 `.to(dtype)`, because casts differ between libraries and devices at the edges (torch saturates
 E4M3 on a CPU, +inf included; ml_dtypes gives NaN): docs/formats.md lists every difference found.
 
@@ -26,6 +26,7 @@ from ..config import ConfigError
 
 _MANTISSA_MASK = (1 << 23) - 1
 _SIGN = -(1 << 31)  # 0x80000000 as an int32
+_INF_BITS = 0x7F800000
 # Past this many dropped bits (of a 24-bit significand) everything rounds to zero; capping the
 # shift keeps it defined for int32.
 _MAX_SHIFT = 30
@@ -155,14 +156,38 @@ def _exp2(q: torch.Tensor) -> torch.Tensor:
     return torch.where(q >= -126, normal, subnormal).to(torch.int32).view(torch.float32)
 
 
-def _round(
+def round_nearest(x: torch.Tensor, fmt: FloatFormat, limit: Optional[float] = None) -> torch.Tensor:
+    """x (FP32) rounded to nearest, ties to even, at `fmt`'s precision and subnormal range, after
+    clamping to +-`limit`: by default 2^(emax+2), from where every value overflows whatever its
+    rounding; `fmt.max` saturates. NaN and the overflow policy are left to the caller."""
+    bound = 2.0 ** (fmt.emax + 2) if limit is None else limit
+    y = x.clamp(-bound, bound) if bound < 2.0**128 else x  # BF16's is beyond FP32
+    if fmt.emin <= -126:
+        # BF16: its subnormals are FP32's, so its quantum is always the same bit of the encoding,
+        # and adding half of it less one, plus the kept last bit, rounds to even (carrying into the
+        # exponent, up to infinity). NaN is clamped to infinity first to keep the sum in range.
+        drop = 23 - fmt.man_bits
+        bits = y.contiguous().view(torch.int32)
+        a = (bits & ~_SIGN).clamp_(max=_INF_BITS)
+        a = (a + ((1 << (drop - 1)) - 1) + ((a >> drop) & 1)) & ~((1 << drop) - 1)
+        return (a | (bits & _SIGN)).view(torch.float32)
+    # Narrower formats, by FP32's own rounding: with y's quantum 2^q (2^(e - man_bits) for its
+    # exponent e, or the smallest normal's below it), y + 1.5 * 2^(q+23) stays in the binade whose
+    # ulp is 2^q, so IEEE addition rounds y there, to even because the constant is a multiple of
+    # 2^(q+1), and subtracting the constant is exact. The clamp keeps the constant finite.
+    binade = (y.view(torch.int32) & _INF_BITS).view(torch.float32)  # 2^e; NaN gives inf, and NaN after
+    magic = binade.clamp_(min=fmt.min_normal).mul_(1.5 * 2.0 ** (23 - fmt.man_bits))
+    return (y + magic).sub_(magic).copysign_(y)
+
+
+def _round_stochastic(
     x: torch.Tensor,
     man_bits: int,
     emin: torch.Tensor | int,
-    generator: Optional[torch.Generator],
+    generator: torch.Generator,
 ) -> torch.Tensor:
-    """|x| rounded to `man_bits` fraction bits with exponents clamped below at `emin` (subnormals
-    below it), unbounded above; NaN and infinity are left to the caller."""
+    """|x| rounded stochastically to `man_bits` fraction bits with exponents clamped below at `emin`
+    (subnormals below it), unbounded above; NaN and infinity are left to the caller."""
     bits = x.contiguous().view(torch.int32)
     a = bits & ~_SIGN
     biased = a >> 23
@@ -177,15 +202,11 @@ def _round(
     d = shift.clamp(0, _MAX_SHIFT)
     kept = s >> d
     rem = s & ((1 << d) - 1)  # with d at the cap, all of s: the quantum is then above the value
-    if generator is None:
-        half = (1 << d) >> 1
-        up = (rem > half) | ((rem == half) & (half > 0) & (kept & 1 == 1))
-    else:
-        # Up with probability rem / 2^shift, from 62 random bits (rem < 2^24, so beyond 62 the
-        # probability is below 2^-38 and is taken as rem >> (shift - 62) / 2^62).
-        draw = torch.randint(0, 1 << 62, s.shape, generator=generator, device=s.device, dtype=torch.int64)
-        used = shift.clamp(0, 62).long()
-        up = (draw >> (62 - used)) < (rem.long() >> (shift.long() - 62).clamp(min=0))
+    # Up with probability rem / 2^shift, from 62 random bits (rem < 2^24, so beyond 62 the
+    # probability is below 2^-38 and is taken as rem >> (shift - 62) / 2^62).
+    draw = torch.randint(0, 1 << 62, s.shape, generator=generator, device=s.device, dtype=torch.int64)
+    used = shift.clamp(0, 62).long()
+    up = (draw >> (62 - used)) < (rem.long() >> (shift.long() - 62).clamp(min=0))
     kept = kept + up.to(kept.dtype)
     # kept * 2^q is exact: kept < 2^25 and every value these formats reach is an FP32 number.
     value = kept.float() * _exp2(q.clamp(min=-149))
@@ -244,7 +265,8 @@ def quantize_detail(
     policy = overflow or fmt.overflow
     if policy not in fmt.overflows:
         raise ConfigError(f"overflow={policy!r}: {fmt.name} can express {', '.join(fmt.overflows)}")
-    values, over = _finish(x, _round(x, fmt.man_bits, fmt.emin, gen), fmt.max, policy)
+    rounded = round_nearest(x, fmt) if gen is None else _round_stochastic(x, fmt.man_bits, fmt.emin, gen)
+    values, over = _finish(x, rounded, fmt.max, policy)
     return Quantized(values, over, fmt.min_normal)
 
 
@@ -283,13 +305,21 @@ def _quantize_blocks(x: torch.Tensor, fmt: BlockFormat, generator: Optional[torc
     padded = torch.nn.functional.pad(moved, (0, (-n) % fmt.block)).contiguous()
     exps = block_scale_exponents(padded, fmt)
     finite = torch.isfinite(padded.unflatten(-1, (-1, fmt.block))).all(-1)
-    # Quantizing v directly at the element's exponent range shifted by the block's exponent gives
-    # X * element(v / X) with no intermediate rounding of v / X.
-    per_element = exps.repeat_interleave(fmt.block, dim=-1)
     el = fmt.element
-    rounded = _round(padded, el.man_bits, el.emin + per_element, generator)
-    scale = _exp2(per_element)
-    out, over = _finish(padded, rounded, el.max * scale, "saturate")
+    if generator is None:
+        # X * element(v / X), every step exact: v / X is an FP32 number wherever it could round
+        # to anything but zero, and so is each element's value times X (at least 2^-149 apart).
+        x_block = _exp2(exps).unsqueeze(-1)
+        v = padded.unflatten(-1, (-1, fmt.block)) / x_block
+        out, over = _finish(v, round_nearest(v, el), el.max, "saturate")
+        out, over, scale = (out * x_block).flatten(-2), over.flatten(-2), x_block.expand_as(v).flatten(-2)
+    else:
+        # Quantizing v directly at the element's exponent range shifted by the block's exponent
+        # gives X * element(v / X) with no intermediate rounding of v / X.
+        per_element = exps.repeat_interleave(fmt.block, dim=-1)
+        rounded = _round_stochastic(padded, el.man_bits, el.emin + per_element, generator)
+        scale = _exp2(per_element)
+        out, over = _finish(padded, rounded, el.max * scale, "saturate")
     out = torch.where(finite.repeat_interleave(fmt.block, dim=-1), out, math.nan)
 
     def back(t: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 
 from ..config import ConfigError
-from .formats import FORMATS, BlockFormat, FloatFormat, _exp2, amax_exponents, get_format, quantize
+from .formats import FORMATS, BlockFormat, FloatFormat, _exp2, amax_exponents, get_format, quantize, round_nearest
 
 EPS = 1e-12  # torchao's floor on an amax, so that an all-zero operand gets a finite scale
 SCALINGS = ("tensor", "delayed", "block")
@@ -116,18 +116,11 @@ def to_fp8(x: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
 
 
 def round_to(x: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
-    """formats.quantize(x, fmt) for a format that saturates, in a few FP32 operations: after a clamp
-    to the largest value, adding and subtracting 1.5 x 2^23 quanta makes FP32's own rounding (to
-    nearest, ties to even) round x to a multiple of its quantum, 2^(e - man_bits) for x's exponent e,
-    or the smallest normal's below it. The sum stays in one binade, so its ulp is that quantum and
-    its last bit is the quotient's parity. The same values as formats.quantize at every FP32 exponent,
-    zeros' signs and ties included (tests/test_quantized_products.py)."""
+    """formats.quantize(x, fmt), the values only, and for a format that saturates in a few FP32
+    operations (formats.round_nearest clamped at the largest value)."""
     if fmt.overflow != "saturate":
         return quantize(x, fmt)
-    y = x.float().clamp(-fmt.max, fmt.max)
-    binade = (y.view(torch.int32) & 0x7F800000).view(torch.float32)  # 2^e; NaN gives inf, and NaN after
-    magic = binade.clamp_(min=fmt.min_normal).mul_(1.5 * 2.0 ** (23 - fmt.man_bits))
-    return (y + magic).sub_(magic).copysign_(y)
+    return round_nearest(x.float(), fmt, limit=fmt.max)
 
 
 def round_blocks(x: torch.Tensor, fmt: BlockFormat, axis: int) -> torch.Tensor:
