@@ -156,12 +156,19 @@ def _exp2(q: torch.Tensor) -> torch.Tensor:
     return torch.where(q >= -126, normal, subnormal).to(torch.int32).view(torch.float32)
 
 
-def round_nearest(x: torch.Tensor, fmt: FloatFormat, limit: Optional[float] = None) -> torch.Tensor:
+def round_nearest(
+    x: torch.Tensor, fmt: FloatFormat, limit: Optional[float] = None, inplace: bool = False
+) -> torch.Tensor:
     """x (FP32) rounded to nearest, ties to even, at `fmt`'s precision and subnormal range, after
     clamping to +-`limit`: by default 2^(emax+2), from where every value overflows whatever its
-    rounding; `fmt.max` saturates. NaN and the overflow policy are left to the caller."""
+    rounding; `fmt.max` saturates. NaN and the overflow policy are left to the caller. `inplace`
+    rounds x itself (a temporary of the caller's): on a CPU a large fresh temporary costs more to
+    fault in than the arithmetic that fills it."""
     bound = 2.0 ** (fmt.emax + 2) if limit is None else limit
-    y = x.clamp(-bound, bound) if bound < 2.0**128 else x  # BF16's is beyond FP32
+    if bound < 2.0**128:  # BF16's is beyond FP32
+        y = x.clamp_(-bound, bound) if inplace else x.clamp(-bound, bound)
+    else:
+        y = x if inplace else x.clone()
     if fmt.emin <= -126:
         # BF16: its subnormals are FP32's, so its quantum is always the same bit of the encoding,
         # and adding half of it less one, plus the kept last bit, rounds to even (carrying into the
@@ -172,12 +179,13 @@ def round_nearest(x: torch.Tensor, fmt: FloatFormat, limit: Optional[float] = No
         a = (a + ((1 << (drop - 1)) - 1) + ((a >> drop) & 1)) & ~((1 << drop) - 1)
         return (a | (bits & _SIGN)).view(torch.float32)
     # Narrower formats, by FP32's own rounding: with y's quantum 2^q (2^(e - man_bits) for its
-    # exponent e, or the smallest normal's below it), y + 1.5 * 2^(q+23) stays in the binade whose
-    # ulp is 2^q, so IEEE addition rounds y there, to even because the constant is a multiple of
-    # 2^(q+1), and subtracting the constant is exact. The clamp keeps the constant finite.
-    binade = (y.view(torch.int32) & _INF_BITS).view(torch.float32)  # 2^e; NaN gives inf, and NaN after
-    magic = binade.clamp_(min=fmt.min_normal).mul_(1.5 * 2.0 ** (23 - fmt.man_bits))
-    return (y + magic).sub_(magic).copysign_(y)
+    # exponent e, or the smallest normal's below it), y + 1.5 * 2^(q+23) (signed as y) stays in the
+    # binade whose ulp is 2^q, so IEEE addition rounds y there, to even because the constant is a
+    # multiple of 2^(q+1), and subtracting the constant is exact. The clamp keeps it finite; the
+    # last copysign gives a zero y's sign.
+    magic = (y.view(torch.int32) & _INF_BITS).view(torch.float32)  # 2^e; NaN gives inf, and NaN after
+    magic.clamp_(min=fmt.min_normal).mul_(1.5 * 2.0 ** (23 - fmt.man_bits)).copysign_(y)
+    return y.add_(magic).sub_(magic).copysign_(magic)
 
 
 def _round_stochastic(

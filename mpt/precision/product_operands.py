@@ -115,12 +115,12 @@ def to_fp8(x: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
     return x.float().clamp(-fmt.max, fmt.max).to(TORCH_FP8[fmt.name])
 
 
-def round_to(x: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+def round_to(x: torch.Tensor, fmt: FloatFormat, inplace: bool = False) -> torch.Tensor:
     """formats.quantize(x, fmt), the values only, and for a format that saturates in a few FP32
-    operations (formats.round_nearest clamped at the largest value)."""
+    operations (formats.round_nearest clamped at the largest value; `inplace` as there)."""
     if fmt.overflow != "saturate":
         return quantize(x, fmt)
-    return round_nearest(x.float(), fmt, limit=fmt.max)
+    return round_nearest(x.float(), fmt, limit=fmt.max, inplace=inplace and x.dtype == torch.float32)
 
 
 def round_blocks(x: torch.Tensor, fmt: BlockFormat, axis: int) -> torch.Tensor:
@@ -132,22 +132,29 @@ def round_blocks(x: torch.Tensor, fmt: BlockFormat, axis: int) -> torch.Tensor:
     # Contiguous along the axis: the result keeps that layout (channels-last for a convolution's
     # channels), which the product's kernel sums in.
     blocks = (F.pad(moved, (0, pad)) if pad else moved).contiguous().unflatten(-1, (-1, fmt.block))
-    amax = blocks.abs().amax(-1, keepdim=True)  # NaN where a block holds one
+    amax = _amax(blocks, -1)  # NaN where a block holds one
     exps = amax_exponents(amax, fmt)
-    values = round_to(blocks * _exp2(-exps), fmt.element).mul_(_exp2(exps))
-    values = torch.where(torch.isfinite(amax), values, torch.nan)  # a NaN scale: the block is NaN
+    # Every step but the first in place: on a CPU each fresh temporary costs more than its arithmetic.
+    values = round_to(blocks * _exp2(-exps), fmt.element, inplace=True).mul_(_exp2(exps))
+    values.masked_fill_(~torch.isfinite(amax), torch.nan)  # a NaN scale: the block is NaN
     return values.flatten(-2)[..., :n].movedim(-1, axis)
+
+
+def _amax(t: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
+    """t.abs().amax(dim) (kept), NaN included, without a temporary of t's size."""
+    lo, hi = torch.aminmax(t, dim=dim, keepdim=dim is not None)
+    return torch.maximum(-lo, hi)
 
 
 def tensor_scale(t: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
     """torchao's tensorwise scale: max / amax, in float64, rounded to FP32."""
-    amax = t.detach().abs().amax().double()
+    amax = _amax(t.detach()).double()
     return (fmt.max / amax.clamp(min=EPS)).float()
 
 
 def scaled(t: torch.Tensor, fmt: FloatFormat, scale: torch.Tensor) -> torch.Tensor:
     """t's value after a round trip through `fmt` under a per-tensor scale: q(t * s) / s in FP32."""
-    return round_to(t.float() * scale, fmt) / scale
+    return round_to(t.float() * scale, fmt, inplace=True).div_(scale)
 
 
 class DelayedScale:
