@@ -24,8 +24,8 @@ STALE = "docs/layout.md is stale: run python docs/make_layout.py > docs/layout.m
 # A module may import its own floor and any below it, never one above.
 FLOORS: list[tuple[str, list[str]]] = [
     (
-        "configuration, files, processes, preemption, provenance",
-        ["mpt", "mpt.config", "mpt.distributed", "mpt.files", "mpt.preemption", "mpt.provenance"],
+        "configuration, files, processes, host memory, preemption, provenance",
+        ["mpt", "mpt.config", "mpt.distributed", "mpt.files", "mpt.host_memory", "mpt.preemption", "mpt.provenance"],
     ),
     ("`mpt/precision/`, what the paper is about", ["mpt.precision"]),
     ("`mpt/datasets/`, the data sources", ["mpt.datasets"]),
@@ -42,12 +42,14 @@ INTRO = """\
      python docs/make_layout.py > docs/layout.md (tests/test_layout.py fails while this page is stale). -->
 
 This page maps the repository: its folders, then every module of the `mpt` package with the first sentence of its \
-docstring. The package is built in floors, bottom first: configuration, files, processes, preemption and provenance; \
+docstring. The package is built in floors, bottom first: configuration, files, processes, host memory, preemption \
+and provenance; \
 the precision floor that the paper is about; the data sources; the tasks and their models; the runner that trains one \
 run and leaves its record; the report that reads many records; and `mpt.run` and `mpt.analyze`, mpt from Python. \
 A module imports only its own floor and the ones \
 below it (tests/test_layers.py checks this). Importing `mpt` turns on transparent huge pages for torch's CPU \
-allocations (`THP_MEM_ALLOC_ENABLE=1` unless already set, see [cpu-arithmetic.md](cpu-arithmetic.md)).
+allocations (`THP_MEM_ALLOC_ENABLE=1` unless already set), and a CPU run asks glibc to keep freed memory for \
+reuse (see [cpu-arithmetic.md](cpu-arithmetic.md)).
 
 ## Folders
 

@@ -14,6 +14,8 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
+from . import host_memory
+
 if TYPE_CHECKING:
     import torch
 
@@ -100,6 +102,7 @@ def environment(device: torch.device) -> dict:
         "platform": platform.platform(),
         "hostname": socket.gethostname(),
         "huge_pages": huge_pages(),
+        "freed_memory_kept": host_memory.kept(),  # glibc asked to reuse freed memory (mpt/host_memory.py)
     }
     if device.type == "cuda":
         env["capability"] = ".".join(map(str, torch.cuda.get_device_capability(device)))

@@ -11,7 +11,7 @@ PACKAGE = Path(mpt.__file__).parent
 
 # Bottom first. A module may import its own layer and any below; never one above.
 LAYERS = [
-    {"mpt.config", "mpt.distributed", "mpt.files", "mpt.preemption", "mpt.provenance"},
+    {"mpt.config", "mpt.distributed", "mpt.files", "mpt.host_memory", "mpt.preemption", "mpt.provenance"},
     {"mpt.precision"},
     {"mpt.datasets"},
     {"mpt.models"},

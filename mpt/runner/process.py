@@ -1,4 +1,5 @@
-"""What a run sets in its process before it builds anything: its device, seeds and math settings."""
+"""What a run sets in its process before it builds anything: its device, seeds, math settings and, on a
+CPU, the allocator's handling of freed memory."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from omegaconf import DictConfig
 from ..config import ConfigError
 from ..distributed import Dist
 from ..distributed import setup as setup_distributed
+from ..host_memory import keep_freed
 from ..precision.engine import check_device_support, set_fp32_math
 from . import determinism
 
@@ -62,6 +64,8 @@ def prepare(cfg: DictConfig, dist: Dist) -> tuple[torch.device, dict]:
             f"it does not divide among {dist.world_size} processes"
         )
     setup_distributed(dist, device)
+    if device.type == "cpu":
+        keep_freed()  # large temporaries reused, not faulted in afresh at every step
     seed_everything(cfg.seed)
     if cfg.deterministic:
         determinism.enable()

@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 
+from ... import host_memory
 from ...distributed import Dist
 from . import Instrument, RunEnd, StepDone
 
@@ -38,6 +39,7 @@ def reset_peak_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         return
+    host_memory.release()
     try:
         Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM (Linux >= 4.0)
     except OSError:
